@@ -1,0 +1,80 @@
+"""Packed rows: several documents laid end to end in one row of a ``[B, S]`` batch.
+
+The model flattens a batch to ``T = B * S`` tokens and describes document boundaries
+with ``cu_seqlens: int32 [n_docs + 1]`` over the flattened tokens (a row boundary is
+always a document boundary). Positions restart at 0 at every document start; attention
+never crosses a boundary (the rule itself lives in ``titan_cotrain.ops.attention``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["PackedLayout", "layout_from_cu_seqlens", "layout_from_document_ids", "layout_one_doc_per_row"]
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """``cu_seqlens: int32 [n_docs + 1]`` over the flattened ``B * S`` tokens and
+    ``positions: int64 [B, S]``, each token's position inside its document."""
+
+    cu_seqlens: torch.Tensor
+    positions: torch.Tensor
+
+
+def _positions_from_starts(starts: torch.Tensor) -> torch.Tensor:
+    """``starts: bool [B, S]`` (True where a document begins) -> in-document positions."""
+    b, s = starts.shape
+    idx = torch.arange(s, device=starts.device).expand(b, s)
+    last_start = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return idx - last_start
+
+
+def _layout_from_starts(starts: torch.Tensor) -> PackedLayout:
+    starts = starts.clone()
+    starts[:, 0] = True
+    b, s = starts.shape
+    flat_starts = starts.reshape(-1).nonzero().flatten()
+    end = torch.tensor([b * s], device=starts.device)
+    cu = torch.cat([flat_starts, end]).to(torch.int32)
+    return PackedLayout(cu_seqlens=cu, positions=_positions_from_starts(starts))
+
+
+def layout_one_doc_per_row(batch: int, seq_len: int, device: torch.device | str = "cpu") -> PackedLayout:
+    starts = torch.zeros(batch, seq_len, dtype=torch.bool, device=device)
+    return _layout_from_starts(starts)
+
+
+def layout_from_document_ids(document_ids: torch.Tensor) -> PackedLayout:
+    """``document_ids: int [B, S]``; a document is a maximal run of equal ids within a row.
+
+    Ids need not be globally unique, but a document must be contiguous: the same id
+    appearing in two separate runs of one row is rejected (it would silently split).
+    """
+    if document_ids.dim() != 2:
+        raise ValueError(f"document_ids must be [B, S], got shape {tuple(document_ids.shape)}")
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    n_runs = starts.sum(dim=1)
+    n_ids = torch.tensor([row.unique().numel() for row in document_ids], device=document_ids.device)
+    if bool((n_runs != n_ids).any()):
+        raise ValueError("document_ids: a document id appears in two separate runs of a row; documents must be contiguous")
+    return _layout_from_starts(starts)
+
+
+def layout_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> PackedLayout:
+    """``cu_seqlens`` over the flattened ``batch * seq_len`` tokens; every row start must be a boundary."""
+    cu = cu_seqlens.to(torch.int64)
+    total = batch * seq_len
+    if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != total:
+        raise ValueError(f"cu_seqlens must be 1-D, start at 0 and end at B*S = {total}")
+    if bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError("cu_seqlens must be non-decreasing")
+    row_starts = torch.arange(0, total, seq_len, device=cu.device)
+    if not bool(torch.isin(row_starts, cu).all()):
+        raise ValueError("cu_seqlens: a document crosses a row boundary")
+    starts = torch.zeros(total, dtype=torch.bool, device=cu.device)
+    starts[cu[:-1][cu[:-1] < total]] = True
+    return _layout_from_starts(starts.view(batch, seq_len))

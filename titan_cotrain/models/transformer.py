@@ -1,0 +1,281 @@
+"""The target decoder (Llama-3 / Qwen-3 family) with taps and a KV-cache forward.
+
+Plain PyTorch, no parallelism inside: FSDP, CP and PP wrap it from ``titan_cotrain.parallel``.
+Parameter names follow the Hugging Face layout (``embed_tokens``, ``layers.N.self_attn.q_proj``,
+``mlp.gate_proj``, ...) so the HF adapter only adds or strips the ``model.`` prefix.
+
+Two forwards:
+* ``forward(tokens [B, S], ...)``: training over packed rows, all attention through
+  ``titan_cotrain.ops.varlen_causal_attention`` on the flattened ``[B*S, H, Dh]`` tokens;
+  returns logits ``[B, S, V]``, or a ``TargetOutput`` with the taps.
+* ``forward_cached(tokens [B, s], cache, start_pos [B])``: prefill / multi-token decode
+  against a static ``KVCache`` at per-sequence offsets (the rollout engine's path).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_cotrain.data.packing import (
+    PackedLayout,
+    layout_from_cu_seqlens,
+    layout_from_document_ids,
+    layout_one_doc_per_row,
+)
+from titan_cotrain.models.args import ModelArgs, RopeScaling
+from titan_cotrain.models.kv_cache import KVCache
+from titan_cotrain.models.taps import default_tap_layers, validate_tap_layers
+from titan_cotrain.ops.attention import varlen_causal_attention
+
+__all__ = ["RMSNorm", "TargetOutput", "Transformer", "apply_rope", "rope_inv_freq"]
+
+
+class TargetOutput(NamedTuple):
+    """``logits [B, S, V]``; ``taps``: one detached ``[B, S, H]`` per tap layer, in layer
+    order; ``embeddings``: the detached token-embedding output ``[B, S, H]``."""
+
+    logits: torch.Tensor
+    taps: tuple[torch.Tensor, ...]
+    embeddings: torch.Tensor
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32, scaled by the weight in the input dtype (HF numerics)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` (fp32), with Llama-3.1 scaling when given.
+
+    Llama-3.1 scaling leaves high frequencies (wavelength below
+    ``original_max / high_freq_factor``) alone, divides low frequencies (wavelength above
+    ``original_max / low_freq_factor``) by ``factor``, and interpolates linearly in
+    ``original_max / wavelength`` between the two.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    wavelen = 2 * math.pi / inv_freq
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    interpolated = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, interpolated, scaled)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``positions: int [...]`` -> ``cos, sin: [..., head_dim]`` (half-split layout)."""
+    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq.to(positions.device)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [..., H, Dh]`` by ``cos/sin [..., Dh]`` (broadcast over heads), half-split pairs."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """``x [..., dim]`` -> rotated ``q [..., Hq, Dh]``, ``k, v [..., Hkv, Dh]``."""
+        lead = x.shape[:-1]
+        q = self.q_proj(x).view(*lead, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(*lead, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(*lead, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Packed ``x [T, dim]``, ``cos/sin [T, Dh]``."""
+        q, k, v = self._qkv(x, cos, sin)
+        out = varlen_causal_attention(q, k, v, cu_seqlens)
+        return self.o_proj(out.flatten(-2))
+
+    def forward_cached(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """``x [B, s, dim]`` at ``positions [B, s]``; writes k/v into ``cache`` then attends
+        to every cached key at a position ``<=`` the query's own."""
+        q, k, v = self._qkv(x, cos, sin)
+        keys, values = cache.write(layer, positions, k, v)  # [B, L, Hkv, Dh]
+        key_pos = torch.arange(keys.shape[1], device=x.device)
+        mask = key_pos.view(1, 1, -1) <= positions.unsqueeze(-1)  # [B, s, L]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask.unsqueeze(1),
+            enable_gqa=self.n_heads != self.n_kv_heads,
+        )
+        return self.o_proj(out.transpose(1, 2).flatten(-2))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.mlp = FeedForward(args.dim, args.ffn_dim)
+
+    def forward(self, x, cos, sin, cu_seqlens):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_cached(self, x, cos, sin, cache, layer, positions):
+        x = x + self.self_attn.forward_cached(self.input_layernorm(x), cos, sin, cache, layer, positions)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """A Llama-3 / Qwen-3 decoder whose forward also returns the draft's taps.
+
+    ``tap_layers`` (default: EAGLE-3's ``(1, L//2 - 1, L - 4)``) are decoder-layer indices
+    whose outputs are returned, detached, when ``return_taps=True``.
+    """
+
+    def __init__(self, args: ModelArgs, tap_layers: Sequence[int] | None = None) -> None:
+        super().__init__()
+        self.args = args
+        self.tap_layers = (
+            default_tap_layers(args.n_layers) if tap_layers is None else validate_tap_layers(tap_layers, args.n_layers)
+        )
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer(
+            "rope_inv_freq", rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling), persistent=False
+        )
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
+        """Normal(0, std) linears and embeddings, unit norms; deterministic under ``generator``."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std, generator=generator)
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+        self.rope_inv_freq.copy_(rope_inv_freq(self.args.head_dim, self.args.rope_theta, self.args.rope_scaling))
+
+    def _layout(self, tokens, document_ids, cu_seqlens) -> PackedLayout:
+        b, s = tokens.shape
+        if document_ids is not None and cu_seqlens is not None:
+            raise ValueError("give document_ids or cu_seqlens, not both")
+        if document_ids is not None:
+            if document_ids.shape != tokens.shape:
+                raise ValueError(f"document_ids {tuple(document_ids.shape)} must match tokens {tuple(tokens.shape)}")
+            return layout_from_document_ids(document_ids)
+        if cu_seqlens is not None:
+            return layout_from_cu_seqlens(cu_seqlens, b, s)
+        return layout_one_doc_per_row(b, s, tokens.device)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        *,
+        document_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        return_taps: bool = False,
+    ) -> torch.Tensor | TargetOutput:
+        """Training forward over packed rows.
+
+        ``tokens: int64 [B, S]``; packing given as ``document_ids [B, S]`` or ``cu_seqlens``
+        over the flattened ``B * S`` tokens (neither: one document per row). Positions
+        restart at each document start. Returns ``logits [B, S, V]`` (fp32), or
+        ``TargetOutput`` when ``return_taps``.
+        """
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be [B, S], got shape {tuple(tokens.shape)}")
+        b, s = tokens.shape
+        layout = self._layout(tokens, document_ids, cu_seqlens)
+        h = self.embed_tokens(tokens)
+        cos, sin = rope_cos_sin(self.rope_inv_freq, layout.positions.reshape(-1), h.dtype)
+        x = h.reshape(b * s, -1)
+        taps = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, layout.cu_seqlens)
+            if return_taps and i in self.tap_layers:
+                taps.append(x.detach().view(b, s, -1))
+        logits = self.lm_head(self.norm(x)).float().view(b, s, -1)
+        if not return_taps:
+            return logits
+        return TargetOutput(logits=logits, taps=tuple(taps), embeddings=h.detach())
+
+    def new_kv_cache(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
+        """A static cache for ``batch`` sequences of at most ``max_len`` tokens."""
+        a = self.args
+        dtype = dtype or self.embed_tokens.weight.dtype
+        return KVCache(a.n_layers, batch, max_len, a.n_kv_heads, a.head_dim, dtype, self.embed_tokens.weight.device)
+
+    def forward_cached(
+        self, tokens: torch.Tensor, cache: KVCache, start_pos: torch.Tensor, *, return_taps: bool = False
+    ) -> torch.Tensor | TargetOutput:
+        """Prefill or decode ``tokens [B, s]`` at positions ``start_pos[b] + (0..s-1)``.
+
+        Each sequence has its own offset (ragged prompts, ragged acceptance). Cache slots
+        past a sequence's current position may hold stale entries; they are never
+        attended (keys are masked by position) and are overwritten as the sequence grows.
+        """
+        b, s = tokens.shape
+        positions = start_pos.view(b, 1).to(torch.int64) + torch.arange(s, device=tokens.device)
+        h = self.embed_tokens(tokens)
+        cos, sin = rope_cos_sin(self.rope_inv_freq, positions, h.dtype)
+        x, taps = h, []
+        for i, layer in enumerate(self.layers):
+            x = layer.forward_cached(x, cos, sin, cache, i, positions)
+            if return_taps and i in self.tap_layers:
+                taps.append(x.detach())
+        logits = self.lm_head(self.norm(x)).float()
+        if not return_taps:
+            return logits
+        return TargetOutput(logits=logits, taps=tuple(taps), embeddings=h.detach())

@@ -246,7 +246,9 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, layout.cu_seqlens)
             if return_taps and i in self.tap_layers:
                 taps.append(x.detach().view(b, s, -1))
-        logits = self.lm_head(self.norm(x)).float().view(b, s, -1)
+        # Reshape before the head so the logits are a fresh tensor, not a view (FSDP's
+        # pre-backward hook on a view is lost by in-place use downstream).
+        logits = self.lm_head(self.norm(x.view(b, s, -1))).float()
         if not return_taps:
             return logits
         return TargetOutput(logits=logits, taps=tuple(taps), embeddings=h.detach())

@@ -203,9 +203,31 @@ def _setup_context(ctx, inputs, output):
     ctx.scale = scale
 
 
+# The backward is an op of its own so that AOTAutograd (torch.compile's aot_eager and
+# inductor backends) traces it as one opaque node: traced through, trunk_backward's
+# per-document loop would read cu_seqlens on fake tensors and fail.
+@torch.library.custom_op("titan_cotrain::varlen_causal_attention_backward", mutates_args=())
+def _varlen_causal_attention_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return trunk_backward(grad_out, q, k, v, out, lse, cu_seqlens, scale)
+
+
+@_varlen_causal_attention_backward.register_fake
+def _(grad_out, q, k, v, out, lse, cu_seqlens, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, cu_seqlens, out, lse = ctx.saved_tensors
-    dq, dk, dv = trunk_backward(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, ctx.scale)
+    dq, dk, dv = _varlen_causal_attention_backward(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, ctx.scale)
     return dq, dk, dv, None, None
 
 

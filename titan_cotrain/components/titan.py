@@ -1,0 +1,155 @@
+"""The one adapter between titan_cotrain and torchtitan (pinned 0.2.2).
+
+Everything the project takes from torchtitan goes through here: parallel dims and the
+device mesh, the optimizer and LR-schedule containers, grad-norm clipping across
+meshes, and the TensorBoard logger. This is also the one place that resolves the
+device type, and where torchtitan's CPU gaps are closed (each skipped when CUDA is
+present):
+
+* torchtitan resolves ``device_type`` to ``"cuda"`` at import even without a GPU; the
+  modules that copied it are rebound to ``"cpu"`` / ``torch.cpu``;
+* its device-memory monitor needs ``torch.cuda``: ``device_memory_stats`` reports the
+  process's peak RSS on CPU instead;
+* gloo has no ``PREMUL_SUM`` reduction, which FSDP2 uses to average gradients:
+  ``fsdp_cpu_sum_reduction`` makes FSDP *sum* them, so every loss of the project divides
+  by the global token count itself (and is correct on both backends);
+* its ``set_pg_timeouts`` runs a barrier that fails on CPU: the project never calls it
+  on CPU.
+"""
+
+import importlib
+import resource
+import sys
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+TORCHTITAN_VERSION = "0.2.2"
+
+__all__ = [
+    "build_lr_schedulers",
+    "build_optimizers",
+    "build_parallel_dims",
+    "clip_grad_norm_",
+    "device_memory_stats",
+    "device_type",
+    "fsdp_cpu_sum_reduction",
+    "init_torchtitan",
+    "tensorboard_logger",
+]
+
+_initialized = False
+
+# torchtitan modules that copy ``device_type`` / ``device_module`` at import.
+_DEVICE_COPIES = (
+    "torchtitan.tools.utils",
+    "torchtitan.distributed.utils",
+    "torchtitan.distributed.parallel_dims",
+    "torchtitan.components.metrics",
+)
+
+
+def device_type() -> str:
+    """``"cuda"`` when a GPU is visible, else ``"cpu"``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_torchtitan() -> None:
+    """Import torchtitan, check its version, and close its CPU gaps (idempotent)."""
+    global _initialized
+    if _initialized:
+        return
+    import torchtitan  # noqa: F401  (imports triton)
+    from importlib.metadata import version
+
+    found = version("torchtitan")
+    if found != TORCHTITAN_VERSION:
+        raise RuntimeError(
+            f"titan_cotrain needs torchtitan=={TORCHTITAN_VERSION} (TOML JobConfig era), found {found}; "
+            "reinstall with `bash scripts/setup_env.sh`"
+        )
+    if device_type() == "cpu":
+        for name in _DEVICE_COPIES:
+            module = importlib.import_module(name)
+            if hasattr(module, "device_type"):
+                module.device_type = "cpu"
+            if hasattr(module, "device_module"):
+                module.device_module = torch.cpu
+    _initialized = True
+
+
+def build_parallel_dims(parallelism, world_size: int):
+    """torchtitan ``ParallelDims`` from a ``[parallelism]`` section (TP/EP fixed at 1)."""
+    init_torchtitan()
+    from torchtitan.distributed import ParallelDims
+
+    return ParallelDims(
+        dp_replicate=parallelism.data_parallel_replicate_degree,
+        dp_shard=parallelism.data_parallel_shard_degree,
+        cp=parallelism.context_parallel_degree,
+        tp=1,
+        pp=parallelism.pipeline_parallel_degree,
+        ep=1,
+        etp=1,
+        world_size=world_size,
+    )
+
+
+def build_optimizers(model_parts: list[nn.Module], optimizer_config, parallel_dims, lr: float | None = None):
+    """torchtitan's ``OptimizersContainer`` over ``model_parts``; ``lr`` overrides the config's
+    (the draft gets its own container with its own LR)."""
+    init_torchtitan()
+    import dataclasses
+
+    from torchtitan.components.optimizer import build_optimizers as titan_build_optimizers
+
+    if lr is not None:
+        optimizer_config = dataclasses.replace(optimizer_config, lr=lr)
+    return titan_build_optimizers(model_parts, optimizer_config, parallel_dims)
+
+
+def build_lr_schedulers(optimizers, lr_scheduler_config, training_steps: int):
+    init_torchtitan()
+    from torchtitan.components.lr_scheduler import build_lr_schedulers as titan_build_lr_schedulers
+
+    return titan_build_lr_schedulers(optimizers, lr_scheduler_config, training_steps)
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, pp_mesh=None) -> torch.Tensor:
+    """Global grad-norm clip over DTensor (FSDP) and plain parameters, reduced across PP stages."""
+    init_torchtitan()
+    from torchtitan.distributed.utils import clip_grad_norm_ as titan_clip
+
+    return titan_clip(list(parameters), max_norm, foreach=True, pp_mesh=pp_mesh)
+
+
+def fsdp_cpu_sum_reduction(modules: Iterable[nn.Module]) -> None:
+    """On CPU (gloo), make FSDP2 modules reduce gradients by plain sum."""
+    if device_type() != "cpu":
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in modules:
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def device_memory_stats() -> dict[str, float]:
+    """Peak memory of this process in GiB: device allocator peak on GPU, peak RSS on CPU."""
+    if device_type() == "cuda":
+        return {
+            "memory/max_active_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "memory/max_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+        }
+    # ru_maxrss is KiB on Linux, bytes on macOS.
+    scale = 1 if sys.platform == "darwin" else 1024
+    return {"memory/max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**30}
+
+
+def tensorboard_logger(log_dir: str):
+    """torchtitan's TensorBoard logger (``log(metrics: dict, step)``, ``close()``)."""
+    init_torchtitan()
+    from torchtitan.components.metrics import TensorBoardLogger
+
+    return TensorBoardLogger(log_dir)

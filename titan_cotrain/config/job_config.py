@@ -1,0 +1,142 @@
+"""The project's config sections, merged into torchtitan's ``JobConfig``.
+
+torchtitan's ``ConfigManager`` merges this module's ``JobConfig`` into its own when a TOML
+file (or the command line) names it in ``[job] custom_config_module``; the project's loader
+(``titan_cotrain.config.load_job_config``) names it for you. Sections that torchtitan
+already has (``[model]``) gain fields; ``[draft] [rl] [rollout] [task]`` are new.
+
+Every field's docstring is the documentation of its TOML key.
+"""
+
+# No `from __future__ import annotations`: torchtitan merges sections by inspecting real
+# field types (`is_dataclass(f.type)`), and tyro builds the CLI from them.
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class Model:
+    name: str = "llama3"
+    """Target architecture: ``llama3`` or ``qwen3``."""
+
+    flavor: str = "debugmodel"
+    """Named size of ``name`` (llama3: debugmodel, 8B; qwen3: debugmodel, 0.6B, 1.7B, 8B).
+    Ignored when ``hf_path`` is set."""
+
+    hf_path: str = ""
+    """Local Hugging Face folder (``config.json`` + ``*.safetensors``) to start the policy
+    from. Its ``config.json`` fixes the shape; empty means random init of ``flavor``."""
+
+    hf_assets_path: str = "assets"
+    """Folder with ``tokenizer.json`` (torchtitan's key). Defaults to the project's
+    byte-level tokenizer in ``assets/``."""
+
+
+@dataclass
+class Draft:
+    enable: bool = True
+    """Co-train the EAGLE-3 draft. False gives plain RL (and plain decoding)."""
+
+    ttt_steps: int = 7
+    """D: number of training-time-test passes per anchor."""
+
+    loss_weight: float = 0.1
+    """lambda in ``L = L_policy + lambda * L_draft``. The draft's gradients never reach
+    the policy, so this only scales the draft's own gradients."""
+
+    pass_decay: float = 0.8
+    """gamma: pass d is weighted ``gamma ** (d - 1)``; 1.0 gives uniform weights."""
+
+    vocab_size: int = 0
+    """Draft vocabulary size V_d (top-V_d tokens by frequency). 0 means the target's."""
+
+    tap_layers: list[int] = field(default_factory=list)
+    """Decoder layers (0-based, output of the layer) fused by the draft's ``fc``.
+    Empty means EAGLE-3's ``[1, L//2 - 1, L - 4]``."""
+
+    hidden_size: int = 0
+    """Draft hidden size. 0 means the target's."""
+
+    num_heads: int = 0
+    """Draft attention heads. 0 means the target's."""
+
+    num_kv_heads: int = 0
+    """Draft key/value heads. 0 means the target's."""
+
+    intermediate_size: int = 0
+    """Draft MLP width. 0 means the target's."""
+
+    lr: float = 3e-4
+    """Learning rate of the draft's optimizer param group."""
+
+    grad_clip: float = 1.0
+    """Max global grad norm of the draft's parameters, clipped separately from the policy."""
+
+    loss_on: Literal["response", "all"] = "response"
+    """Which predicted tokens count in the draft loss: rollout responses or every token."""
+
+    init_path: str = ""
+    """Optional EAGLE-3 checkpoint folder to start the draft from."""
+
+
+@dataclass
+class RL:
+    group_size: int = 8
+    """G: samples per prompt; advantages are normalised within each group."""
+
+    prompts_per_step: int = 8
+    """Prompts per training step (global, split across data-parallel ranks)."""
+
+    clip_eps_low: float = 0.2
+    """PPO ratio clip below 1."""
+
+    clip_eps_high: float = 0.2
+    """PPO ratio clip above 1."""
+
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the reference (initial) policy; 0 disables it."""
+
+    updates_per_step: int = 1
+    """Optimizer updates (minibatches) per batch of rollouts."""
+
+
+@dataclass
+class Rollout:
+    max_new_tokens: int = 64
+    """Generation budget per response."""
+
+    temperature: float = 1.0
+    """Sampling temperature; 0 means greedy."""
+
+    top_p: float = 1.0
+    """Nucleus sampling threshold; 1.0 disables it."""
+
+    top_k: int = 0
+    """Top-k sampling; 0 disables it."""
+
+    speculative: bool = True
+    """Decode with the co-trained draft (lossless speculative sampling)."""
+
+    draft_tokens: int = 4
+    """k: tokens the draft proposes per verify round."""
+
+
+@dataclass
+class Task:
+    name: str = "arithmetic"
+    """Verifiable task that generates prompts and scores responses."""
+
+    seed: int = 0
+    """Seed of the task's deterministic data generator."""
+
+    sft_steps: int = 0
+    """Supervised warm-start steps on task demonstrations before RL (0 skips it)."""
+
+
+@dataclass
+class JobConfig:
+    model: Model = field(default_factory=Model)
+    draft: Draft = field(default_factory=Draft)
+    rl: RL = field(default_factory=RL)
+    rollout: Rollout = field(default_factory=Rollout)
+    task: Task = field(default_factory=Task)

@@ -1,0 +1,141 @@
+"""Cross-field checks of a parsed job config (types were checked when the TOML was read)."""
+
+import json
+from pathlib import Path
+
+from titan_cotrain.models.args import ARCHITECTURES, ModelArgs, model_args_for
+from titan_cotrain.models.taps import default_tap_layers, validate_tap_layers
+
+__all__ = ["resolve_model_args", "resolve_tap_layers", "validate_job_config"]
+
+
+def _config_error(message: str):
+    from titan_cotrain.config.loader import ConfigError
+
+    return ConfigError(message)
+
+
+def resolve_model_args(config) -> ModelArgs:
+    """The target's shape: from ``[model] hf_path``'s ``config.json`` or the named flavor."""
+    m = config.model
+    if m.hf_path:
+        from titan_cotrain.models.hf import model_args_from_hf_config
+
+        cfg_file = Path(m.hf_path) / "config.json"
+        try:
+            with open(cfg_file) as f:
+                hf_config = json.load(f)
+            return model_args_from_hf_config(hf_config)
+        except FileNotFoundError:
+            raise _config_error(f"model.hf_path: no config.json in {m.hf_path!r}") from None
+        except (json.JSONDecodeError, ValueError, KeyError, TypeError) as e:
+            raise _config_error(f"model.hf_path: cannot read {cfg_file}: {e}") from None
+    if m.name not in ARCHITECTURES:
+        raise _config_error(f"model.name: unknown architecture {m.name!r}; known: {', '.join(ARCHITECTURES)}")
+    try:
+        return model_args_for(m.name, m.flavor)
+    except ValueError as e:
+        raise _config_error(f"model.flavor: {e}") from None
+
+
+def resolve_tap_layers(config, n_layers: int) -> tuple[int, ...]:
+    """``[draft] tap_layers``, or EAGLE-3's default for an ``n_layers`` target."""
+    try:
+        if config.draft.tap_layers:
+            return validate_tap_layers(config.draft.tap_layers, n_layers)
+        return default_tap_layers(n_layers)
+    except ValueError as e:
+        raise _config_error(f"draft.tap_layers: {e}") from None
+
+
+def _parallel_errors(p, world_size: int) -> list[str]:
+    errors = []
+    if p.tensor_parallel_degree != 1:
+        errors.append("parallelism.tensor_parallel_degree: tensor parallelism is not supported (use 1)")
+    if p.expert_parallel_degree != 1:
+        errors.append("parallelism.expert_parallel_degree: the target models are dense (use 1)")
+    degrees = {
+        "data_parallel_replicate_degree": p.data_parallel_replicate_degree,
+        "context_parallel_degree": p.context_parallel_degree,
+        "pipeline_parallel_degree": p.pipeline_parallel_degree,
+    }
+    for key, value in degrees.items():
+        if value < 1:
+            errors.append(f"parallelism.{key} must be >= 1, got {value}")
+    if errors:
+        return errors
+    others = p.data_parallel_replicate_degree * p.context_parallel_degree * p.pipeline_parallel_degree
+    shard = p.data_parallel_shard_degree
+    if shard == -1:
+        if world_size % others:
+            errors.append(
+                f"parallelism: world size {world_size} is not divisible by dp_replicate x cp x pp = {others}, "
+                "so data_parallel_shard_degree = -1 cannot be inferred"
+            )
+    elif shard < 1:
+        errors.append(f"parallelism.data_parallel_shard_degree must be >= 1 or -1 (infer), got {shard}")
+    elif others * shard != world_size:
+        errors.append(
+            "parallelism: data_parallel_replicate_degree x data_parallel_shard_degree x "
+            f"context_parallel_degree x pipeline_parallel_degree = {p.data_parallel_replicate_degree} x {shard} x "
+            f"{p.context_parallel_degree} x {p.pipeline_parallel_degree} = {others * shard}, "
+            f"but the world size is {world_size}"
+        )
+    return errors
+
+
+def _range_errors(config) -> list[str]:
+    d, rl, ro, t = config.draft, config.rl, config.rollout, config.training
+    checks = [
+        ("training.seq_len", t.seq_len, t.seq_len >= 1, ">= 1"),
+        ("training.local_batch_size", t.local_batch_size, t.local_batch_size >= 1, ">= 1"),
+        ("training.steps", t.steps, t.steps >= 1, ">= 1"),
+        ("draft.ttt_steps", d.ttt_steps, d.ttt_steps >= 1, ">= 1"),
+        ("draft.loss_weight", d.loss_weight, d.loss_weight >= 0, ">= 0"),
+        ("draft.pass_decay", d.pass_decay, 0 < d.pass_decay <= 1, "in (0, 1]"),
+        ("draft.vocab_size", d.vocab_size, d.vocab_size >= 0, ">= 0 (0 = the target's)"),
+        ("draft.lr", d.lr, d.lr > 0, "> 0"),
+        ("draft.grad_clip", d.grad_clip, d.grad_clip > 0, "> 0"),
+        ("rl.group_size", rl.group_size, rl.group_size >= 2, ">= 2 (advantages are normalised within a group)"),
+        ("rl.prompts_per_step", rl.prompts_per_step, rl.prompts_per_step >= 1, ">= 1"),
+        ("rl.clip_eps_low", rl.clip_eps_low, 0 <= rl.clip_eps_low < 1, "in [0, 1)"),
+        ("rl.clip_eps_high", rl.clip_eps_high, rl.clip_eps_high >= 0, ">= 0"),
+        ("rl.kl_coef", rl.kl_coef, rl.kl_coef >= 0, ">= 0"),
+        ("rl.updates_per_step", rl.updates_per_step, rl.updates_per_step >= 1, ">= 1"),
+        ("rollout.max_new_tokens", ro.max_new_tokens, ro.max_new_tokens >= 1, ">= 1"),
+        ("rollout.temperature", ro.temperature, ro.temperature >= 0, ">= 0 (0 = greedy)"),
+        ("rollout.top_p", ro.top_p, 0 < ro.top_p <= 1, "in (0, 1]"),
+        ("rollout.top_k", ro.top_k, ro.top_k >= 0, ">= 0 (0 = off)"),
+        ("rollout.draft_tokens", ro.draft_tokens, ro.draft_tokens >= 1, ">= 1"),
+        ("task.sft_steps", config.task.sft_steps, config.task.sft_steps >= 0, ">= 0"),
+    ]
+    return [f"{key} must be {rule}, got {value!r}" for key, value, ok, rule in checks if not ok]
+
+
+def validate_job_config(config, world_size: int, source: str = "<config>") -> None:
+    """Raise one ``ConfigError`` listing every problem of ``config`` for ``world_size`` ranks."""
+    errors = _parallel_errors(config.parallelism, world_size) + _range_errors(config)
+    cp = config.parallelism.context_parallel_degree
+    if cp > 1 and config.training.seq_len % (2 * cp):
+        errors.append(
+            f"training.seq_len ({config.training.seq_len}) must be divisible by 2 x context_parallel_degree "
+            f"= {2 * cp} (the zigzag layout cuts every row into 2 x cp chunks)"
+        )
+    pp, mb = config.parallelism.pipeline_parallel_degree, config.parallelism.pipeline_parallel_microbatch_size
+    if pp > 1 and (mb < 1 or config.training.local_batch_size % mb):
+        errors.append(
+            f"parallelism.pipeline_parallel_microbatch_size ({mb}) must divide "
+            f"training.local_batch_size ({config.training.local_batch_size})"
+        )
+    try:
+        args = resolve_model_args(config)
+        if config.draft.enable:
+            resolve_tap_layers(config, args.n_layers)
+        if config.draft.vocab_size > args.vocab_size:
+            errors.append(
+                f"draft.vocab_size ({config.draft.vocab_size}) exceeds the target vocabulary ({args.vocab_size})"
+            )
+    except ValueError as e:  # ConfigError from the model checks
+        errors.append(str(e))
+    if errors:
+        raise _config_error(f"{source}: invalid config:\n  " + "\n  ".join(errors))

@@ -1,0 +1,387 @@
+"""Hugging Face checkpoint folders (``config.json`` + ``*.safetensors``) in and out of ``Transformer``.
+
+Our parameter names are HF's minus the ``model.`` prefix (``lm_head`` sits outside it), so
+weights map one to one and only ``config.json`` needs translating. Two config layouts exist:
+transformers v4 keeps ``rope_theta`` / ``rope_scaling`` at the top level, v5 nests them in
+``rope_parameters``. Both are read, and both are written, so transformers of either major
+version (and the inference engines pinned to one) load what ``save_hf`` writes.
+
+Whatever is wrong with a folder surfaces as one ``HFCheckpointError`` naming the file and
+the problem; every missing, unexpected and mis-shaped tensor is listed in the same error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from titan_cotrain.models.args import ModelArgs, RopeScaling
+from titan_cotrain.models.transformer import Transformer, rope_inv_freq
+
+__all__ = [
+    "HFCheckpointError",
+    "hf_config_from_model_args",
+    "load_hf",
+    "model_args_from_hf_config",
+    "save_hf",
+]
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+# Our architecture name -> (HF ``architectures[0]``, HF ``model_type``).
+_HF_NAMES = {"llama3": ("LlamaForCausalLM", "llama"), "qwen3": ("Qwen3ForCausalLM", "qwen3")}
+# What transformers assumes when a config names no RoPE base.
+_HF_DEFAULT_ROPE_THETA = 10000.0
+# Longest list of tensor names one error message spells out.
+_MAX_LISTED = 8
+
+PathLike = str | os.PathLike
+
+
+class HFCheckpointError(ValueError):
+    """A Hugging Face checkpoint folder that cannot be loaded; the message names the file and why."""
+
+
+def model_args_from_hf_config(config: Mapping[str, Any]) -> ModelArgs:
+    """``ModelArgs`` for a parsed HF ``config.json`` of a Llama-3 or Qwen-3 causal LM.
+
+    Features our decoder does not implement (biases, sliding windows, partial rotary, RoPE
+    types other than ``default`` and ``llama3``) are rejected with ``HFCheckpointError``
+    rather than loaded into a model that would compute something else.
+    """
+    architecture = _architecture(config)
+    for key in ("attention_bias", "mlp_bias"):
+        if config.get(key):
+            raise HFCheckpointError(f"{key}=true is not supported: the decoder's projections have no bias")
+    if config.get("hidden_act", "silu") != "silu":
+        raise HFCheckpointError(f"hidden_act={config['hidden_act']!r} is not supported (only 'silu')")
+    if config.get("use_sliding_window") or any(t != "full_attention" for t in config.get("layer_types") or ()):
+        raise HFCheckpointError("sliding-window attention is not supported (only full attention)")
+
+    dim = _positive(config, "hidden_size", int)
+    n_heads = _positive(config, "num_attention_heads", int)
+    max_seq_len = _positive(config, "max_position_embeddings", int)
+    rope_theta, rope_scaling = _rope(config, max_seq_len)
+    try:
+        return ModelArgs(
+            architecture=architecture,
+            dim=dim,
+            n_layers=_positive(config, "num_hidden_layers", int),
+            n_heads=n_heads,
+            n_kv_heads=_positive(config, "num_key_value_heads", int, default=n_heads),
+            head_dim=_positive(config, "head_dim", int, default=dim // n_heads),
+            ffn_dim=_positive(config, "intermediate_size", int),
+            vocab_size=_positive(config, "vocab_size", int),
+            norm_eps=_positive(config, "rms_norm_eps", float),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            qk_norm=architecture == "qwen3",
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            max_seq_len=max_seq_len,
+        )
+    except ValueError as e:
+        raise HFCheckpointError(str(e)) from None
+
+
+def hf_config_from_model_args(args: ModelArgs) -> dict[str, Any]:
+    """The HF ``config.json`` contents for ``args`` (all but ``torch_dtype``, which belongs to
+    the weights); ``model_args_from_hf_config`` inverts it exactly.
+
+    RoPE is written twice, as v4's top-level ``rope_theta`` / ``rope_scaling`` and as v5's
+    ``rope_parameters``; v5 gives ``rope_scaling`` precedence, and the two agree.
+    """
+    hf_architecture, model_type = _HF_NAMES[args.architecture]
+    if args.qk_norm != (args.architecture == "qwen3"):
+        raise ValueError(
+            f"{args.architecture} with qk_norm={args.qk_norm} has no Hugging Face equivalent "
+            "(Qwen3 always normalises q and k, Llama never does)"
+        )
+    if args.rope_scaling is None:
+        rope_scaling = None
+        rope_parameters = {"rope_type": "default", "rope_theta": args.rope_theta}
+    else:
+        rope_scaling = {"rope_type": "llama3", **dataclasses.asdict(args.rope_scaling)}
+        rope_parameters = {**rope_scaling, "rope_theta": args.rope_theta}
+    config = {
+        "architectures": [hf_architecture],
+        "model_type": model_type,
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": rope_scaling,
+        "rope_parameters": rope_parameters,
+    }
+    if args.architecture == "llama3":
+        config["mlp_bias"] = False
+    return config
+
+
+def load_hf(
+    path: PathLike,
+    dtype: torch.dtype = torch.float32,
+    tap_layers: Sequence[int] | None = None,
+    device: str | torch.device = "cpu",
+) -> Transformer:
+    """Load an HF folder (``model.safetensors``, or shards + ``model.safetensors.index.json``).
+
+    The model is built on the meta device and never initialised; each tensor is read, cast
+    to ``dtype`` and moved to ``device`` on its own, so peak host memory is one tensor beyond
+    what ``device`` ends up holding. All tensor names and shapes are checked against
+    ``config.json`` before any weight is read. ``tap_layers`` as in ``Transformer``.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise HFCheckpointError(f"{folder}: no such directory")
+    config_path = folder / CONFIG_NAME
+    try:
+        args = model_args_from_hf_config(_read_json(config_path))
+    except HFCheckpointError as e:
+        raise HFCheckpointError(f"{config_path}: {e}") from None
+
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = Transformer(args, tap_layers)
+    name_of = {_hf_name(name): name for name in model.state_dict()}
+    if args.tie_embeddings:
+        del name_of["lm_head.weight"]
+    expected_shapes = {hf: tuple(model.get_parameter(ours).shape) for hf, ours in name_of.items()}
+
+    files = _weight_files(folder)
+    _check_tensors(folder, _stored_shapes(files), expected_shapes)
+    state = {}
+    for file in files:
+        with _open(file) as f:
+            for hf in f.keys():
+                # A tied checkpoint may still carry lm_head.weight (some exporters write it);
+                # the embedding is the one copy we keep.
+                if hf in name_of:
+                    state[name_of[hf]] = f.get_tensor(hf).to(device=device, dtype=dtype)
+    if args.tie_embeddings:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    if args.tie_embeddings:
+        # assign=True wraps each entry in a Parameter of its own; share one again.
+        model.lm_head.weight = model.embed_tokens.weight
+    # Non-persistent, so still on meta: compute it (fp32, like HF) where the weights landed.
+    model.rope_inv_freq = rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling).to(device)
+    return model
+
+
+def save_hf(model: Transformer, path: PathLike, max_shard_bytes: int | None = None) -> None:
+    """Write ``model`` as an HF folder that ``load_hf`` and transformers both load.
+
+    ``config.json`` plus ``model.safetensors``; with ``max_shard_bytes``, a model that does not
+    fit is split into ``model-0000i-of-0000n.safetensors`` shards of at most that many bytes
+    (a larger tensor gets a shard to itself) plus ``model.safetensors.index.json``. Tensors
+    keep the model's dtype and are written contiguous from CPU; a tied ``lm_head`` is left out,
+    as HF re-ties it from ``tie_word_embeddings``. Weight files of an earlier save in ``path``
+    are removed first, so a stale index can never shadow the new weights.
+    """
+    if max_shard_bytes is not None and max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    args = model.args
+    tensors = {
+        _hf_name(name): t.detach().to("cpu").contiguous()
+        for name, t in model.state_dict().items()
+        if not (args.tie_embeddings and name == "lm_head.weight")
+    }
+    config = hf_config_from_model_args(args)
+    config["torch_dtype"] = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+
+    for stale in (*folder.glob("model-*-of-*.safetensors"), folder / WEIGHTS_NAME, folder / INDEX_NAME):
+        stale.unlink(missing_ok=True)
+    (folder / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    shards = _split(tensors, max_shard_bytes)
+    if len(shards) == 1:
+        save_file(tensors, folder / WEIGHTS_NAME, metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, start=1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, folder / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    index = {"metadata": {"total_size": sum(_nbytes(t) for t in tensors.values())}, "weight_map": weight_map}
+    (folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _architecture(config: Mapping[str, Any]) -> str:
+    """Our architecture name from ``architectures[0]``, else from ``model_type``."""
+    by_class = {hf: ours for ours, (hf, _) in _HF_NAMES.items()}
+    by_type = {model_type: ours for ours, (_, model_type) in _HF_NAMES.items()}
+    classes = config.get("architectures") or []
+    if classes:
+        found = by_class.get(classes[0])
+    else:
+        found = by_type.get(config.get("model_type"))
+    if found is None:
+        name = f"architecture {classes[0]!r}" if classes else f"model_type {config.get('model_type')!r}"
+        raise HFCheckpointError(
+            f"unsupported {name}; known architectures: {', '.join(by_class)} (model_type {', '.join(by_type)})"
+        )
+    return found
+
+
+def _positive(config: Mapping[str, Any], key: str, kind: type, default: Any = None) -> Any:
+    """``config[key]`` (``default`` when absent or null) as a positive ``kind``."""
+    value = config.get(key)
+    if value is None:
+        value = default
+    if value is None:
+        raise HFCheckpointError(f"missing required key {key!r}")
+    allowed = (int,) if kind is int else (int, float)
+    if isinstance(value, bool) or not isinstance(value, allowed) or value <= 0:
+        raise HFCheckpointError(f"{key} must be a positive {kind.__name__}, got {value!r}")
+    return kind(value)
+
+
+def _rope(config: Mapping[str, Any], max_seq_len: int) -> tuple[float, RopeScaling | None]:
+    """``(rope_theta, rope_scaling)`` from either config layout, with v5's precedence:
+    ``rope_scaling``, then ``rope_parameters``, then top-level keys, then HF's defaults."""
+    params = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if not isinstance(params, Mapping):
+        raise HFCheckpointError(f"rope parameters must be an object, got {params!r}")
+    merged = {"rope_theta": config.get("rope_theta", _HF_DEFAULT_ROPE_THETA), **params}
+    theta = _positive(merged, "rope_theta", float)
+    if merged.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise HFCheckpointError("partial_rotary_factor != 1 is not supported (RoPE covers the whole head)")
+    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise HFCheckpointError(f"rope_type {rope_type!r} is not supported (only 'default' and 'llama3')")
+    try:
+        scaling = RopeScaling(
+            factor=_positive(merged, "factor", float),
+            low_freq_factor=_positive(merged, "low_freq_factor", float),
+            high_freq_factor=_positive(merged, "high_freq_factor", float),
+            original_max_position_embeddings=_positive(
+                merged, "original_max_position_embeddings", int, default=max_seq_len
+            ),
+        )
+    except HFCheckpointError as e:
+        raise HFCheckpointError(f"llama3 rope scaling: {e}") from None
+    return theta, scaling
+
+
+def _hf_name(name: str) -> str:
+    """Our parameter name -> the checkpoint's: everything but ``lm_head`` lives under ``model.``."""
+    return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise HFCheckpointError(f"{path}: no such file")
+    try:
+        value = json.loads(path.read_bytes())
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both
+        raise HFCheckpointError(f"{path}: malformed JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise HFCheckpointError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The safetensors files holding the weights: the index's shards, else the single file."""
+    index_path = folder / INDEX_NAME
+    if index_path.exists():
+        weight_map = _read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(f, str) for f in weight_map.values()):
+            raise HFCheckpointError(f"{index_path}: needs a non-empty 'weight_map' of tensor name -> shard file")
+        names = sorted(set(weight_map.values()))
+        missing = [name for name in names if not (folder / name).is_file()]
+        if missing:
+            raise HFCheckpointError(f"{index_path}: names shard files missing from the folder: {', '.join(missing)}")
+        return [folder / name for name in names]
+    if (folder / WEIGHTS_NAME).is_file():
+        return [folder / WEIGHTS_NAME]
+    raise HFCheckpointError(
+        f"{folder}: no safetensors weights (expected {WEIGHTS_NAME} or {INDEX_NAME}; "
+        "only safetensors checkpoints are supported)"
+    )
+
+
+def _open(file: Path):
+    try:
+        return safe_open(file, framework="pt", device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise HFCheckpointError(f"{file}: not a readable safetensors file ({e})") from None
+
+
+def _stored_shapes(files: Sequence[Path]) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape across ``files``, read from the headers alone."""
+    shapes = {}
+    for file in files:
+        with _open(file) as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def _check_tensors(folder: Path, stored: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> None:
+    """Raise one error listing every missing, unexpected and mis-shaped tensor."""
+    # A tied model's lm_head.weight is tolerated in the file (load_hf ignores it).
+    unexpected = sorted(stored.keys() - expected.keys() - {"lm_head.weight"})
+    if "lm_head.weight" in expected.keys() ^ {"lm_head.weight"} and "lm_head.weight" in stored:
+        unexpected = sorted(unexpected + ["lm_head.weight"])
+    problems = [
+        _listed("missing tensors", sorted(expected.keys() - stored.keys())),
+        _listed("unexpected tensors", unexpected),
+        _listed(
+            "wrong shapes",
+            [
+                f"{name} is {list(stored[name])} in the file, config.json implies {list(shape)}"
+                for name, shape in expected.items()
+                if name in stored and stored[name] != shape
+            ],
+        ),
+    ]
+    problems = [p for p in problems if p]
+    if problems:
+        raise HFCheckpointError(f"{folder}: weights do not match config.json:\n  " + "\n  ".join(problems))
+
+
+def _listed(what: str, items: list[str]) -> str:
+    if not items:
+        return ""
+    more = f", ... ({len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else ""
+    return f"{what} ({len(items)}): {', '.join(items[:_MAX_LISTED])}{more}"
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _split(tensors: dict[str, torch.Tensor], max_bytes: int | None) -> list[dict[str, torch.Tensor]]:
+    """Greedy in order: a new shard starts when the next tensor would push this one past ``max_bytes``."""
+    if max_bytes is None:
+        return [tensors]
+    shards, size = [{}], 0
+    for name, t in tensors.items():
+        if shards[-1] and size + _nbytes(t) > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += _nbytes(t)
+    return shards

@@ -1,0 +1,27 @@
+"""FSDP2 for the target (and, later, the draft): one FSDP unit per decoder layer plus the root."""
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from titan_cotrain.components.titan import fsdp_cpu_sum_reduction
+
+__all__ = ["apply_fsdp"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def apply_fsdp(model: nn.Module, mesh, param_dtype: str = "float32", reduce_dtype: str = "float32",
+               reshard_after_forward: bool = True) -> nn.Module:
+    """Shard ``model.layers[i]`` each as a unit, then the root (embeddings, norm, head).
+
+    ``mesh`` is the ``fsdp`` mesh (``dp_shard x cp``). Gradients are *summed* across it on
+    CPU (gloo has no averaging reduction), so losses are normalised by the global token
+    count before backward, on every backend alike.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fsdp_cpu_sum_reduction(model.modules())
+    return model

@@ -10,9 +10,9 @@ present):
   modules that copied it are rebound to ``"cpu"`` / ``torch.cpu``;
 * its device-memory monitor needs ``torch.cuda``: ``device_memory_stats`` reports the
   process's peak RSS on CPU instead;
-* gloo has no ``PREMUL_SUM`` reduction, which FSDP2 uses to average gradients:
-  ``fsdp_cpu_sum_reduction`` makes FSDP *sum* them, so every loss of the project divides
-  by the global token count itself (and is correct on both backends);
+* gloo has no ``PREMUL_SUM`` reduction, which FSDP2 uses to scale gradients:
+  ``fsdp_sum_gradients`` makes FSDP *sum* gradients with plain SUM collectives on every
+  backend, so every loss of the project divides by the global token count itself;
 * its ``set_pg_timeouts`` runs a barrier that fails on CPU: the project never calls it
   on CPU.
 """
@@ -34,7 +34,7 @@ __all__ = [
     "clip_grad_norm_",
     "device_memory_stats",
     "device_type",
-    "fsdp_cpu_sum_reduction",
+    "fsdp_sum_gradients",
     "init_torchtitan",
     "tensorboard_logger",
 ]
@@ -124,15 +124,16 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, pp_mesh
     return titan_clip(list(parameters), max_norm, foreach=True, pp_mesh=pp_mesh)
 
 
-def fsdp_cpu_sum_reduction(modules: Iterable[nn.Module]) -> None:
-    """On CPU (gloo), make FSDP2 modules reduce gradients by plain sum."""
-    if device_type() != "cpu":
-        return
+def fsdp_sum_gradients(modules: Iterable[nn.Module]) -> None:
+    """Make FSDP2 modules sum gradients across ranks (divide factor 1) with SUM-only
+    collectives on CPU, where gloo lacks ``PREMUL_SUM``."""
     from torch.distributed.fsdp import FSDPModule
 
     for module in modules:
         if isinstance(module, FSDPModule):
-            module.set_force_sum_reduction_for_comms(True)
+            module.set_gradient_divide_factor(1.0)
+            if device_type() == "cpu":
+                module.set_force_sum_reduction_for_comms(True)
 
 
 def device_memory_stats() -> dict[str, float]:

@@ -1,8 +1,5 @@
 """Cross-field checks of a parsed job config (types were checked when the TOML was read)."""
 
-import json
-from pathlib import Path
-
 from titan_cotrain.models.args import ARCHITECTURES, ModelArgs, model_args_for
 from titan_cotrain.models.taps import default_tap_layers, validate_tap_layers
 
@@ -19,17 +16,12 @@ def resolve_model_args(config) -> ModelArgs:
     """The target's shape: from ``[model] hf_path``'s ``config.json`` or the named flavor."""
     m = config.model
     if m.hf_path:
-        from titan_cotrain.models.hf import model_args_from_hf_config
+        from titan_cotrain.models.hf import HFCheckpointError, read_hf_model_args
 
-        cfg_file = Path(m.hf_path) / "config.json"
         try:
-            with open(cfg_file) as f:
-                hf_config = json.load(f)
-            return model_args_from_hf_config(hf_config)
-        except FileNotFoundError:
-            raise _config_error(f"model.hf_path: no config.json in {m.hf_path!r}") from None
-        except (json.JSONDecodeError, ValueError, KeyError, TypeError) as e:
-            raise _config_error(f"model.hf_path: cannot read {cfg_file}: {e}") from None
+            return read_hf_model_args(m.hf_path)
+        except HFCheckpointError as e:
+            raise _config_error(f"model.hf_path: {e}") from None
     if m.name not in ARCHITECTURES:
         raise _config_error(f"model.name: unknown architecture {m.name!r}; known: {', '.join(ARCHITECTURES)}")
     try:

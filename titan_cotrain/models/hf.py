@@ -136,6 +136,20 @@ def hf_config_from_model_args(args: ModelArgs) -> dict[str, Any]:
     return config
 
 
+def read_hf_model_args(path: PathLike) -> ModelArgs:
+    """The ``ModelArgs`` of an HF folder, from its ``config.json`` alone (no weights read)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise HFCheckpointError(f"{folder}: no such directory")
+    config_path = folder / CONFIG_NAME
+    try:
+        return model_args_from_hf_config(_read_json(config_path))
+    except HFCheckpointError as e:
+        if str(e).startswith(str(config_path)):
+            raise
+        raise HFCheckpointError(f"{config_path}: {e}") from None
+
+
 def load_hf(
     path: PathLike,
     dtype: torch.dtype = torch.float32,
@@ -150,32 +164,26 @@ def load_hf(
     ``config.json`` before any weight is read. ``tap_layers`` as in ``Transformer``.
     """
     folder = Path(path)
-    if not folder.is_dir():
-        raise HFCheckpointError(f"{folder}: no such directory")
-    config_path = folder / CONFIG_NAME
-    try:
-        args = model_args_from_hf_config(_read_json(config_path))
-    except HFCheckpointError as e:
-        raise HFCheckpointError(f"{config_path}: {e}") from None
-
+    args = read_hf_model_args(folder)
     device = torch.device(device)
     with torch.device("meta"):
         model = Transformer(args, tap_layers)
-    name_of = {_hf_name(name): name for name in model.state_dict()}
+    expected = {_hf_name(name): tuple(t.shape) for name, t in model.state_dict().items()}
+    tolerated = set()
     if args.tie_embeddings:
-        del name_of["lm_head.weight"]
-    expected_shapes = {hf: tuple(model.get_parameter(ours).shape) for hf, ours in name_of.items()}
+        # The head is the embedding: HF leaves lm_head.weight out, though some exporters
+        # write it anyway; either way it is not read.
+        del expected["lm_head.weight"]
+        tolerated = {"lm_head.weight"}
 
     files = _weight_files(folder)
-    _check_tensors(folder, _stored_shapes(files), expected_shapes)
+    _check_tensors(folder, _stored_shapes(files), expected, tolerated)
     state = {}
     for file in files:
         with _open(file) as f:
-            for hf in f.keys():
-                # A tied checkpoint may still carry lm_head.weight (some exporters write it);
-                # the embedding is the one copy we keep.
-                if hf in name_of:
-                    state[name_of[hf]] = f.get_tensor(hf).to(device=device, dtype=dtype)
+            for name in f.keys():
+                if name in expected:
+                    state[name.removeprefix("model.")] = f.get_tensor(name).to(device=device, dtype=dtype)
     if args.tie_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
@@ -307,7 +315,7 @@ def _weight_files(folder: Path) -> list[Path]:
     index_path = folder / INDEX_NAME
     if index_path.exists():
         weight_map = _read_json(index_path).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(f, str) for f in weight_map.values()):
+        if not (isinstance(weight_map, dict) and weight_map and all(isinstance(f, str) for f in weight_map.values())):
             raise HFCheckpointError(f"{index_path}: needs a non-empty 'weight_map' of tensor name -> shard file")
         names = sorted(set(weight_map.values()))
         missing = [name for name in names if not (folder / name).is_file()]
@@ -339,15 +347,13 @@ def _stored_shapes(files: Sequence[Path]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _check_tensors(folder: Path, stored: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> None:
-    """Raise one error listing every missing, unexpected and mis-shaped tensor."""
-    # A tied model's lm_head.weight is tolerated in the file (load_hf ignores it).
-    unexpected = sorted(stored.keys() - expected.keys() - {"lm_head.weight"})
-    if "lm_head.weight" in expected.keys() ^ {"lm_head.weight"} and "lm_head.weight" in stored:
-        unexpected = sorted(unexpected + ["lm_head.weight"])
+def _check_tensors(
+    folder: Path, stored: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], tolerated: set[str]
+) -> None:
+    """Raise one error listing every missing, unexpected (and not ``tolerated``) and mis-shaped tensor."""
     problems = [
         _listed("missing tensors", sorted(expected.keys() - stored.keys())),
-        _listed("unexpected tensors", unexpected),
+        _listed("unexpected tensors", sorted(stored.keys() - expected.keys() - tolerated)),
         _listed(
             "wrong shapes",
             [

@@ -14,7 +14,7 @@ __all__ = ["default_tap_layers", "validate_tap_layers", "vllm_aux_layer_ids"]
 
 
 def default_tap_layers(n_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's choice for an ``n_layers`` decoder; needs 3 distinct layers (``n_layers >= 6``)."""
+    """EAGLE-3's choice for an ``n_layers`` decoder; needs 3 distinct layers (``n_layers >= 7``)."""
     layers = (1, n_layers // 2 - 1, n_layers - 4)
     validate_tap_layers(layers, n_layers)
     return layers

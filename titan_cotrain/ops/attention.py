@@ -39,7 +39,8 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _check_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+def check_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+    """Shape checks of a packed attention call (no data reads, so safe under tracing)."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"packed attention expects [T, H, Dh] tensors, got q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)}")
     if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
@@ -54,8 +55,11 @@ def _use_cpu_flash_kernel(q: torch.Tensor) -> bool:
     return q.device.type == "cpu"
 
 
-def _doc_bounds(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
+def _doc_bounds(cu_seqlens: torch.Tensor, total: int) -> list[tuple[int, int]]:
+    """Non-empty ``(start, end)`` of every document; the documents must cover ``[0, total)``."""
     cu = cu_seqlens.tolist()
+    if cu[0] != 0 or cu[-1] != total or any(e < s for s, e in zip(cu[:-1], cu[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to T = {total}, got {cu}")
     return [(s, e) for s, e in zip(cu[:-1], cu[1:]) if e > s]
 
 
@@ -84,11 +88,11 @@ def trunk_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Document-causal attention. Returns ``out [T, Hq, Dh]`` (q's dtype) and ``lse [T, Hq]`` (fp32)."""
-    _check_packed(q, k, v, cu_seqlens)
+    check_packed(q, k, v, cu_seqlens)
     n_rep = q.shape[1] // k.shape[1]
     out = torch.empty_like(q)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
-    for s, e in _doc_bounds(cu_seqlens):
+    for s, e in _doc_bounds(cu_seqlens, q.shape[0]):
         qd, kd, vd = q[s:e], _expand_kv(k[s:e], n_rep), _expand_kv(v[s:e], n_rep)
         if _use_cpu_flash_kernel(q):
             o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -132,7 +136,7 @@ def trunk_backward(
     dq = torch.zeros_like(q)
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
-    for s, e in _doc_bounds(cu_seqlens):
+    for s, e in _doc_bounds(cu_seqlens, q.shape[0]):
         qd, kd, vd = q[s:e], _expand_kv(k[s:e], n_rep), _expand_kv(v[s:e], n_rep)
         if _use_cpu_flash_kernel(q):
             bhsd = lambda x: x.transpose(0, 1).unsqueeze(0)  # noqa: E731

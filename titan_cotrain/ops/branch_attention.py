@@ -30,8 +30,9 @@ kernels so that ring attention can merge the branch into its own result.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from titan_cotrain.ops.attention import _check_packed, lse_dtype, merge_attention, trunk_backward, trunk_forward
+from titan_cotrain.ops.attention import check_packed, lse_dtype, merge_attention, trunk_backward, trunk_forward
 
 __all__ = [
     "branch_attention",
@@ -128,17 +129,12 @@ def _trunk_backward_with_grad_lse(
     ``grad_lse`` to grad_out. Then ``grad_out' @ V'^T - delta' = grad_out @ V^T + grad_lse
     - delta``, which is the ``dS / P`` we need; the extra column of every gradient is dropped.
     """
-
-    def with_column(x: torch.Tensor, column: torch.Tensor | float) -> torch.Tensor:
-        col = x.new_full((*x.shape[:-1], 1), column) if isinstance(column, float) else column.unsqueeze(-1).to(x.dtype)
-        return torch.cat([x, col], dim=-1)
-
     dq, dk, dv = trunk_backward(
-        with_column(grad_out, grad_lse),
-        with_column(q, 0.0),
-        with_column(k, 0.0),
-        with_column(v, 1.0),
-        with_column(out, 0.0),
+        torch.cat([grad_out, grad_lse.unsqueeze(-1).to(grad_out.dtype)], dim=-1),
+        F.pad(q, (0, 1), value=0.0),
+        F.pad(k, (0, 1), value=0.0),
+        F.pad(v, (0, 1), value=1.0),
+        F.pad(out, (0, 1), value=0.0),
         lse,
         cu_seqlens,
         scale,
@@ -158,12 +154,14 @@ def _branch_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out_trunk, lse_trunk = trunk_forward(q, k, v, cu_seqlens, scale)
     out_branch, lse_branch = branch_forward(q, branch_k, branch_v, scale)
-    return merge_attention(out_trunk, lse_trunk, out_branch, lse_branch)
+    out, lse = merge_attention(out_trunk, lse_trunk, out_branch, lse_branch)
+    return out.contiguous(), lse.contiguous()
 
 
+# Outputs are contiguous whatever the inputs' strides, so fake and real layouts agree.
 @_branch_attention.register_fake
 def _(q, k, v, branch_k, branch_v, cu_seqlens, scale):
-    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=lse_dtype(q.dtype))
+    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=lse_dtype(q.dtype))
 
 
 # An op of its own so that AOTAutograd traces the backward as one opaque node (the trunk
@@ -187,12 +185,12 @@ def _branch_attention_backward(
     else:
         dq, dk, dv = _trunk_backward_with_grad_lse(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens, scale)
     dq_branch, dbranch_k, dbranch_v = branch_backward(grad_out, q, branch_k, branch_v, out, lse, scale, grad_lse)
-    return dq + dq_branch, dk, dv, dbranch_k, dbranch_v
+    return tuple(g.contiguous() for g in (dq + dq_branch, dk, dv, dbranch_k, dbranch_v))
 
 
 @_branch_attention_backward.register_fake
 def _(grad_out, grad_lse, q, k, v, branch_k, branch_v, out, lse, cu_seqlens, scale):
-    return tuple(torch.empty_like(x) for x in (q, k, v, branch_k, branch_v))
+    return tuple(x.new_empty(x.shape) for x in (q, k, v, branch_k, branch_v))
 
 
 def _setup_context(ctx, inputs, output):
@@ -229,7 +227,7 @@ def branch_attention_with_lse(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``branch_attention`` that also returns the merged ``lse [T, Hq]`` (fp32; fp64 for fp64
     inputs), for callers that merge it with further key sets. Both outputs are differentiable."""
-    _check_packed(q, k, v, cu_seqlens)
+    check_packed(q, k, v, cu_seqlens)
     _check_branch(k, branch_k, branch_v)
     if scale is None:
         scale = q.shape[-1] ** -0.5

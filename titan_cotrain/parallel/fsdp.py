@@ -4,7 +4,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from titan_cotrain.components.titan import fsdp_cpu_sum_reduction
+from titan_cotrain.components.titan import fsdp_sum_gradients
 
 __all__ = ["apply_fsdp"]
 
@@ -15,13 +15,12 @@ def apply_fsdp(model: nn.Module, mesh, param_dtype: str = "float32", reduce_dtyp
                reshard_after_forward: bool = True) -> nn.Module:
     """Shard ``model.layers[i]`` each as a unit, then the root (embeddings, norm, head).
 
-    ``mesh`` is the ``fsdp`` mesh (``dp_shard x cp``). Gradients are *summed* across it on
-    CPU (gloo has no averaging reduction), so losses are normalised by the global token
-    count before backward, on every backend alike.
+    ``mesh`` is the ``fsdp`` mesh (``dp_shard x cp``). Gradients are *summed* across it,
+    not averaged, so every loss is normalised by the global token count before backward.
     """
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fsdp_cpu_sum_reduction(model.modules())
+    fsdp_sum_gradients(model.modules())
     return model

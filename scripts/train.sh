@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Run the main job (creates/refreshes .venv first).
+#   bash scripts/train.sh [--job.config_file F] [--section.key value ...]
+# NPROC (default 2) processes on this machine; the embedded default config runs on CPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh
+exec .venv/bin/torchrun --standalone --nproc_per_node "${NPROC:-2}" -m titan_cotrain.train "$@"

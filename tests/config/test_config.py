@@ -1,0 +1,128 @@
+"""Every bad config gives one ConfigError that names the key and the file."""
+
+from pathlib import Path
+
+import pytest
+
+from titan_cotrain.config import ConfigError, load_job_config
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT = REPO / "train_configs" / "debug_cpu.toml"
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return path
+
+
+def _load(path: Path, *overrides: str, world_size: int = 1):
+    return load_job_config(["--job.config_file", str(path), *overrides], world_size=world_size)
+
+
+def test_default_config_loads_with_our_sections():
+    config = load_job_config([], world_size=2)
+    assert config.model.name == "llama3"
+    assert config.draft.ttt_steps == 3
+    assert config.rl.group_size == 4
+    assert config.optimizer.name == "AdamW"  # torchtitan's own sections are there too
+
+
+def test_cli_overrides_take_precedence():
+    config = _load(DEFAULT, "--draft.ttt_steps", "5", "--compile.enable", "--draft.tap_layers", "1", "2", "5",
+                   world_size=2)
+    assert config.draft.ttt_steps == 5
+    assert config.compile.enable is True
+    assert config.draft.tap_layers == [1, 2, 5]
+
+
+@pytest.mark.parametrize("sample", sorted((REPO / "train_configs").glob("*.toml")), ids=lambda p: p.name)
+def test_every_shipped_config_reads(sample):
+    from titan_cotrain.config.loader import check_toml, read_toml
+
+    check_toml(read_toml(sample), str(sample))
+
+
+def _expect(path: Path, *needles: str, overrides=(), world_size: int = 1):
+    with pytest.raises(ConfigError) as err:
+        _load(path, *overrides, world_size=world_size)
+    message = str(err.value)
+    assert str(path) in message
+    for needle in needles:
+        assert needle in message, message
+
+
+def test_unknown_section(tmp_path):
+    _expect(_write(tmp_path, "[drafts]\nttt_steps = 3\n"), "unknown section [drafts]", "did you mean [draft]")
+
+
+def test_unknown_key(tmp_path):
+    _expect(_write(tmp_path, "[training]\nseq_lenn = 3\n"), "unknown key training.seq_lenn", "seq_len")
+
+
+def test_wrong_type(tmp_path):
+    _expect(_write(tmp_path, '[draft]\nttt_steps = "seven"\n'), "draft.ttt_steps must be int", "'seven'")
+
+
+def test_wrong_literal(tmp_path):
+    _expect(_write(tmp_path, '[draft]\nloss_on = "prompt"\n'), "draft.loss_on must be 'response' | 'all'")
+
+
+def test_malformed_toml(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[job\n")
+    _expect(path, "not valid TOML")
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        _load(tmp_path / "nope.toml")
+
+
+def test_parallel_degrees_must_multiply_to_world_size():
+    _expect(DEFAULT, "world size is 4", "context_parallel_degree",
+            overrides=("--parallelism.data_parallel_shard_degree", "3"), world_size=4)
+
+
+def test_shard_degree_cannot_be_inferred():
+    _expect(DEFAULT, "world size 3 is not divisible", overrides=("--parallelism.context_parallel_degree", "2"),
+            world_size=3)
+
+
+def test_seq_len_must_split_into_zigzag_chunks():
+    _expect(DEFAULT, "training.seq_len (100) must be divisible by 2 x context_parallel_degree = 8",
+            overrides=("--parallelism.context_parallel_degree", "4", "--training.seq_len", "100"), world_size=4)
+
+
+def test_tap_layers_out_of_range():
+    _expect(DEFAULT, "draft.tap_layers", "out of range", "8-layer", overrides=("--draft.tap_layers", "1", "3", "8"))
+
+
+def test_tap_layers_must_be_distinct():
+    _expect(DEFAULT, "draft.tap_layers", "distinct", overrides=("--draft.tap_layers", "3", "3"))
+
+
+def test_unknown_architecture():
+    _expect(DEFAULT, "model.name", "unknown architecture 'gpt2'", "llama3, qwen3", overrides=("--model.name", "gpt2"))
+
+
+def test_unknown_flavor():
+    _expect(DEFAULT, "model.flavor", "unknown flavor '70B'", overrides=("--model.flavor", "70B"))
+
+
+def test_missing_hf_folder(tmp_path):
+    _expect(DEFAULT, "model.hf_path", "no such directory", overrides=("--model.hf_path", str(tmp_path / "none")))
+
+
+def test_ranges_are_checked():
+    _expect(DEFAULT, "draft.pass_decay must be in (0, 1]", "rl.group_size must be >= 2",
+            overrides=("--draft.pass_decay", "1.5", "--rl.group_size", "1"))
+
+
+def test_tensor_parallel_is_refused():
+    _expect(DEFAULT, "tensor parallelism is not supported", overrides=("--parallelism.tensor_parallel_degree", "2"),
+            world_size=2)
+
+
+def test_foreign_custom_config_module(tmp_path):
+    _expect(_write(tmp_path, '[job]\ncustom_config_module = "somewhere.else"\n'), "job.custom_config_module")

@@ -1,0 +1,213 @@
+"""The EAGLE-3 draft: fusion of the target's taps, one decoder layer, a reduced-vocab head.
+
+Shapes (``H`` the draft's hidden size, ``H_t`` the target's, ``V_d`` the draft vocab):
+
+* ``fc: [n_taps * H_t] -> [H]`` fuses the tapped target features into ``h^0``;
+* ``midlayer``: one decoder layer whose q/k/v read ``[input_layernorm(e) ; hidden_norm(h)]``
+  (``2H`` wide), with the residual taken from ``h`` before its norm
+  (``norm_before_residual = false``), then a SwiGLU MLP;
+* ``norm`` and ``lm_head: [H] -> [V_d]``;
+* buffers ``d2t: int64 [V_d]`` (target id = draft id + ``d2t[draft id]``) and
+  ``t2d: bool [V]`` (which target ids the draft can emit).
+
+The token embeddings ``e`` the draft reads are the current policy's (passed in, detached),
+unless the draft's hidden size differs from the target's, in which case the draft owns an
+``embed_tokens`` of its own. Parameter names are the EAGLE-3 checkpoint names, so the
+exporter maps them one to one.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from titan_cotrain.models.args import ModelArgs, RopeScaling
+from titan_cotrain.models.transformer import FeedForward, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from titan_cotrain.ops import branch_attention
+
+__all__ = ["Draft", "DraftArgs", "draft_vocab_from_counts", "identity_vocab_maps"]
+
+
+@dataclass(frozen=True)
+class DraftArgs:
+    dim: int
+    target_dim: int
+    n_taps: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab_size: int
+    draft_vocab_size: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_seq_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft vocab ({self.draft_vocab_size}) must be in 1..target vocab ({self.vocab_size})")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"draft n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+
+    @classmethod
+    def from_target(cls, target: ModelArgs, n_taps: int, draft_vocab_size: int = 0, dim: int = 0,
+                    n_heads: int = 0, n_kv_heads: int = 0, ffn_dim: int = 0) -> "DraftArgs":
+        """The draft's shape: the target's unless overridden (0 = the target's)."""
+        n_heads = n_heads or target.n_heads
+        dim = dim or target.dim
+        return cls(
+            dim=dim, target_dim=target.dim, n_taps=n_taps, n_heads=n_heads,
+            n_kv_heads=n_kv_heads or target.n_kv_heads,
+            head_dim=target.head_dim if dim == target.dim and n_heads == target.n_heads else dim // n_heads,
+            ffn_dim=ffn_dim or target.ffn_dim, vocab_size=target.vocab_size,
+            draft_vocab_size=draft_vocab_size or target.vocab_size, norm_eps=target.norm_eps,
+            rope_theta=target.rope_theta, rope_scaling=target.rope_scaling, max_seq_len=target.max_seq_len,
+        )
+
+    def replace(self, **changes) -> "DraftArgs":
+        return dataclasses.replace(self, **changes)
+
+
+def identity_vocab_maps(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``d2t`` (all zeros) and ``t2d`` (all true) of a draft vocabulary equal to the target's."""
+    return torch.zeros(vocab_size, dtype=torch.int64), torch.ones(vocab_size, dtype=torch.bool)
+
+
+def draft_vocab_from_counts(token_counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """EAGLE-3 vocab maps for the ``draft_vocab_size`` most frequent target tokens.
+
+    ``token_counts: [V]`` (occurrences in a corpus). Draft ids follow increasing target id;
+    ties in frequency go to the lower target id. Returns ``d2t: int64 [V_d]`` with
+    ``target_id = draft_id + d2t[draft_id]`` and ``t2d: bool [V]``.
+    """
+    vocab_size = token_counts.numel()
+    if not 0 < draft_vocab_size <= vocab_size:
+        raise ValueError(f"draft vocab size {draft_vocab_size} must be in 1..{vocab_size}")
+    # Stable sort on -count keeps the lower id first among equal counts.
+    order = torch.sort(-token_counts.to(torch.float64), stable=True).indices[:draft_vocab_size]
+    target_ids = order.sort().values
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[target_ids] = True
+    return target_ids - torch.arange(draft_vocab_size), t2d
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, args: DraftArgs) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.q_proj = nn.Linear(2 * args.dim, args.n_heads * args.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """``x [T, 2H]`` -> rotated ``q [T, Hq, Dh]``, ``k, v [T, Hkv, Dh]``."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.n_kv_heads, self.head_dim)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+class DraftLayer(nn.Module):
+    """EAGLE-3's single decoder layer (``midlayer``)."""
+
+    def __init__(self, args: DraftArgs) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.hidden_norm = RMSNorm(args.dim, args.norm_eps)
+        self.self_attn = DraftAttention(args)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.mlp = FeedForward(args.dim, args.ffn_dim)
+
+    def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """``[input_layernorm(e) ; hidden_norm(h)]``, ``[T, 2H]``."""
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+
+    def finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Residual from the un-normed ``hidden``, then the MLP block: ``[T, H]``."""
+        x = hidden + self.self_attn.o_proj(attn_out.flatten(-2))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Draft(nn.Module):
+    """The EAGLE-3 draft model. ``forward_pass`` runs one TTT pass over packed tokens."""
+
+    def __init__(self, args: DraftArgs, d2t: torch.Tensor | None = None, t2d: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.args = args
+        if (d2t is None) != (t2d is None):
+            raise ValueError("give both d2t and t2d, or neither (identity vocabulary)")
+        if d2t is None:
+            if args.draft_vocab_size != args.vocab_size:
+                raise ValueError("a reduced draft vocabulary needs its d2t / t2d maps")
+            d2t, t2d = identity_vocab_maps(args.vocab_size)
+        if d2t.shape != (args.draft_vocab_size,) or t2d.shape != (args.vocab_size,):
+            raise ValueError(f"d2t must be [{args.draft_vocab_size}] and t2d [{args.vocab_size}]")
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim) if args.dim != args.target_dim else None
+        self.fc = nn.Linear(args.n_taps * args.target_dim, args.dim, bias=False)
+        self.midlayer = DraftLayer(args)
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.lm_head = nn.Linear(args.dim, args.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", d2t.to(torch.int64))
+        self.register_buffer("t2d", t2d.to(torch.bool))
+        self.register_buffer(
+            "rope_inv_freq", rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling), persistent=False
+        )
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std, generator=generator)
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+        self.rope_inv_freq.copy_(rope_inv_freq(self.args.head_dim, self.args.rope_theta, self.args.rope_scaling))
+
+    def embed(self, tokens: torch.Tensor, target_embeddings: torch.Tensor) -> torch.Tensor:
+        """The draft's input embeddings: the policy's (given) or its own table."""
+        return target_embeddings if self.embed_tokens is None else self.embed_tokens(tokens)
+
+    def fuse(self, taps: torch.Tensor) -> torch.Tensor:
+        """``h^0 = fc(taps)``; ``taps [T, n_taps * H_t]`` (the tap layers concatenated)."""
+        return self.fc(taps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[T, H] -> [T, V_d]`` (fp32)."""
+        return self.lm_head(self.norm(hidden)).float()
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_cos_sin(self.rope_inv_freq, positions, dtype)
+
+    def forward_pass(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        trunk_kv: tuple[torch.Tensor, torch.Tensor] | None,
+        branch_kv: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """One TTT pass over packed tokens.
+
+        ``embeds, hidden: [T, H]`` (``e(x_{i+d})`` and ``h^{d-1}_i``), ``positions: [T]`` the
+        RoPE positions of this pass. ``trunk_kv`` is pass 1's ``(k, v)`` (None on pass 1,
+        which then provides it); ``branch_kv`` the ``(k, v)`` of passes ``2..d-1``. Returns
+        the pass output ``h^d [T, H]`` and this pass's own ``(k, v) [T, Hkv, Dh]``.
+        """
+        layer = self.midlayer
+        cos, sin = self.rope(positions, hidden.dtype)
+        q, k, v = layer.self_attn.qkv(layer.attention_input(embeds, hidden), cos, sin)
+        if trunk_kv is None:
+            trunk_kv, branch = (k, v), []
+        else:
+            branch = [*branch_kv, (k, v)]
+        if branch:
+            branch_k = torch.stack([bk for bk, _ in branch])
+            branch_v = torch.stack([bv for _, bv in branch])
+        else:
+            branch_k = branch_v = k.new_zeros((0, *k.shape))
+        out = branch_attention(q, trunk_kv[0], trunk_kv[1], branch_k, branch_v, cu_seqlens)
+        return layer.finish(hidden, out), (k, v)

@@ -12,7 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PackedLayout", "layout_from_cu_seqlens", "layout_from_document_ids", "layout_one_doc_per_row"]
+__all__ = [
+    "PackedLayout",
+    "layout_from_cu_seqlens",
+    "layout_from_document_ids",
+    "layout_one_doc_per_row",
+    "shift_in_document",
+]
 
 
 @dataclass(frozen=True)
@@ -78,3 +84,23 @@ def layout_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -
     starts = torch.zeros(total, dtype=torch.bool, device=cu.device)
     starts[cu[:-1][cu[:-1] < total]] = True
     return _layout_from_starts(starts.view(batch, seq_len))
+
+
+def _doc_end(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """``[T]``: the flat index one past the end of each token's document."""
+    cu = cu_seqlens.to(torch.int64)
+    return torch.repeat_interleave(cu[1:], cu[1:] - cu[:-1], output_size=total)
+
+
+def shift_in_document(x: torch.Tensor, d: int, cu_seqlens: torch.Tensor, fill=0) -> torch.Tensor:
+    """``out[t] = x[t + d]`` when ``t + d`` is in ``t``'s document, else ``fill``; ``x [T, ...]``.
+
+    The draft's TTT shifts (inputs ``e(x_{i+d})``, teacher at ``i + d``) all go through
+    here; under context parallelism the tokens past a chunk edge come from a halo.
+    """
+    total = x.shape[0]
+    idx = torch.arange(total, device=x.device) + d
+    valid = idx < _doc_end(cu_seqlens, total).to(x.device)
+    shifted = x[idx.clamp(max=total - 1)]
+    fill_t = torch.as_tensor(fill, dtype=x.dtype, device=x.device)
+    return torch.where(valid.view(-1, *([1] * (x.dim() - 1))), shifted, fill_t)

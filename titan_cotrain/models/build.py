@@ -1,11 +1,12 @@
-"""Build the policy (target) model a job config asks for."""
+"""Build the policy (target) and the draft a job config asks for."""
 
 import torch
 
 from titan_cotrain.config import resolve_model_args, resolve_tap_layers
+from titan_cotrain.models.draft import Draft, DraftArgs, draft_vocab_from_counts
 from titan_cotrain.models.transformer import Transformer
 
-__all__ = ["build_target"]
+__all__ = ["build_draft", "build_target"]
 
 
 def build_target(config, device: torch.device | str = "cpu") -> Transformer:
@@ -21,3 +22,29 @@ def build_target(config, device: torch.device | str = "cpu") -> Transformer:
         model = Transformer(args, tap_layers=taps)
     model.init_weights(generator=torch.Generator(device=device).manual_seed(seed))
     return model
+
+
+def build_draft(config, target: Transformer, token_counts: torch.Tensor | None = None,
+                device: torch.device | str = "cpu") -> Draft | None:
+    """The EAGLE-3 draft for ``target`` (None when ``[draft] enable = false``).
+
+    A reduced vocabulary (``[draft] vocab_size`` below the target's) keeps the most
+    frequent tokens of ``token_counts [V]``, which the caller counts on its corpus.
+    """
+    d = config.draft
+    if not d.enable:
+        return None
+    args = DraftArgs.from_target(
+        target.args, n_taps=len(target.tap_layers), draft_vocab_size=d.vocab_size, dim=d.hidden_size,
+        n_heads=d.num_heads, n_kv_heads=d.num_kv_heads, ffn_dim=d.intermediate_size,
+    )
+    maps = None
+    if args.draft_vocab_size != args.vocab_size:
+        if token_counts is None:
+            raise ValueError("a reduced draft vocabulary ([draft] vocab_size) needs token counts of a corpus")
+        maps = draft_vocab_from_counts(token_counts, args.draft_vocab_size)
+    seed = config.debug.seed if config.debug.seed is not None else 0
+    with torch.device(device):
+        draft = Draft(args, *(maps or (None, None)))
+    draft.init_weights(generator=torch.Generator(device=device).manual_seed(seed + 1))
+    return draft

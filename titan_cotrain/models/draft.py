@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from titan_cotrain.data.packing import shift_in_document
 from titan_cotrain.models.args import ModelArgs, RopeScaling
 from titan_cotrain.models.transformer import FeedForward, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 from titan_cotrain.ops import branch_attention
@@ -133,7 +134,11 @@ class DraftLayer(nn.Module):
 
 
 class Draft(nn.Module):
-    """The EAGLE-3 draft model. ``forward_pass`` runs one TTT pass over packed tokens."""
+    """The EAGLE-3 draft model.
+
+    ``forward`` runs the whole TTT unroll over packed tokens (training); ``forward_pass``
+    is one pass of it, also the building block of drafting at rollout time.
+    """
 
     def __init__(self, args: DraftArgs, d2t: torch.Tensor | None = None, t2d: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -211,3 +216,33 @@ class Draft(nn.Module):
             branch_k = branch_v = k.new_zeros((0, *k.shape))
         out = branch_attention(q, trunk_kv[0], trunk_kv[1], branch_k, branch_v, cu_seqlens)
         return layer.finish(hidden, out), (k, v)
+
+    def forward(
+        self,
+        taps: torch.Tensor,
+        target_embeddings: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        select: torch.Tensor,
+    ) -> list[torch.Tensor]:
+        """The TTT unroll: ``D = select.shape[0]`` passes with teacher forcing.
+
+        ``taps [T, n_taps * H_t]``, ``target_embeddings [T, H_t]`` (the policy's, detached),
+        ``tokens, positions [T]``, ``select: bool [D, T]`` (anchors scored at each pass).
+        Pass ``d`` reads ``e(x_{i+d})`` and ``h^{d-1}_i`` at RoPE position ``i + d - 1`` and
+        attends to pass 1's keys at ``j <= i`` plus passes ``2..d``'s keys at ``i``.
+        Returns, per pass, the draft logits ``[n_d, V_d]`` (fp32) of the selected anchors.
+        """
+        embeds = self.embed(tokens, target_embeddings)
+        hidden = self.fuse(taps)
+        trunk_kv, branch_kv, logits = None, [], []
+        for d in range(1, select.shape[0] + 1):
+            embeds_d = shift_in_document(embeds, d, cu_seqlens)
+            hidden, kv = self.forward_pass(embeds_d, hidden, positions + (d - 1), cu_seqlens, trunk_kv, branch_kv)
+            if trunk_kv is None:
+                trunk_kv = kv
+            else:
+                branch_kv.append(kv)
+            logits.append(self.logits(hidden[select[d - 1]]))
+        return logits

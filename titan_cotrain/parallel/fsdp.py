@@ -1,4 +1,4 @@
-"""FSDP2 for the target (and, later, the draft): one FSDP unit per decoder layer plus the root."""
+"""FSDP2 for the target and the draft: one FSDP unit per decoder layer plus the root."""
 
 import torch
 from torch import nn
@@ -13,13 +13,14 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def apply_fsdp(model: nn.Module, mesh, param_dtype: str = "float32", reduce_dtype: str = "float32",
                reshard_after_forward: bool = True) -> nn.Module:
-    """Shard ``model.layers[i]`` each as a unit, then the root (embeddings, norm, head).
+    """Shard each of ``model.layers`` (if any) as a unit, then the root (for the target:
+    embeddings, norm, head; the draft, one layer, is a single root unit).
 
     ``mesh`` is the ``fsdp`` mesh (``dp_shard x cp``). Gradients are *summed* across it,
     not averaged, so every loss is normalised by the global token count before backward.
     """
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
-    for layer in model.layers:
+    for layer in getattr(model, "layers", ()):
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fsdp_sum_gradients(model.modules())

@@ -1,0 +1,116 @@
+"""One co-training step: a policy forward feeds both the policy loss and the draft's TTT.
+
+``forward_backward`` computes ``L = L_policy + lambda * L_draft`` and runs backward once.
+The draft reads only detached tensors of the policy (taps, embeddings, teacher logits),
+so the policy's gradients are exactly those of ``L_policy`` alone. ``clip_and_step``
+then clips the two gradient norms separately and steps two optimizers (each with its
+own LR schedule). Both losses divide by *global* counts (all-reduced over the
+data-parallel group), because FSDP sums gradients across ranks.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from titan_cotrain.components import titan
+from titan_cotrain.cotrain.ttt import draft_loss, pass_weights, tau, ttt_unroll
+from titan_cotrain.data.packing import layout_from_document_ids
+from titan_cotrain.models.draft import Draft
+from titan_cotrain.models.transformer import Transformer
+
+__all__ = ["PackedBatch", "PolicyLossFn", "clip_and_step", "forward_backward"]
+
+
+@dataclass
+class PackedBatch:
+    """Packed training rows: ``tokens, document_ids: int64 [B, S]``; ``loss_mask: bool
+    [B, S]``, True where token ``t`` is a training target (the response region in RL)."""
+
+    tokens: torch.Tensor
+    document_ids: torch.Tensor
+    loss_mask: torch.Tensor
+
+
+# (logits [B, S, V], batch) -> (summed loss over local tokens, local token count)
+PolicyLossFn = Callable[[torch.Tensor, PackedBatch], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _global_sum(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.detach().clone().float()
+    if dist.is_initialized():
+        dist.all_reduce(x, group=group)
+    return x
+
+
+def forward_backward(
+    policy: Transformer,
+    draft: Draft | None,
+    batch: PackedBatch,
+    policy_loss_fn: PolicyLossFn,
+    *,
+    ttt_steps: int,
+    pass_decay: float,
+    draft_loss_weight: float,
+    draft_loss_on: str = "response",
+    group=None,
+) -> dict[str, torch.Tensor]:
+    """Forward the policy once, add the draft's TTT loss, backward once. Returns detached metrics.
+
+    ``group`` is the data-parallel process group whose ranks share the global token mean
+    (None: the default group, or no communication when not distributed).
+    """
+    layout = layout_from_document_ids(batch.document_ids)
+    out = policy(batch.tokens, cu_seqlens=layout.cu_seqlens, return_taps=draft is not None)
+    logits = out.logits if draft is not None else out
+    policy_sum, policy_count = policy_loss_fn(logits, batch)
+    policy_loss = policy_sum / _global_sum(policy_count, group).clamp(min=1)
+    metrics = {"loss/policy": _global_sum(policy_loss, group)}
+    loss = policy_loss
+    if draft is not None:
+        b, s = batch.tokens.shape
+        region = batch.loss_mask if draft_loss_on == "response" else torch.ones_like(batch.loss_mask)
+        stats = ttt_unroll(
+            draft,
+            taps=torch.cat(out.taps, dim=-1).reshape(b * s, -1),
+            embeddings=out.embeddings.reshape(b * s, -1),
+            tokens=batch.tokens.reshape(-1),
+            positions=layout.positions.reshape(-1),
+            cu_seqlens=layout.cu_seqlens,
+            teacher_logits=logits.reshape(b * s, -1),
+            loss_region=region.reshape(-1),
+            ttt_steps=ttt_steps,
+        )
+        weights = pass_weights(ttt_steps, pass_decay, device=stats.ce_sum.device)
+        counts = _global_sum(stats.count, group)
+        l_draft = draft_loss(stats, weights, (weights * counts).sum())
+        loss = loss + draft_loss_weight * l_draft
+        ce = _global_sum(stats.ce_sum, group)
+        accuracy = _global_sum(stats.correct, group) / counts.clamp(min=1)
+        metrics["loss/draft"] = _global_sum(l_draft, group)
+        for d in range(ttt_steps):
+            metrics[f"draft/loss_pass{d + 1}"] = ce[d] / counts[d].clamp(min=1)
+            metrics[f"draft/acc_pass{d + 1}"] = accuracy[d]
+        metrics["draft/tau"] = tau(accuracy)
+    loss.backward()
+    return metrics
+
+
+def clip_and_step(
+    policy: Transformer,
+    draft: Draft | None,
+    policy_optimizers,
+    draft_optimizers,
+    policy_max_norm: float,
+    draft_max_norm: float,
+) -> dict[str, torch.Tensor]:
+    """Clip policy and draft gradient norms separately, step both optimizers, zero grads."""
+    metrics = {"grad_norm/policy": titan.clip_grad_norm_(policy.parameters(), policy_max_norm)}
+    policy_optimizers.step()
+    policy_optimizers.zero_grad()
+    if draft is not None:
+        metrics["grad_norm/draft"] = titan.clip_grad_norm_(draft.parameters(), draft_max_norm)
+        draft_optimizers.step()
+        draft_optimizers.zero_grad()
+    return metrics

@@ -1,0 +1,112 @@
+"""Training-time test (TTT): the draft's D-pass unroll, its teacher, masks, loss and metrics.
+
+All tensors are packed: the ``T`` tokens of a batch flattened, documents delimited by
+``cu_seqlens``. For anchor ``i`` (in-document position) of a document of length ``n``,
+pass ``d = 1..D`` (DESIGN.md section 3):
+
+=========== =========================================================================
+input       ``[e(x_{i+d}) ; h^{d-1}_i]``, ``h^0 = fc(taps)``, ``h^p`` the pass-p output
+RoPE        position ``i + d - 1``
+keys        trunk: pass-1 keys at ``j <= i`` of the document; branch: passes ``2..d`` at ``i``
+teacher     ``softmax`` of the policy's logits at ``i + d`` over the draft vocabulary
+mask        ``i + d + 1 < n``, ``x_{i+d+1}`` in the loss region, teacher argmax in the draft vocab
+=========== =========================================================================
+
+The teacher renormalises the policy's logits over the draft vocabulary (gather, then
+softmax); with ``V_d = V`` it is the policy's own distribution. Every shift by ``d``
+stays inside a document (``titan_cotrain.data.packing.shift_in_document``). The passes
+themselves run inside ``Draft.forward`` (one module call, so FSDP's hooks see them).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from titan_cotrain.data.packing import shift_in_document
+from titan_cotrain.models.draft import Draft
+
+__all__ = ["TTTStats", "draft_loss", "pass_weights", "ttt_masks", "ttt_unroll", "tau"]
+
+
+@dataclass
+class TTTStats:
+    """Per-pass sums over the local tokens (``[D]`` each): ``ce_sum`` (differentiable),
+    ``count`` (masked positions) and ``correct`` (draft top-1 == teacher argmax)."""
+
+    ce_sum: torch.Tensor
+    count: torch.Tensor
+    correct: torch.Tensor
+
+
+def pass_weights(ttt_steps: int, decay: float, device=None) -> torch.Tensor:
+    """``w_d = decay ** (d - 1)`` for ``d = 1..D`` (fp32)."""
+    return decay ** torch.arange(ttt_steps, dtype=torch.float32, device=device)
+
+
+def ttt_masks(
+    cu_seqlens: torch.Tensor, loss_region: torch.Tensor, teacher_in_vocab: torch.Tensor, ttt_steps: int
+) -> torch.Tensor:
+    """``[D, T]`` bool: which anchors each pass is trained on (the table's mask row).
+
+    ``loss_region [T]``: token ``t`` may be predicted (e.g. a response token);
+    ``teacher_in_vocab [T]``: the policy's argmax at ``t`` is in the draft vocabulary.
+    Pass ``d`` at ``t`` needs ``x_{t+d+1}`` in the document and in the loss region, and the
+    teacher at ``t + d`` in vocab.
+    """
+    masks = []
+    for d in range(1, ttt_steps + 1):
+        target_ok = shift_in_document(loss_region, d + 1, cu_seqlens, fill=False)
+        teacher_ok = shift_in_document(teacher_in_vocab, d, cu_seqlens, fill=False)
+        masks.append(target_ok & teacher_ok)
+    return torch.stack(masks)
+
+
+def ttt_unroll(
+    draft: Draft,
+    taps: torch.Tensor,
+    embeddings: torch.Tensor,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    loss_region: torch.Tensor,
+    ttt_steps: int,
+) -> TTTStats:
+    """Run the D TTT passes and score each against the policy's teacher.
+
+    ``taps [T, n_taps * H_t]`` and ``embeddings [T, H_t]`` (the policy's token embeddings)
+    and ``teacher_logits [T, V]`` come from the policy's forward and are detached here, so
+    no gradient of the draft ever reaches the policy. ``tokens, positions [T]`` (positions
+    restart per document), ``loss_region [T]`` bool.
+    """
+    taps, embeddings, teacher_logits = taps.detach(), embeddings.detach(), teacher_logits.detach()
+    draft_ids = torch.arange(draft.args.draft_vocab_size, device=tokens.device) + draft.d2t
+    teacher_draft = teacher_logits.float()[:, draft_ids]  # [T, V_d]
+    teacher_in_vocab = draft.t2d[teacher_logits.argmax(dim=-1)]
+    masks = ttt_masks(cu_seqlens, loss_region, teacher_in_vocab, ttt_steps)
+    pass_logits = draft(taps, embeddings, tokens, positions, cu_seqlens, masks)
+    ce_sums, counts, corrects = [], [], []
+    for d, logits in enumerate(pass_logits, start=1):
+        mask = masks[d - 1]
+        teacher = shift_in_document(teacher_draft, d, cu_seqlens)[mask]
+        ce = -(F.softmax(teacher, dim=-1) * F.log_softmax(logits, dim=-1)).sum(-1)
+        ce_sums.append(ce.sum())
+        counts.append(mask.sum())
+        corrects.append((logits.argmax(-1) == teacher.argmax(-1)).sum())
+    return TTTStats(torch.stack(ce_sums), torch.stack(counts), torch.stack(corrects))
+
+
+def draft_loss(stats: TTTStats, weights: torch.Tensor, denominator: torch.Tensor | float) -> torch.Tensor:
+    """``sum_d w_d ce_sum_d / denominator``.
+
+    ``denominator`` is ``sum_d w_d count_d`` over *all* data-parallel ranks (the caller
+    all-reduces it), so that gradients summed across ranks give the global token mean.
+    """
+    denom = torch.as_tensor(denominator, dtype=torch.float32, device=stats.ce_sum.device).clamp(min=1e-12)
+    return (weights.to(stats.ce_sum.device) * stats.ce_sum).sum() / denom
+
+
+def tau(accuracy: torch.Tensor) -> torch.Tensor:
+    """Simulated acceptance length ``1 + sum_k prod_{d<=k} acc_d`` from per-pass accuracy ``[D]``."""
+    return 1 + torch.cumprod(accuracy, dim=0).sum()

@@ -1,67 +1,61 @@
-"""FSDP2 over 2 gloo ranks reproduces the single-device step (gradients are summed on CPU,
-losses divide by the global token count)."""
-
-import copy
+"""FSDP2 over 2 gloo ranks reproduces the single-device co-training step: gradients are
+summed across ranks and every loss divides by the global token count."""
 
 import torch
-import torch.distributed as dist
 
 from tests.multiprocess import run_on_ranks
+from titan_cotrain.cotrain.step import PackedBatch, forward_backward
 from titan_cotrain.models.args import model_args_for
+from titan_cotrain.models.draft import Draft, DraftArgs
 from titan_cotrain.models.transformer import Transformer
 from titan_cotrain.train import next_token_loss_sum, synthetic_packed_batch
 
-
-def _model() -> Transformer:
-    model = Transformer(model_args_for("qwen3", "debugmodel"))
-    model.init_weights(std=0.1, generator=torch.Generator().manual_seed(0))
-    return model
+STEP = dict(ttt_steps=3, pass_decay=0.8, draft_loss_weight=0.5)
 
 
-def _batches(world_size: int):
+def _models() -> tuple[Transformer, Draft]:
+    policy = Transformer(model_args_for("qwen3", "debugmodel"))
+    policy.init_weights(std=0.1, generator=torch.Generator().manual_seed(0))
+    draft = Draft(DraftArgs.from_target(policy.args, n_taps=3))
+    draft.init_weights(std=0.1, generator=torch.Generator().manual_seed(1))
+    return policy, draft
+
+
+def _batches(world_size: int) -> list[PackedBatch]:
     g = torch.Generator().manual_seed(1)
     return [synthetic_packed_batch(2, 24, 256, g) for _ in range(world_size)]
 
 
-def _sgd_step(model, batches, world_size):
-    """One SGD step on ``batches``; returns the loss normalised by the global token count."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    total = sum(int((d[:, 1:] == d[:, :-1]).sum()) for _, d in batches)
-    loss = sum(next_token_loss_sum(model(t, document_ids=d), t, d)[0] for t, d in batches) / total
-    loss.backward()
-    opt.step()
-    return loss.detach()
+def _grads(*models) -> dict[str, torch.Tensor]:
+    return {f"{i}.{n}": p.grad for i, m in enumerate(models) for n, p in m.named_parameters()}
 
 
-def _fsdp_rank(rank, world_size, reference_state, reference_loss):
-    from titan_cotrain.components.titan import init_torchtitan
+def _fsdp_rank(rank, world_size, reference_grads, reference_metrics):
     from torch.distributed.device_mesh import init_device_mesh
 
+    from titan_cotrain.components.titan import init_torchtitan
     from titan_cotrain.parallel.fsdp import apply_fsdp
 
     init_torchtitan()
-    model = _model()
-    apply_fsdp(model, init_device_mesh("cpu", (world_size,)))
-    batches = _batches(world_size)
-    tokens, doc = batches[rank]
-    count = (doc[:, 1:] == doc[:, :-1]).sum()
-    global_count = count.clone()
-    dist.all_reduce(global_count)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    loss_sum, _ = next_token_loss_sum(model(tokens, document_ids=doc), tokens, doc)
-    (loss_sum / global_count).backward()
-    opt.step()
-    loss = (loss_sum / global_count).detach()
-    dist.all_reduce(loss)
-    torch.testing.assert_close(loss, reference_loss, rtol=1e-5, atol=1e-6)
-    for name, param in model.named_parameters():
-        full = param.full_tensor()
-        torch.testing.assert_close(full, reference_state[name], rtol=1e-5, atol=1e-6, msg=name)
+    policy, draft = _models()
+    mesh = init_device_mesh("cpu", (world_size,))
+    apply_fsdp(policy, mesh)
+    apply_fsdp(draft, mesh)
+    metrics = forward_backward(policy, draft, _batches(world_size)[rank], next_token_loss_sum, **STEP)
+    for key in ("loss/policy", "loss/draft", "draft/tau"):
+        torch.testing.assert_close(metrics[key], reference_metrics[key], rtol=1e-5, atol=1e-6, msg=key)
+    for name, grad in _grads(policy, draft).items():
+        torch.testing.assert_close(grad.full_tensor(), reference_grads[name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{name}: {m}")
 
 
-def test_fsdp_step_matches_single_device():
+def test_fsdp_cotrain_step_matches_single_device():
     world_size = 2
-    model = _model()
-    loss = _sgd_step(model, _batches(world_size), world_size)
-    state = {k: v.detach().clone() for k, v in model.named_parameters()}
-    run_on_ranks(_fsdp_rank, world_size, state, loss)
+    policy, draft = _models()
+    batches = _batches(world_size)
+    whole = PackedBatch(*(torch.cat(parts) for parts in zip(*((b.tokens, b.document_ids, b.loss_mask)
+                                                                for b in batches))))
+    metrics = forward_backward(policy, draft, whole, next_token_loss_sum, **STEP)
+    grads = {k: v.clone() for k, v in _grads(policy, draft).items()}
+    assert all(g.abs().sum() > 0 for g in grads.values())
+    run_on_ranks(_fsdp_rank, world_size, grads, metrics)

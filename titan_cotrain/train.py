@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from titan_cotrain.components import titan
 from titan_cotrain.config import ConfigError, load_job_config
-from titan_cotrain.cotrain.step import PackedBatch, clip_and_step, forward_backward
+from titan_cotrain.cotrain.step import PackedBatch, PolicyLoss, clip_and_step, forward_backward
 from titan_cotrain.models.build import build_draft, build_target
 from titan_cotrain.parallel.fsdp import apply_fsdp
 
@@ -36,12 +36,12 @@ def synthetic_packed_batch(batch: int, seq_len: int, vocab: int, generator: torc
     return PackedBatch(tokens, document_ids, torch.ones(batch, seq_len, dtype=torch.bool))
 
 
-def next_token_loss_sum(logits: torch.Tensor, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def next_token_loss_sum(logits: torch.Tensor, batch: PackedBatch) -> PolicyLoss:
     """Summed CE of predicting token t+1 from t inside a document, over targets in the loss mask."""
     tokens, doc = batch.tokens, batch.document_ids
     keep = (doc[:, 1:] == doc[:, :-1]) & batch.loss_mask[:, 1:]
     ce = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten(), reduction="none")
-    return (ce * keep.flatten()).sum(), keep.sum()
+    return PolicyLoss((ce * keep.flatten()).sum(), keep.sum())
 
 
 def _init_distributed(config) -> int:

@@ -126,3 +126,7 @@ def test_tensor_parallel_is_refused():
 
 def test_foreign_custom_config_module(tmp_path):
     _expect(_write(tmp_path, '[job]\ncustom_config_module = "somewhere.else"\n'), "job.custom_config_module")
+
+
+def test_unknown_task():
+    _expect(DEFAULT, "task.name", "unknown task 'chess'", "arithmetic, sort", overrides=("--task.name", "chess"))

@@ -27,9 +27,9 @@ class Model:
     """Local Hugging Face folder (``config.json`` + ``*.safetensors``) to start the policy
     from. Its ``config.json`` fixes the shape; empty means random init of ``flavor``."""
 
-    hf_assets_path: str = "assets"
+    hf_assets_path: str = "assets/tokenizer"
     """Folder with ``tokenizer.json`` (torchtitan's key). Defaults to the project's
-    byte-level tokenizer in ``assets/``."""
+    character-level tokenizer. A model loaded from ``hf_path`` uses its own folder's."""
 
 
 @dataclass
@@ -124,7 +124,7 @@ class Rollout:
 @dataclass
 class Task:
     name: str = "arithmetic"
-    """Verifiable task that generates prompts and scores responses."""
+    """Verifiable task that generates prompts and scores responses: ``arithmetic`` or ``sort``."""
 
     seed: int = 0
     """Seed of the task's deterministic data generator."""

@@ -119,6 +119,10 @@ def validate_job_config(config, world_size: int, source: str = "<config>") -> No
             f"parallelism.pipeline_parallel_microbatch_size ({mb}) must divide "
             f"training.local_batch_size ({config.training.local_batch_size})"
         )
+    from titan_cotrain.rl.tasks import TASKS
+
+    if config.task.name not in TASKS:
+        errors.append(f"task.name: unknown task {config.task.name!r}; known: {', '.join(sorted(TASKS))}")
     try:
         args = resolve_model_args(config)
         if config.draft.enable:

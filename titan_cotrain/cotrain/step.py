@@ -10,6 +10,7 @@ data-parallel group), because FSDP sums gradients across ranks.
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -20,21 +21,39 @@ from titan_cotrain.data.packing import layout_from_document_ids
 from titan_cotrain.models.draft import Draft
 from titan_cotrain.models.transformer import Transformer
 
-__all__ = ["PackedBatch", "PolicyLossFn", "clip_and_step", "forward_backward"]
+__all__ = ["PackedBatch", "PolicyLoss", "PolicyLossFn", "clip_and_step", "forward_backward"]
 
 
 @dataclass
 class PackedBatch:
-    """Packed training rows: ``tokens, document_ids: int64 [B, S]``; ``loss_mask: bool
-    [B, S]``, True where token ``t`` is a training target (the response region in RL)."""
+    """Packed training rows, all ``[B, S]`` and aligned with ``tokens``: ``document_ids``;
+    ``loss_mask`` (bool), True where token ``t`` is a training target (the response region
+    in RL). RL rows also carry ``advantages`` (each token its sample's advantage),
+    ``old_logprobs`` (behaviour log-prob of token ``t``) and, with a KL term,
+    ``ref_logprobs``."""
 
     tokens: torch.Tensor
     document_ids: torch.Tensor
     loss_mask: torch.Tensor
+    advantages: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+
+    def to(self, device) -> "PackedBatch":
+        return PackedBatch(*(None if t is None else t.to(device) for t in (
+            self.tokens, self.document_ids, self.loss_mask, self.advantages, self.old_logprobs, self.ref_logprobs)))
 
 
-# (logits [B, S, V], batch) -> (summed loss over local tokens, local token count)
-PolicyLossFn = Callable[[torch.Tensor, PackedBatch], tuple[torch.Tensor, torch.Tensor]]
+class PolicyLoss(NamedTuple):
+    """A policy loss over the local tokens: ``loss_sum``, ``count`` (tokens it sums over)
+    and ``metric_sums`` (per-token quantities summed, reported divided by the global count)."""
+
+    loss_sum: torch.Tensor
+    count: torch.Tensor
+    metric_sums: dict[str, torch.Tensor] = {}
+
+
+PolicyLossFn = Callable[[torch.Tensor, PackedBatch], PolicyLoss]
 
 
 def _global_sum(x: torch.Tensor, group) -> torch.Tensor:
@@ -64,9 +83,11 @@ def forward_backward(
     layout = layout_from_document_ids(batch.document_ids)
     out = policy(batch.tokens, cu_seqlens=layout.cu_seqlens, return_taps=draft is not None)
     logits = out.logits if draft is not None else out
-    policy_sum, policy_count = policy_loss_fn(logits, batch)
-    policy_loss = policy_sum / _global_sum(policy_count, group).clamp(min=1)
+    policy_sum, policy_count, metric_sums = policy_loss_fn(logits, batch)
+    global_count = _global_sum(policy_count, group).clamp(min=1)
+    policy_loss = policy_sum / global_count
     metrics = {"loss/policy": _global_sum(policy_loss, group)}
+    metrics |= {name: _global_sum(value, group) / global_count for name, value in metric_sums.items()}
     loss = policy_loss
     if draft is not None:
         b, s = batch.tokens.shape

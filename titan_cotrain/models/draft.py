@@ -16,10 +16,12 @@ unless the draft's hidden size differs from the target's, in which case the draf
 exporter maps them one to one.
 """
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from titan_cotrain.data.packing import shift_in_document
@@ -27,7 +29,7 @@ from titan_cotrain.models.args import ModelArgs, RopeScaling
 from titan_cotrain.models.transformer import FeedForward, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 from titan_cotrain.ops import branch_attention
 
-__all__ = ["Draft", "DraftArgs", "draft_vocab_from_counts", "identity_vocab_maps"]
+__all__ = ["Draft", "DraftArgs", "DraftKVCache", "draft_vocab_from_counts", "identity_vocab_maps"]
 
 
 @dataclass(frozen=True)
@@ -133,11 +135,40 @@ class DraftLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class DraftKVCache:
+    """The draft's static inference cache: ``k, v [B, max_len + chain_len, Hkv, Dh]``, allocated once.
+
+    Slots ``[0, max_len)`` are the *trunk*: slot ``j`` holds the pass-1 key/value of anchor
+    ``j`` (RoPE position ``j``). Slot ``max_len + c`` is the *chain*'s: the key/value of pass
+    ``c + 2`` at the current drafting anchor, overwritten every drafting round. Each row is
+    one sequence and advances on its own.
+    """
+
+    def __init__(self, batch: int, max_len: int, chain_len: int, n_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        shape = (batch, max_len + chain_len, n_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[0]
+
+    def rows(self, batch: int) -> "DraftKVCache":
+        """A view of the first ``batch`` sequences: same storage, nothing allocated."""
+        view = copy.copy(self)
+        view.k, view.v = self.k[:batch], self.v[:batch]
+        return view
+
+
 class Draft(nn.Module):
     """The EAGLE-3 draft model.
 
     ``forward`` runs the whole TTT unroll over packed tokens (training); ``forward_pass``
-    is one pass of it, also the building block of drafting at rollout time.
+    is one pass of it. Drafting at rollout time runs the same passes against a static
+    ``DraftKVCache``: ``extend`` (pass 1 over newly committed positions) and ``chain_step``
+    (pass ``d >= 2`` at the last one), batched over sequences at their own offsets.
     """
 
     def __init__(self, args: DraftArgs, d2t: torch.Tensor | None = None, t2d: torch.Tensor | None = None) -> None:
@@ -246,3 +277,72 @@ class Draft(nn.Module):
                 branch_kv.append(kv)
             logits.append(self.logits(hidden[select[d - 1]]))
         return logits
+
+    def new_kv_cache(self, batch: int, max_len: int, chain_len: int, dtype: torch.dtype | None = None) -> DraftKVCache:
+        """A static drafting cache: ``max_len`` trunk positions, ``chain_len`` (= k - 1) chain slots."""
+        a = self.args
+        return DraftKVCache(batch, max_len, chain_len, a.n_kv_heads, a.head_dim, dtype or self.fc.weight.dtype,
+                            self.fc.weight.device)
+
+    def extend(self, taps: torch.Tensor, embeds: torch.Tensor, start_pos: torch.Tensor,
+               cache: DraftKVCache) -> torch.Tensor:
+        """TTT pass 1 over ``s`` new anchors ``j = start_pos[b] + 0..s-1`` of every sequence.
+
+        ``taps [B, s, n_taps * H_t]``: the target's taps at positions ``j``; ``embeds [B, s, H]``:
+        the draft's embeddings (``embed``) of the tokens at ``j + 1``. Writes the pass-1
+        key/value of anchor ``j`` to trunk slot ``j`` and returns ``h^1_j [B, s, H]``.
+
+        Invariant (drafting reads what training wrote): trunk slot ``j`` holds exactly the key
+        TTT pass 1 computes at anchor ``j`` -- input ``[e(x_{j+1}) ; fc(taps_j)]`` at RoPE
+        position ``j`` -- and anchor ``j`` attends to trunk slots ``<= j``, the trunk of branch
+        attention. Slots past a sequence's last committed anchor may hold stale keys (of
+        rejected drafts, or of prompt padding); no query sees them (``<= j``) before they are
+        rewritten.
+        """
+        b, s, _ = embeds.shape
+        positions = start_pos.view(b, 1).to(torch.int64) + torch.arange(s, device=embeds.device)
+        slot = torch.arange(cache.k.shape[1], device=embeds.device)
+        visible = (slot < cache.max_len) & (slot <= positions.unsqueeze(-1))  # [B, s, slots]
+        return self._cached_pass(embeds, self.fuse(taps), positions, positions, visible, cache)
+
+    def chain_step(self, embeds: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor, depth: int,
+                   cache: DraftKVCache) -> torch.Tensor:
+        """TTT pass ``depth >= 2`` at each sequence's drafting ``anchor [B]``.
+
+        ``embeds [B, H]``: the draft's embedding of the token pass ``depth - 1`` drafted;
+        ``hidden [B, H]``: that pass's output ``h^{depth-1}``. RoPE position
+        ``anchor + depth - 1``; the key goes to chain slot ``depth - 2``. The query sees the
+        trunk slots ``<= anchor`` (pass-1 keys, see ``extend``) and the chain slots of passes
+        ``2..depth`` -- the branch of branch attention -- so a chain step computes what TTT
+        pass ``depth`` computes at ``anchor`` given the drafted tokens. Returns ``h^depth [B, H]``.
+        """
+        b, device = hidden.shape[0], hidden.device
+        positions = (anchor.to(torch.int64) + depth - 1).view(b, 1)
+        slot = torch.arange(cache.k.shape[1], device=device)
+        trunk = slot <= anchor.view(b, 1)
+        chain = (slot >= cache.max_len) & (slot < cache.max_len + depth - 1)
+        chain_slot = torch.full((b, 1), cache.max_len + depth - 2, dtype=torch.int64, device=device)
+        out = self._cached_pass(embeds.unsqueeze(1), hidden.unsqueeze(1), positions, chain_slot,
+                                (trunk | chain).unsqueeze(1), cache)
+        return out.squeeze(1)
+
+    def _cached_pass(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                     visible: torch.Tensor, cache: DraftKVCache) -> torch.Tensor:
+        """One pass over ``[B, s]`` queries (``embeds, hidden [B, s, H]``, RoPE ``positions [B, s]``):
+        write its keys/values to cache ``slots [B, s]``, then attend to the slots that
+        ``visible: bool [B, s, n_slots]`` allows. Returns ``[B, s, H]``."""
+        layer, attn = self.midlayer, self.midlayer.self_attn
+        b, s, _ = hidden.shape
+        cos, sin = self.rope(positions.reshape(-1), hidden.dtype)
+        q, k, v = attn.qkv(layer.attention_input(embeds, hidden).reshape(b * s, -1), cos, sin)
+        rows = torch.arange(b, device=slots.device).unsqueeze(1)
+        cache.k[rows, slots] = k.view(b, s, *k.shape[1:]).to(cache.k.dtype)
+        cache.v[rows, slots] = v.view(b, s, *v.shape[1:]).to(cache.v.dtype)
+        out = F.scaled_dot_product_attention(
+            q.view(b, s, *q.shape[1:]).transpose(1, 2),
+            cache.k.transpose(1, 2),
+            cache.v.transpose(1, 2),
+            attn_mask=visible.unsqueeze(1),
+            enable_gqa=attn.n_heads != attn.n_kv_heads,
+        )
+        return layer.finish(hidden, out.transpose(1, 2))

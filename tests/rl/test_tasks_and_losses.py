@@ -1,0 +1,125 @@
+"""Tasks and rewards, GRPO advantages, the PPO-clipped loss, and rollout packing."""
+
+import random
+
+import pytest
+import torch
+
+from titan_cotrain.rl.batching import Sample, pack_samples
+from titan_cotrain.rl.grpo import group_advantages, ppo_loss, token_logprobs
+from titan_cotrain.rl.tasks import get_task
+
+
+def test_arithmetic_demonstrations_earn_reward_and_mix_styles():
+    task = get_task("arithmetic")
+    rng = random.Random(0)
+    styles = set()
+    for _ in range(50):
+        problem = task.sample(rng)
+        demo = task.demonstration(problem, rng)
+        assert demo.endswith(f"#{problem.answer}")
+        assert 0.5 <= task.reward(problem, demo) <= 1.0
+        styles.add(task.preferred_fraction(problem, demo) == 1.0)
+    assert styles == {True, False}
+
+
+def test_arithmetic_reward_prefers_running_sum_first():
+    task = get_task("arithmetic")
+    problem = task.sample(random.Random(1))
+    a, b, *rest = problem.numbers
+    preferred, total = [], a
+    for x in problem.numbers[1:]:
+        preferred.append(f"{total}+{x}={total + x}")
+        total += x
+    assert task.reward(problem, ";".join(preferred) + f";#{total}") == 1.0
+    assert task.reward(problem, f"#{total}") == 0.5  # right answer, no working
+    assert task.reward(problem, f"#{total + 1}") == 0.0
+    assert task.reward(problem, "garbage") == 0.0
+
+
+def test_sort_reward_gives_partial_credit():
+    task = get_task("sort")
+    problem = task.sample(random.Random(2))
+    assert task.reward(problem, task.demonstration(problem, random.Random(0))) == 1.0
+    assert 0 <= task.reward(problem, "1,2#") < 1.0
+    assert task.reward(problem, "") == 0.0
+
+
+def test_tasks_are_deterministic_and_unknown_names_fail():
+    task = get_task("arithmetic")
+    assert [task.sample(random.Random(5)) for _ in range(2)][0] == task.sample(random.Random(5))
+    with pytest.raises(ValueError, match="unknown task 'chess'"):
+        get_task("chess")
+
+
+def test_group_advantages():
+    adv = group_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0, 2.0, 2.0, 2.0, 2.0]), 4)
+    assert adv[:4].sum().abs() < 1e-6 and adv[0] > 0 > adv[1]
+    assert torch.equal(adv[4:], torch.zeros(4))
+    with pytest.raises(ValueError):
+        group_advantages(torch.zeros(5), 4)
+
+
+def _samples():
+    return [
+        Sample(prompt=[5, 6], response=[7, 8, 2], logprobs=[-1.0, -2.0, -0.5], reward=1.0, advantage=0.7),
+        Sample(prompt=[5], response=[9, 2], logprobs=[-0.3, -0.2], reward=0.0, advantage=-0.7),
+        Sample(prompt=[5, 5, 5, 5], response=[6, 6, 6, 6, 2], logprobs=[-0.1] * 5, reward=0.0, advantage=0.1),
+    ]
+
+
+def test_packing_places_every_sample_once():
+    batch = pack_samples(_samples(), seq_len=10, pad_id=0)
+    assert batch.tokens.shape == (2, 10)
+    assert int(batch.loss_mask.sum()) == 3 + 2 + 5
+    # Row 0: the 9-token sample then padding; row 1: the 5- and 3-token samples then padding.
+    assert batch.tokens[0, :9].tolist() == [5, 5, 5, 5, 6, 6, 6, 6, 2]
+    assert batch.loss_mask[0].tolist() == [False] * 4 + [True] * 5 + [False]
+    assert batch.document_ids[0].tolist() == [0] * 9 + [1]
+    assert batch.tokens[1, :8].tolist() == [5, 6, 7, 8, 2, 5, 9, 2]
+    assert batch.old_logprobs[1, 2:5].tolist() == [-1.0, -2.0, -0.5]
+    assert batch.advantages[1, 6:8].tolist() == pytest.approx([-0.7, -0.7])
+    assert pack_samples(_samples(), seq_len=10, pad_id=0, rows_multiple_of=4).tokens.shape[0] == 4
+
+
+def test_packing_skips_overlong_and_refuses_empty(caplog):
+    batch = pack_samples(_samples(), seq_len=6, pad_id=0)
+    assert int(batch.loss_mask.sum()) == 5
+    assert "skipped 1 of 3" in caplog.text
+    with pytest.raises(ValueError, match="no trainable sample"):
+        pack_samples(_samples(), seq_len=2, pad_id=0)
+
+
+def test_ppo_loss_matches_a_direct_computation():
+    torch.manual_seed(0)
+    batch = pack_samples(_samples(), seq_len=10, pad_id=0)
+    logits = torch.randn(2, 10, 12, requires_grad=True)
+    loss_sum, count, sums = ppo_loss(0.2, 0.3)(logits, batch)
+    assert count == 10
+    logp = token_logprobs(logits, batch.tokens)
+    expected = 0.0
+    for b in range(2):
+        for t in range(1, 10):
+            if batch.loss_mask[b, t]:
+                r = torch.exp(logp[b, t - 1] - batch.old_logprobs[b, t])
+                a = batch.advantages[b, t]
+                expected = expected - torch.minimum(r * a, r.clamp(0.8, 1.3) * a)
+    torch.testing.assert_close(loss_sum, expected)
+    assert 0 <= sums["rl/clip_fraction"] <= count
+    # On-policy (ratio 1) the gradient is -A * grad log p.
+    on_policy = pack_samples(_samples(), seq_len=10, pad_id=0)
+    on_policy.old_logprobs[:, 1:] = torch.where(on_policy.loss_mask[:, 1:], logp.detach(), 0.0)
+    loss_sum, _, sums = ppo_loss(0.2, 0.2)(logits, on_policy)
+    assert sums["rl/clip_fraction"] == 0
+    loss_sum.backward()
+    assert logits.grad.abs().sum() > 0
+
+
+def test_kl_term_is_zero_at_the_reference():
+    batch = pack_samples(_samples(), seq_len=10, pad_id=0)
+    logits = torch.randn(2, 10, 12)
+    logp = token_logprobs(logits, batch.tokens)
+    batch.ref_logprobs = torch.zeros(2, 10)
+    batch.ref_logprobs[:, 1:] = logp
+    _, _, sums = ppo_loss(0.2, 0.2, kl_coef=0.1)(logits, batch)
+    assert sums["rl/kl_ref"].abs() < 1e-6

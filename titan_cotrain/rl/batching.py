@@ -1,0 +1,77 @@
+"""Rollout samples -> packed training rows (many documents per row).
+
+A document is one sample: prompt tokens then response tokens (ending in EOS when the
+model stopped). Only response tokens are trained on (``loss_mask``); each carries its
+behaviour log-prob and its sample's advantage. Rows are filled first-fit by decreasing
+length; the unused tail of a row is one padding document with an empty loss mask.
+"""
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from titan_cotrain.cotrain.step import PackedBatch
+
+__all__ = ["Sample", "pack_samples"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Sample:
+    """One rollout: ``prompt`` and ``response`` token ids, ``logprobs`` (behaviour
+    log-prob of each response token), its ``reward`` and group-normalised ``advantage``."""
+
+    prompt: list[int]
+    response: list[int]
+    logprobs: list[float]
+    reward: float
+    advantage: float = 0.0
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.response)
+
+
+def pack_samples(samples: list[Sample], seq_len: int, pad_id: int, rows_multiple_of: int = 1) -> PackedBatch:
+    """Pack ``samples`` into ``[R, seq_len]`` rows (``R`` rounded up to ``rows_multiple_of``).
+
+    Samples longer than ``seq_len`` cannot be trained on whole: they are skipped with a
+    logged warning rather than truncated (a truncated sample would train on a wrong
+    advantage). Raises ``ValueError`` when nothing is left to train on.
+    """
+    fitting = [s for s in samples if len(s) <= seq_len]
+    if len(fitting) < len(samples):
+        logger.warning("skipped %d of %d samples longer than training.seq_len = %d",
+                       len(samples) - len(fitting), len(samples), seq_len)
+    if not any(s.response for s in fitting):
+        raise ValueError(f"no trainable sample: {len(samples)} samples, none with a response within seq_len {seq_len}")
+    rows: list[list[Sample]] = []
+    free: list[int] = []
+    for sample in sorted(fitting, key=len, reverse=True):
+        for i, space in enumerate(free):
+            if len(sample) <= space:
+                rows[i].append(sample)
+                free[i] -= len(sample)
+                break
+        else:
+            rows.append([sample])
+            free.append(seq_len - len(sample))
+    n_rows = -(-len(rows) // rows_multiple_of) * rows_multiple_of
+    tokens = torch.full((n_rows, seq_len), pad_id, dtype=torch.long)
+    document_ids = torch.zeros(n_rows, seq_len, dtype=torch.long)
+    loss_mask = torch.zeros(n_rows, seq_len, dtype=torch.bool)
+    advantages = torch.zeros(n_rows, seq_len)
+    old_logprobs = torch.zeros(n_rows, seq_len)
+    for r, row in enumerate(rows):
+        pos = 0
+        for doc, sample in enumerate(row):
+            p, n = len(sample.prompt), len(sample)
+            tokens[r, pos : pos + n] = torch.tensor(sample.prompt + sample.response)
+            document_ids[r, pos : pos + n] = doc
+            loss_mask[r, pos + p : pos + n] = True
+            advantages[r, pos + p : pos + n] = sample.advantage
+            old_logprobs[r, pos + p : pos + n] = torch.tensor(sample.logprobs, dtype=torch.float32)
+            pos += n
+        document_ids[r, pos:] = len(row)  # the padding tail is a document of its own
+    return PackedBatch(tokens, document_ids, loss_mask, advantages, old_logprobs)

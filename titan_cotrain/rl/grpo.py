@@ -1,0 +1,59 @@
+"""GRPO: group-normalised advantages and the PPO-clipped, token-level policy loss.
+
+Shapes follow ``PackedBatch``: everything ``[B, S]`` and aligned with ``tokens``, so
+``old_logprobs[b, t]`` is the behaviour policy's log-probability of ``tokens[b, t]``
+(from the logits that sampled it), meaningful where ``loss_mask[b, t]`` (response tokens).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from titan_cotrain.cotrain.step import PackedBatch, PolicyLoss
+
+__all__ = ["group_advantages", "ppo_loss"]
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+    """``(r - mean_g) / (std_g + eps)`` within consecutive groups of ``group_size`` samples.
+
+    ``rewards: [N]`` with ``N`` a multiple of ``group_size``; a group whose rewards are all
+    equal gets zero advantages (it carries no signal).
+    """
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    groups = rewards.float().view(-1, group_size)
+    centred = groups - groups.mean(dim=1, keepdim=True)
+    return (centred / (groups.std(dim=1, keepdim=True) + eps)).flatten()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``[B, S-1]``: log-probability of ``tokens[:, t+1]`` under ``logits[:, t]``."""
+    return torch.gather(F.log_softmax(logits[:, :-1].float(), dim=-1), 2, tokens[:, 1:, None]).squeeze(-1)
+
+
+def ppo_loss(clip_eps_low: float, clip_eps_high: float, kl_coef: float = 0.0):
+    """The policy loss function for ``forward_backward``: PPO-clipped ratio against the
+    behaviour log-probs times the token's advantage, summed over response tokens (the
+    caller divides by the global token count: token-mean aggregation), plus
+    ``kl_coef * KL(policy || reference)`` by the non-negative k3 estimator when on."""
+
+    def loss_fn(logits: torch.Tensor, batch: PackedBatch) -> PolicyLoss:
+        logp = token_logprobs(logits, batch.tokens)
+        mask = (batch.loss_mask[:, 1:] & (batch.document_ids[:, 1:] == batch.document_ids[:, :-1])).float()
+        old = batch.old_logprobs[:, 1:]
+        adv = batch.advantages[:, 1:]
+        ratio = torch.exp(logp - old)
+        clipped_ratio = ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high)
+        per_token = -torch.minimum(ratio * adv, clipped_ratio * adv)
+        sums = {
+            "rl/clip_fraction": ((ratio != clipped_ratio).float() * mask).sum().detach(),
+            "rl/ratio": (ratio * mask).sum().detach(),
+        }
+        if kl_coef > 0:
+            delta = batch.ref_logprobs[:, 1:] - logp
+            kl = torch.exp(delta) - delta - 1
+            per_token = per_token + kl_coef * kl
+            sums["rl/kl_ref"] = (kl * mask).sum().detach()
+        return PolicyLoss((per_token * mask).sum(), mask.sum(), sums)
+
+    return loss_fn

@@ -1,0 +1,129 @@
+"""Sampling: temperature / top-k / top-p, seeded draws, and lossless speculative acceptance.
+
+Every distribution here is a ``[..., V]`` fp32 tensor of probabilities, never renormalised
+in place: callers keep the *processed* logits (after temperature and filtering) so that
+behaviour log-probabilities are those of the distribution actually sampled from.
+
+Greedy decoding (``temperature == 0``) is the one-hot distribution on the argmax. With
+one-hots the speculative rule below accepts a drafted token iff it is the target's
+argmax and otherwise emits the target's argmax: greedy speculative decoding is exactly
+greedy decoding, with no separate code path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["SamplingParams", "processed_logits", "sample", "sampling_probs", "speculative_accept"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How responses are sampled (mirrors the ``[rollout]`` config section).
+
+    ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` switch those filters
+    off. Generation of a sequence stops after ``eos_token_id`` (which is kept in the
+    response) or after ``max_new_tokens`` tokens.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def processed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``logits [..., V]`` -> fp32 logits of the sampling distribution: divided by the
+    temperature, ``-inf`` outside the top-k and the top-p nucleus (the smallest set of the
+    most likely tokens whose mass reaches ``top_p``; the most likely token always stays).
+
+    Greedy returns the raw logits: its behaviour log-probabilities are reported under
+    temperature 1 (the one-hot it samples from has no useful log-probabilities).
+    """
+    logits = logits.float()
+    if params.greedy:
+        return logits
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs
+        drop_sorted = mass_before >= params.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution ``[..., V]`` (fp32) that tokens are drawn from; one-hot when greedy.
+
+    ``logits`` are ``processed_logits``' output."""
+    if params.greedy:
+        return F.one_hot(logits.argmax(-1), logits.shape[-1]).to(torch.float32)
+    return logits.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row of ``probs [..., V]`` (need not be normalised): ``argmax(probs / E)``
+    with ``E ~ Exponential(1)``, which picks ``i`` with probability ``probs_i / sum(probs)``.
+    Zero-probability entries are never picked. Returns int64 ``[...]``."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / noise).argmax(-1)
+
+
+def speculative_accept(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    draft_to_target: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lossless speculative sampling over a chain of ``k`` drafted tokens, ragged over the batch.
+
+    ``draft_tokens: int64 [B, k]`` draft-vocabulary ids, drawn from ``draft_probs [B, k, V_d]``;
+    ``draft_to_target: int64 [V_d]`` maps draft ids to target ids; ``target_probs [B, k + 1, V]``
+    is the target's distribution at the ``k`` drafted positions and the one after them.
+
+    Token ``i`` is accepted with probability ``min(1, p_i(t) / q_i(t))`` while all before it
+    were. At the first rejection the next token is drawn from ``norm(max(p - q, 0))``, where
+    ``q`` is zero outside the draft vocabulary; when all ``k`` are accepted, a bonus token is
+    drawn from ``p_{k+1}``. Every emitted token is then distributed exactly as under ``p``.
+    Returns ``n_accepted: int64 [B]`` in ``0..k`` and ``next_token: int64 [B]`` (target id).
+    """
+    b, k = draft_tokens.shape
+    rows = torch.arange(b, device=draft_tokens.device)
+    p_draft = target_probs[:, :k].gather(-1, draft_to_target[draft_tokens].unsqueeze(-1)).squeeze(-1)
+    q_draft = draft_probs.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
+    uniform = torch.rand(b, k, generator=generator, device=draft_probs.device)
+    accepted = (uniform * q_draft < p_draft).long().cumprod(-1)  # u < p / q, without dividing by q
+    n_accepted = accepted.sum(-1)
+    p_next = target_probs[rows, n_accepted]  # [B, V]
+    q_next = torch.zeros_like(p_next)
+    if k:
+        rejected = (n_accepted < k).unsqueeze(-1)
+        q_next[:, draft_to_target] = draft_probs[rows, n_accepted.clamp(max=k - 1)] * rejected
+    residual = (p_next - q_next).clamp(min=0)
+    # p == q up to rounding can leave a zero residual on a rejection of probability ~0: use p.
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
+    return n_accepted, sample(residual, generator)

@@ -1,11 +1,18 @@
-"""The main job runs end to end on 2 CPU processes, and a bad config stops it cleanly."""
+"""The main job end to end on 2 CPU processes: warm start, RL with co-training, metrics,
+checkpoints, and a resume that continues bit-identically. A bad config stops it cleanly."""
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+SHORT = ("--task.sft_steps", "2", "--training.steps", "2", "--task.sft_batch_size", "8",
+         "--rl.prompts_per_step", "2", "--rl.group_size", "2", "--rollout.max_new_tokens", "12",
+         "--training.seq_len", "64", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0",
+         "--lr_scheduler.warmup_steps", "1")
 
 
 def _run(*args: str, nproc: int | None = 2) -> subprocess.CompletedProcess:
@@ -16,14 +23,37 @@ def _run(*args: str, nproc: int | None = 2) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
-def test_main_job_runs_and_logs(tmp_path):
-    result = _run("--training.steps", "3", "--job.dump_folder", str(tmp_path))
-    assert result.returncode == 0, result.stdout + result.stderr
-    steps = [line for line in result.stdout.splitlines() if line.startswith("step ")]
-    assert len(steps) == 3, result.stdout
-    assert all("loss" in line for line in steps)
-    events = list((tmp_path / "tb").glob("events.out.tfevents.*"))
-    assert events, "no TensorBoard event file written"
+def _metrics(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_main_job_trains_logs_checkpoints_and_resumes_exactly(tmp_path):
+    full = tmp_path / "full"
+    result = _run(*SHORT, "--job.dump_folder", str(full))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    metrics = _metrics(full)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert [m["phase"] for m in metrics] == ["sft", "sft", "rl", "rl"]
+    for m in metrics[2:]:
+        assert {"reward/mean", "reward/std", "rollout/acceptance_length", "rollout/tokens_per_s", "loss/draft",
+                "draft/acc_pass1", "draft/tau", "grad_norm/policy", "grad_norm/draft", "time/rollout_s",
+                "rl/clip_fraction"} <= m.keys()
+    assert list((full / "tb").glob("events.out.tfevents.*"))
+    assert sorted(p.name for p in (full / "checkpoint").iterdir()) == ["step-2", "step-4"]
+
+    # A second run that finds only the step-2 checkpoint resumes there and repeats steps 3-4.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(full / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
+    result = _run(*SHORT, "--job.dump_folder", str(resumed))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "resumed from step 2" in result.stdout
+    again = _metrics(resumed)
+    assert [m["step"] for m in again] == [3, 4]
+    volatile = ("time/", "memory/", "rollout/tokens_per_s")
+    for a, b in zip(metrics[2:], again):
+        for key, value in a.items():
+            if not key.startswith(volatile):
+                assert b[key] == value, (key, value, b[key])
 
 
 def test_bad_config_fails_with_one_message(tmp_path):

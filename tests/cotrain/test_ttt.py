@@ -12,7 +12,8 @@ from titan_cotrain.data.packing import layout_from_document_ids, shift_in_docume
 from titan_cotrain.models.args import model_args_for
 from titan_cotrain.models.draft import Draft, DraftArgs, draft_vocab_from_counts
 from titan_cotrain.models.transformer import Transformer, apply_rope, rope_cos_sin
-from titan_cotrain.train import next_token_loss_sum, synthetic_packed_batch
+from tests.batches import synthetic_packed_batch
+from titan_cotrain.rl.trainer import next_token_loss
 
 
 def _target(seed=0, dtype=torch.float32) -> Transformer:
@@ -203,7 +204,7 @@ def _policy_grads(with_draft: bool):
     target = _target()
     draft = _draft(target) if with_draft else None
     batch = synthetic_packed_batch(2, 24, 256, torch.Generator().manual_seed(3))
-    metrics = forward_backward(target, draft, batch, next_token_loss_sum, ttt_steps=3, pass_decay=0.8,
+    metrics = forward_backward(target, draft, batch, next_token_loss, ttt_steps=3, pass_decay=0.8,
                                draft_loss_weight=1.0)
     return {n: p.grad.clone() for n, p in target.named_parameters()}, draft, metrics
 
@@ -236,7 +237,7 @@ def test_policy_and_draft_are_clipped_separately():
     target = _target()
     draft = _draft(target)
     batch = synthetic_packed_batch(2, 24, 256, torch.Generator().manual_seed(3))
-    forward_backward(target, draft, batch, next_token_loss_sum, ttt_steps=2, pass_decay=0.8, draft_loss_weight=1.0)
+    forward_backward(target, draft, batch, next_token_loss, ttt_steps=2, pass_decay=0.8, draft_loss_weight=1.0)
     policy_opt, draft_opt = _NormRecorder(target.parameters()), _NormRecorder(draft.parameters())
     norms = clip_and_step(target, draft, policy_opt, draft_opt, policy_max_norm=1e-3, draft_max_norm=5e-4)
     assert norms["grad_norm/policy"] > 1e-2 and norms["grad_norm/draft"] > 1e-2  # pre-clip norms

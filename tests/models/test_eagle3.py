@@ -259,7 +259,7 @@ def test_caller_taps_must_agree_with_the_config(tmp_path):
 def test_save_rejects_what_the_engines_cannot_load(tmp_path):
     with pytest.raises(ValueError, match="exactly 3"):
         save_eagle3(Draft(DraftArgs.from_target(TARGET, n_taps=2)), tmp_path, TAPS[:2])
-    with pytest.raises(ValueError, match="expected 3"):
+    with pytest.raises(ValueError, match=r"fc fuses 3 taps, but the tap layers are \[1, 3\]"):
         save_eagle3(make_draft(), tmp_path, (1, 3))
     with pytest.raises(ValueError, match="increasing"):
         save_eagle3(make_draft(), tmp_path, (3, 1, 4))

@@ -8,7 +8,8 @@ from titan_cotrain.cotrain.step import PackedBatch, forward_backward
 from titan_cotrain.models.args import model_args_for
 from titan_cotrain.models.draft import Draft, DraftArgs
 from titan_cotrain.models.transformer import Transformer
-from titan_cotrain.train import next_token_loss_sum, synthetic_packed_batch
+from tests.batches import synthetic_packed_batch
+from titan_cotrain.rl.trainer import next_token_loss
 
 STEP = dict(ttt_steps=3, pass_decay=0.8, draft_loss_weight=0.5)
 
@@ -41,7 +42,7 @@ def _fsdp_rank(rank, world_size, reference_grads, reference_metrics):
     mesh = init_device_mesh("cpu", (world_size,))
     apply_fsdp(policy, mesh)
     apply_fsdp(draft, mesh)
-    metrics = forward_backward(policy, draft, _batches(world_size)[rank], next_token_loss_sum, **STEP)
+    metrics = forward_backward(policy, draft, _batches(world_size)[rank], next_token_loss, **STEP)
     for key in ("loss/policy", "loss/draft", "draft/tau"):
         torch.testing.assert_close(metrics[key], reference_metrics[key], rtol=1e-5, atol=1e-6, msg=key)
     for name, grad in _grads(policy, draft).items():
@@ -55,7 +56,7 @@ def test_fsdp_cotrain_step_matches_single_device():
     batches = _batches(world_size)
     whole = PackedBatch(*(torch.cat(parts) for parts in zip(*((b.tokens, b.document_ids, b.loss_mask)
                                                                 for b in batches))))
-    metrics = forward_backward(policy, draft, whole, next_token_loss_sum, **STEP)
+    metrics = forward_backward(policy, draft, whole, next_token_loss, **STEP)
     grads = {k: v.clone() for k, v in _grads(policy, draft).items()}
     assert all(g.abs().sum() > 0 for g in grads.values())
     run_on_ranks(_fsdp_rank, world_size, grads, metrics)

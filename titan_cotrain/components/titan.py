@@ -2,7 +2,7 @@
 
 Everything the project takes from torchtitan goes through here: parallel dims and the
 device mesh, the optimizer and LR-schedule containers, grad-norm clipping across
-meshes, and the TensorBoard logger. This is also the one place that resolves the
+meshes, the pipeline's default layer split, and the TensorBoard logger. This is also the one place that resolves the
 device type, and where torchtitan's CPU gaps are closed (each skipped when CUDA is
 present):
 
@@ -28,6 +28,7 @@ from torch import nn
 TORCHTITAN_VERSION = "0.2.2"
 
 __all__ = [
+    "build_checkpointer",
     "build_lr_schedulers",
     "build_optimizers",
     "build_parallel_dims",
@@ -36,6 +37,8 @@ __all__ = [
     "device_type",
     "fsdp_sum_gradients",
     "init_torchtitan",
+    "load_tokenizer",
+    "model_stateful",
     "tensorboard_logger",
 ]
 
@@ -124,6 +127,18 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, pp_mesh
     return titan_clip(list(parameters), max_norm, foreach=True, pp_mesh=pp_mesh)
 
 
+def pipeline_layer_split(
+    num_stages: int, n_layers: int, first_stage_less_layers: int = 1, last_stage_less_layers: int = 1
+) -> list[int]:
+    """Decoder layers per pipeline stage: torchtitan's even split, which counts the embedding
+    and the head as ``first/last_stage_less_layers`` layers of the first and last stage."""
+    init_torchtitan()
+    from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
+
+    parts = generate_llm_fqn_per_model_part(num_stages, n_layers, first_stage_less_layers, last_stage_less_layers)
+    return [sum(name.startswith("layers.") for name in part) for part in parts]
+
+
 def fsdp_sum_gradients(modules: Iterable[nn.Module]) -> None:
     """Make FSDP2 modules sum gradients across ranks (divide factor 1) with SUM-only
     collectives on CPU, where gloo lacks ``PREMUL_SUM``."""
@@ -154,3 +169,33 @@ def tensorboard_logger(log_dir: str):
     from torchtitan.components.metrics import TensorBoardLogger
 
     return TensorBoardLogger(log_dir)
+
+
+def model_stateful(module: nn.Module):
+    """A DCP ``Stateful`` view of ``module``'s (possibly sharded) parameters."""
+    init_torchtitan()
+    from torchtitan.components.checkpoint import ModelWrapper
+
+    return ModelWrapper(module)
+
+
+def build_checkpointer(checkpoint_config, base_folder: str, model: nn.Module, optimizers, lr_schedulers,
+                       states: dict):
+    """torchtitan's DCP ``CheckpointManager`` for ``model`` plus extra ``Stateful`` ``states``
+    (saved under their keys; ``model_stateful`` wraps further modules)."""
+    init_torchtitan()
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    return CheckpointManager(
+        dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=lr_schedulers,
+        states=states, checkpoint_config=checkpoint_config, sd_adapter=None, base_folder=base_folder,
+    )
+
+
+def load_tokenizer(path: str):
+    """torchtitan's Hugging Face tokenizer for a folder with ``tokenizer.json``
+    (``encode(text, add_bos=, add_eos=)``, ``decode(ids)``, ``bos_id``, ``eos_id``)."""
+    init_torchtitan()
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    return HuggingFaceTokenizer(path)

@@ -78,6 +78,10 @@ class Draft:
     init_path: str = ""
     """Optional EAGLE-3 checkpoint folder to start the draft from."""
 
+    freeze_after_sft: bool = False
+    """Stop training the draft when RL starts (the frozen-draft baseline): rollouts keep
+    using the draft as the warm start left it."""
+
 
 @dataclass
 class RL:
@@ -131,6 +135,9 @@ class Task:
 
     sft_steps: int = 0
     """Supervised warm-start steps on task demonstrations before RL (0 skips it)."""
+
+    sft_batch_size: int = 32
+    """Demonstrations per data-parallel rank per warm-start step."""
 
 
 @dataclass

@@ -100,6 +100,7 @@ def _range_errors(config) -> list[str]:
         ("rollout.top_k", ro.top_k, ro.top_k >= 0, ">= 0 (0 = off)"),
         ("rollout.draft_tokens", ro.draft_tokens, ro.draft_tokens >= 1, ">= 1"),
         ("task.sft_steps", config.task.sft_steps, config.task.sft_steps >= 0, ">= 0"),
+        ("task.sft_batch_size", config.task.sft_batch_size, config.task.sft_batch_size >= 1, ">= 1"),
     ]
     return [f"{key} must be {rule}, got {value!r}" for key, value, ok, rule in checks if not ok]
 
@@ -107,12 +108,21 @@ def _range_errors(config) -> list[str]:
 def validate_job_config(config, world_size: int, source: str = "<config>") -> None:
     """Raise one ``ConfigError`` listing every problem of ``config`` for ``world_size`` ranks."""
     errors = _parallel_errors(config.parallelism, world_size) + _range_errors(config)
+    ro = config.rollout
+    p = config.parallelism
+    dp_world = max(p.context_parallel_degree * p.pipeline_parallel_degree, 1)
+    if not errors and world_size % dp_world == 0 and config.rl.prompts_per_step % (world_size // dp_world):
+        errors.append(f"rl.prompts_per_step ({config.rl.prompts_per_step}) must split evenly over the "
+                      f"{world_size // dp_world} data-parallel ranks")
     cp = config.parallelism.context_parallel_degree
     if cp > 1 and config.training.seq_len % (2 * cp):
         errors.append(
             f"training.seq_len ({config.training.seq_len}) must be divisible by 2 x context_parallel_degree "
             f"= {2 * cp} (the zigzag layout cuts every row into 2 x cp chunks)"
         )
+    if ro.max_new_tokens >= config.training.seq_len:
+        errors.append(f"rollout.max_new_tokens ({ro.max_new_tokens}) must leave room for the prompt within "
+                      f"training.seq_len ({config.training.seq_len})")
     pp, mb = config.parallelism.pipeline_parallel_degree, config.parallelism.pipeline_parallel_microbatch_size
     if pp > 1 and (mb < 1 or config.training.local_batch_size % mb):
         errors.append(

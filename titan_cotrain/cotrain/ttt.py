@@ -19,6 +19,7 @@ themselves run inside ``Draft.forward`` (one module call, so FSDP's hooks see th
 """
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -45,19 +46,21 @@ def pass_weights(ttt_steps: int, decay: float, device=None) -> torch.Tensor:
 
 
 def ttt_masks(
-    cu_seqlens: torch.Tensor, loss_region: torch.Tensor, teacher_in_vocab: torch.Tensor, ttt_steps: int
+    cu_seqlens: torch.Tensor, loss_region: torch.Tensor, teacher_in_vocab: torch.Tensor, ttt_steps: int, shift=None
 ) -> torch.Tensor:
     """``[D, T]`` bool: which anchors each pass is trained on (the table's mask row).
 
     ``loss_region [T]``: token ``t`` may be predicted (e.g. a response token);
     ``teacher_in_vocab [T]``: the policy's argmax at ``t`` is in the draft vocabulary.
     Pass ``d`` at ``t`` needs ``x_{t+d+1}`` in the document and in the loss region, and the
-    teacher at ``t + d`` in vocab.
+    teacher at ``t + d`` in vocab. ``shift(x, d, fill)`` defaults to ``shift_in_document``
+    (under context parallelism: the TTT halo's, on halo-extended inputs).
     """
+    shift = shift or partial(shift_in_document, cu_seqlens=cu_seqlens)
     masks = []
     for d in range(1, ttt_steps + 1):
-        target_ok = shift_in_document(loss_region, d + 1, cu_seqlens, fill=False)
-        teacher_ok = shift_in_document(teacher_in_vocab, d, cu_seqlens, fill=False)
+        target_ok = shift(loss_region, d + 1, fill=False)
+        teacher_ok = shift(teacher_in_vocab, d, fill=False)
         masks.append(target_ok & teacher_ok)
     return torch.stack(masks)
 
@@ -72,6 +75,7 @@ def ttt_unroll(
     teacher_logits: torch.Tensor,
     loss_region: torch.Tensor,
     ttt_steps: int,
+    cp=None,
 ) -> TTTStats:
     """Run the D TTT passes and score each against the policy's teacher.
 
@@ -79,17 +83,29 @@ def ttt_unroll(
     and ``teacher_logits [T, V]`` come from the policy's forward and are detached here, so
     no gradient of the draft ever reaches the policy. ``tokens, positions [T]`` (positions
     restart per document), ``loss_region [T]`` bool.
+
+    Context parallel (``cp`` a ``CPShard``): every input is this rank's shard (``positions``
+    global, from ``cp.positions``); the shifted inputs past each chunk edge come from one
+    halo exchange, and the returned sums cover the local anchors (sum them over the group).
     """
     taps, embeddings, teacher_logits = taps.detach(), embeddings.detach(), teacher_logits.detach()
     draft_ids = torch.arange(draft.args.draft_vocab_size, device=tokens.device) + draft.d2t
     teacher_draft = teacher_logits.float()[:, draft_ids]  # [T, V_d]
     teacher_in_vocab = draft.t2d[teacher_logits.argmax(dim=-1)]
-    masks = ttt_masks(cu_seqlens, loss_region, teacher_in_vocab, ttt_steps)
-    pass_logits = draft(taps, embeddings, tokens, positions, cu_seqlens, masks)
+    if cp is None:
+        shift = partial(shift_in_document, cu_seqlens=cu_seqlens)
+    else:
+        halo = cp.ttt_halo(ttt_steps)
+        tokens, embeddings, teacher_draft, teacher_in_vocab, loss_region = halo.exchange(
+            tokens, embeddings, teacher_draft, teacher_in_vocab, loss_region
+        )
+        shift = halo.shift
+    masks = ttt_masks(cu_seqlens, loss_region, teacher_in_vocab, ttt_steps, shift)
+    pass_logits = draft(taps, embeddings, tokens, positions, cu_seqlens, masks, cp=cp)
     ce_sums, counts, corrects = [], [], []
     for d, logits in enumerate(pass_logits, start=1):
         mask = masks[d - 1]
-        teacher = shift_in_document(teacher_draft, d, cu_seqlens)[mask]
+        teacher = shift(teacher_draft, d)[mask]
         ce = -(F.softmax(teacher, dim=-1) * F.log_softmax(logits, dim=-1)).sum(-1)
         ce_sums.append(ce.sum())
         counts.append(mask.sum())

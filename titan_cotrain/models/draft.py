@@ -19,6 +19,7 @@ exporter maps them one to one.
 import copy
 import dataclasses
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,7 @@ from titan_cotrain.data.packing import shift_in_document
 from titan_cotrain.models.args import ModelArgs, RopeScaling
 from titan_cotrain.models.transformer import FeedForward, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 from titan_cotrain.ops import branch_attention
+from titan_cotrain.ops.ring_attention import ring_branch_attention
 
 __all__ = ["Draft", "DraftArgs", "DraftKVCache", "draft_vocab_from_counts", "identity_vocab_maps"]
 
@@ -225,13 +227,15 @@ class Draft(nn.Module):
         cu_seqlens: torch.Tensor,
         trunk_kv: tuple[torch.Tensor, torch.Tensor] | None,
         branch_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        cp=None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """One TTT pass over packed tokens.
 
         ``embeds, hidden: [T, H]`` (``e(x_{i+d})`` and ``h^{d-1}_i``), ``positions: [T]`` the
         RoPE positions of this pass. ``trunk_kv`` is pass 1's ``(k, v)`` (None on pass 1,
         which then provides it); ``branch_kv`` the ``(k, v)`` of passes ``2..d-1``. Returns
-        the pass output ``h^d [T, H]`` and this pass's own ``(k, v) [T, Hkv, Dh]``.
+        the pass output ``h^d [T, H]`` and this pass's own ``(k, v) [T, Hkv, Dh]``. Under
+        context parallelism (``cp`` a ``CPShard``) the trunk attention runs over its ring.
         """
         layer = self.midlayer
         cos, sin = self.rope(positions, hidden.dtype)
@@ -245,7 +249,10 @@ class Draft(nn.Module):
             branch_v = torch.stack([bv for _, bv in branch])
         else:
             branch_k = branch_v = k.new_zeros((0, *k.shape))
-        out = branch_attention(q, trunk_kv[0], trunk_kv[1], branch_k, branch_v, cu_seqlens)
+        if cp is None:
+            out = branch_attention(q, trunk_kv[0], trunk_kv[1], branch_k, branch_v, cu_seqlens)
+        else:
+            out = ring_branch_attention(q, *trunk_kv, branch_k, branch_v, cu_seqlens, cp.group, layout=cp.layout)
         return layer.finish(hidden, out), (k, v)
 
     def forward(
@@ -256,6 +263,7 @@ class Draft(nn.Module):
         positions: torch.Tensor,
         cu_seqlens: torch.Tensor,
         select: torch.Tensor,
+        cp=None,
     ) -> list[torch.Tensor]:
         """The TTT unroll: ``D = select.shape[0]`` passes with teacher forcing.
 
@@ -264,13 +272,18 @@ class Draft(nn.Module):
         Pass ``d`` reads ``e(x_{i+d})`` and ``h^{d-1}_i`` at RoPE position ``i + d - 1`` and
         attends to pass 1's keys at ``j <= i`` plus passes ``2..d``'s keys at ``i``.
         Returns, per pass, the draft logits ``[n_d, V_d]`` (fp32) of the selected anchors.
+
+        Context parallel (``cp`` a ``CPShard``): all tensors are this rank's shard, except
+        ``target_embeddings`` and ``tokens``, which carry the TTT halo rows after the local
+        ones (``cp.ttt_halo(D).exchange``); the shifts read the halo, attention the ring.
         """
         embeds = self.embed(tokens, target_embeddings)
         hidden = self.fuse(taps)
+        shift = partial(shift_in_document, cu_seqlens=cu_seqlens) if cp is None else cp.ttt_halo(select.shape[0]).shift
         trunk_kv, branch_kv, logits = None, [], []
         for d in range(1, select.shape[0] + 1):
-            embeds_d = shift_in_document(embeds, d, cu_seqlens)
-            hidden, kv = self.forward_pass(embeds_d, hidden, positions + (d - 1), cu_seqlens, trunk_kv, branch_kv)
+            embeds_d = shift(embeds, d)
+            hidden, kv = self.forward_pass(embeds_d, hidden, positions + (d - 1), cu_seqlens, trunk_kv, branch_kv, cp)
             if trunk_kv is None:
                 trunk_kv = kv
             else:

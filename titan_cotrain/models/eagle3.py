@@ -161,9 +161,10 @@ def load_eagle3(
     for file in files:
         with _open(file) as f:
             for stored_name in f.keys():
-                state[_our_name(stored_name)] = f.get_tensor(stored_name)
+                name, t = _our_name(stored_name), f.get_tensor(stored_name)
+                # Cast one tensor at a time: host memory peaks at one tensor beyond the result.
+                state[name] = t if name in ("d2t", "t2d") else t.to(device=device, dtype=dtype)
     d2t, t2d = _vocab_maps(folder, state.pop("d2t", None), state.pop("t2d", None), args)
-    state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
     state["d2t"], state["t2d"] = d2t.to(device), t2d.to(device)
     draft.load_state_dict(state, strict=True, assign=True)
     # Non-persistent, so still on meta: compute it (fp32) where the weights landed.
@@ -214,8 +215,9 @@ def _draft_args(config: Mapping[str, Any], n_taps: int) -> DraftArgs:
 
     # The shape keys are a Llama config's; its reader also rejects biases and unknown RoPE.
     llama = model_args_from_hf_config({**config, "architectures": ["LlamaForCausalLM"]})
-    draft_vocab_size = config.get("draft_vocab_size") or llama.vocab_size
-    target_dim = config.get("target_hidden_size") or llama.dim
+    # Both engines' defaults when absent: the target's vocab and the draft's own width.
+    draft_vocab_size = config.get("draft_vocab_size", llama.vocab_size)
+    target_dim = config.get("target_hidden_size", llama.dim)
     for key, value in (("draft_vocab_size", draft_vocab_size), ("target_hidden_size", target_dim)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise HFCheckpointError(f"{key} must be a positive int, got {value!r}")
@@ -275,7 +277,7 @@ def _int_list(value: Any, key: str) -> tuple[int, ...] | None:
 def _tap_problem(taps: tuple[int, ...], n_taps: int) -> str | None:
     """What is wrong with ``taps`` (output-of-layer indices) for a draft fusing ``n_taps``, if anything."""
     if len(taps) != n_taps or not taps:
-        return f"tap layers {list(taps)}: expected {n_taps} of them, one per tap fc fuses"
+        return f"fc fuses {n_taps} taps, but the tap layers are {list(taps)}"
     if taps[0] < 0 or list(taps) != sorted(set(taps)):
         return f"tap layers {list(taps)} must be distinct, increasing output-of-layer indices >= 0"
     return None

@@ -32,6 +32,7 @@ from titan_cotrain.models.args import ModelArgs, RopeScaling
 from titan_cotrain.models.kv_cache import KVCache
 from titan_cotrain.models.taps import default_tap_layers, validate_tap_layers
 from titan_cotrain.ops.attention import varlen_causal_attention
+from titan_cotrain.ops.ring_attention import ring_attention
 
 __all__ = ["RMSNorm", "TargetOutput", "Transformer", "apply_rope", "rope_inv_freq"]
 
@@ -119,10 +120,14 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        """Packed ``x [T, dim]``, ``cos/sin [T, Dh]``."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor, cp=None) -> torch.Tensor:
+        """Packed ``x [T, dim]``, ``cos/sin [T, Dh]``; under CP (``cp`` a ``CPShard``) the
+        local shard, attending over the ring."""
         q, k, v = self._qkv(x, cos, sin)
-        out = varlen_causal_attention(q, k, v, cu_seqlens)
+        if cp is None:
+            out = varlen_causal_attention(q, k, v, cu_seqlens)
+        else:
+            out = ring_attention(q, k, v, cu_seqlens, cp.group, layout=cp.layout)
         return self.o_proj(out.flatten(-2))
 
     def forward_cached(
@@ -165,8 +170,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = FeedForward(args.dim, args.ffn_dim)
 
-    def forward(self, x, cos, sin, cu_seqlens):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens)
+    def forward(self, x, cos, sin, cu_seqlens, cp=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, cp)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_cached(self, x, cos, sin, cache, layer, positions):
@@ -226,6 +231,7 @@ class Transformer(nn.Module):
         document_ids: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         return_taps: bool = False,
+        cp=None,
     ) -> torch.Tensor | TargetOutput:
         """Training forward over packed rows.
 
@@ -233,17 +239,23 @@ class Transformer(nn.Module):
         over the flattened ``B * S`` tokens (neither: one document per row). Positions
         restart at each document start. Returns ``logits [B, S, V]`` (fp32), or
         ``TargetOutput`` when ``return_taps``.
+
+        Context parallel: ``cp``, a ``titan_cotrain.parallel.context_parallel.CPShard``,
+        gives the packing (``tokens`` are then this rank's ``[B, local_len]`` zigzag shard,
+        with the shard's global positions) and every attention runs over its ring.
         """
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [B, S], got shape {tuple(tokens.shape)}")
         b, s = tokens.shape
-        layout = self._layout(tokens, document_ids, cu_seqlens)
+        if cp is not None and (document_ids is not None or cu_seqlens is not None):
+            raise ValueError("under context parallelism the CPShard gives the packing; pass no document_ids/cu_seqlens")
+        layout = self._layout(tokens, document_ids, cu_seqlens) if cp is None else cp
         h = self.embed_tokens(tokens)
         cos, sin = rope_cos_sin(self.rope_inv_freq, layout.positions.reshape(-1), h.dtype)
         x = h.reshape(b * s, -1)
         taps = []
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, layout.cu_seqlens)
+            x = layer(x, cos, sin, layout.cu_seqlens, cp)
             if return_taps and i in self.tap_layers:
                 taps.append(x.detach().view(b, s, -1))
         # Reshape before the head so the logits are a fresh tensor, not a view (FSDP's

@@ -89,7 +89,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     with ``E ~ Exponential(1)``, which picks ``i`` with probability ``probs_i / sum(probs)``.
     Zero-probability entries are never picked. Returns int64 ``[...]``."""
     noise = torch.empty_like(probs).exponential_(generator=generator)
-    return (probs / noise).argmax(-1)
+    # A draw of exactly 0 would turn 0 / 0 into NaN, which argmax would pick.
+    return (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(-1)
 
 
 def speculative_accept(

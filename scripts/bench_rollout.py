@@ -1,0 +1,276 @@
+"""Tokens/s of plain vs speculative decoding with the EAGLE-3 draft, on this machine.
+
+Sweep: batch {1, 8, 32} x k {2, 4, 6} x draft {untrained, trained}, plus plain decoding
+(``draft: none``), greedy, ``--new-tokens`` per response from ragged prompts. Every point is
+the best of ``--repeats`` runs (``generate`` wall time, prefill included).
+
+The target is the llama3 debug model, first fit for a few seconds to a small synthetic
+*phrase language* (24 random phrases of 4-10 tokens; each phrase is followed by one of three
+others with probabilities 0.6 / 0.3 / 0.1), so that its outputs have structure a draft can
+learn, as a real LM's do; a random-weight target emits near-random tokens that no draft
+predicts. The *trained* draft is fit with the TTT loss (``titan_cotrain.cotrain.ttt``) on
+the target's own outputs (sampled and greedy continuations of language prefixes); the
+*untrained* one is its random initialisation. The engine switches between them with
+``load_weights``, as the RL loop refreshes it after each step.
+
+The physical bound: a round costs one verify forward plus ``k`` draft forwards (``k - 1``
+chain steps and one catch-up pass), so with ``c`` = (time of one draft forward) / (time of
+one plain decode step) the speedup is at most ``(k + 1) / (1 + k c)`` (every draft
+accepted, verifying k + 1 tokens as cheap as decoding one). ``c`` and ``v`` = (verify time
+per round) / (plain decode step) are measured from the engine's own timers; the speedup
+the measured acceptance length ``tau`` allows is then ``tau / (v + k c)``.
+
+Checks first that speculative greedy decoding reproduces plain greedy decoding token for
+token (every draft, every k, ragged prompts, EOS mid-batch); exits 1 on a mismatch or if
+``--min-speedup`` (batch 1, trained draft, best k) is not met.
+
+    PYTHONPATH=. .venv/bin/python scripts/bench_rollout.py     # ~3 minutes on one CPU thread
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from titan_cotrain.cotrain.ttt import draft_loss, pass_weights, ttt_unroll
+from titan_cotrain.data.packing import layout_one_doc_per_row
+from titan_cotrain.models.args import model_args_for
+from titan_cotrain.models.draft import Draft, DraftArgs
+from titan_cotrain.models.transformer import Transformer
+from titan_cotrain.rl.rollout import RolloutEngine
+from titan_cotrain.rl.sampling import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_branch_memory import BLACK, BLUE, GREY, GRID, RED, Canvas  # noqa: E402  (the scripts' PNG writer)
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCHES, KS = (1, 8, 32), (2, 4, 6)
+MODEL = ("llama3", "debugmodel")
+TRAIN_NEW_TOKENS = 112  # response tokens of the draft's training rows
+
+
+class PhraseLanguage:
+    """Documents made of random phrases; the phrase after each is one of three, 0.6/0.3/0.1."""
+
+    def __init__(self, vocab: int, n_phrases: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.phrases = [torch.randint(1, vocab, (int(torch.randint(4, 11, (1,), generator=g)),), generator=g)
+                        for _ in range(n_phrases)]
+        self.successors = torch.stack([torch.randperm(n_phrases, generator=g)[:3] for _ in range(n_phrases)])
+        self.weights = torch.tensor([0.6, 0.3, 0.1])
+
+    def document(self, length: int, g: torch.Generator) -> torch.Tensor:
+        parts, phrase = [], int(torch.randint(len(self.phrases), (1,), generator=g))
+        while sum(p.numel() for p in parts) < length:
+            parts.append(self.phrases[phrase])
+            phrase = int(self.successors[phrase, torch.multinomial(self.weights, 1, generator=g)])
+        return torch.cat(parts)[:length]
+
+    def prompts(self, n: int, g: torch.Generator, lengths=(8, 16)) -> list[torch.Tensor]:
+        return [self.document(int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=g)), g) for _ in range(n)]
+
+
+def fit_target(target: Transformer, language: PhraseLanguage, steps: int, g: torch.Generator) -> float:
+    """Next-token training on the language; returns the last loss."""
+    opt = torch.optim.AdamW(target.parameters(), lr=3e-3)
+    for _ in range(steps):
+        x = torch.stack([language.document(128, g) for _ in range(16)])
+        loss = F.cross_entropy(target(x)[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return loss.item()
+
+
+def fit_draft(draft: Draft, target: Transformer, engine: RolloutEngine, language: PhraseLanguage, steps: int,
+              ttt_steps: int, g: torch.Generator) -> list[float]:
+    """TTT on the target's own continuations (half sampled at T = 1, half greedy) of language
+    prefixes; the loss covers the responses. Returns the last step's per-pass top-1 accuracy."""
+    rows = []
+    for temperature in (1.0, 0.0):
+        prompts = language.prompts(32, g, lengths=(16, 16))
+        params = SamplingParams(temperature=temperature, max_new_tokens=TRAIN_NEW_TOKENS)
+        out = engine.generate(prompts, params, draft_tokens=0,
+                              generator=g)
+        rows.append(torch.cat([torch.stack(prompts), out.tokens], dim=1))
+    tokens = torch.cat(rows)
+    n, s = tokens.shape
+    with torch.no_grad():
+        target_out = target(tokens, return_taps=True)
+    taps = torch.cat(target_out.taps, -1)
+    region = torch.zeros(n, s, dtype=torch.bool)
+    region[:, 16:] = True
+    micro = 16
+    layout = layout_one_doc_per_row(micro, s)
+    weights = pass_weights(ttt_steps, 0.8)
+    opt = torch.optim.AdamW(draft.parameters(), lr=3e-3)
+    for _ in range(steps):
+        idx = torch.randint(n, (micro,), generator=g)
+        stats = ttt_unroll(draft, taps[idx].flatten(0, 1), target_out.embeddings[idx].flatten(0, 1),
+                           tokens[idx].flatten(), layout.positions.flatten(), layout.cu_seqlens,
+                           target_out.logits[idx].flatten(0, 1), region[idx].flatten(), ttt_steps)
+        loss = draft_loss(stats, weights, (weights * stats.count).sum())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return (stats.correct / stats.count.clamp(min=1)).tolist()
+
+
+def check_greedy(engine: RolloutEngine, prompts: list[torch.Tensor], new_tokens: int) -> list[str]:
+    """Speculative greedy == plain greedy, token for token, with an EOS that stops some rows early."""
+    plain = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=new_tokens), draft_tokens=0)
+    eos = int(plain.tokens[0, new_tokens // 3])
+    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, eos_token_id=eos)
+    plain = engine.generate(prompts, params, draft_tokens=0)
+    failures = []
+    for k in KS:
+        spec = engine.generate(prompts, params, draft_tokens=k)
+        same = torch.equal(spec.tokens, plain.tokens) and torch.equal(spec.response_lens, plain.response_lens)
+        if not same:
+            failures.append(f"k={k}: speculative greedy output differs from plain greedy")
+    return failures
+
+
+def measure(engine: RolloutEngine, prompts, params: SamplingParams, k: int, repeats: int, seed: int):
+    best = None
+    for _ in range(repeats):
+        stats = engine.generate(prompts, params, draft_tokens=k, generator=torch.Generator().manual_seed(seed)).stats
+        if best is None or stats.total_s < best.total_s:
+            best = stats
+    return best
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--new-tokens", type=int, default=96, help="response tokens per prompt")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per point; the fastest counts")
+    parser.add_argument("--target-steps", type=int, default=120, help="steps fitting the target to the language")
+    parser.add_argument("--draft-steps", type=int, default=150, help="TTT steps fitting the trained draft")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the cores here are shared)")
+    parser.add_argument("--min-speedup", type=float, default=0.0,
+                        help="fail unless batch 1 with the trained draft reaches this speedup (0: report only)")
+    parser.add_argument("--json", type=Path, default=ROOT / "assets" / "bench_rollout.json")
+    parser.add_argument("--png", type=Path, default=ROOT / "assets" / "bench_rollout.png")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    device = f"cpu ({args.threads} thread{'s' if args.threads > 1 else ''})"
+    g = torch.Generator().manual_seed(0)
+    t0 = time.perf_counter()
+
+    target = Transformer(model_args_for(*MODEL))
+    target.init_weights(generator=torch.Generator().manual_seed(0))
+    language = PhraseLanguage(target.args.vocab_size, n_phrases=24, seed=0)
+    target_loss = fit_target(target, language, args.target_steps, g)
+    untrained = Draft(DraftArgs.from_target(target.args, n_taps=len(target.tap_layers)))
+    untrained.init_weights(generator=torch.Generator().manual_seed(1))
+    trained = copy.deepcopy(untrained)
+    max_len = 16 + max(args.new_tokens, TRAIN_NEW_TOKENS)
+    engine = RolloutEngine(target, copy.deepcopy(untrained), max_batch_size=max(BATCHES), max_seq_len=max_len,
+                           max_draft_tokens=max(KS))
+    accuracy = fit_draft(trained, target, engine, language, args.draft_steps, max(KS), g)
+    print(f"fit: target loss {target_loss:.3f}, trained draft top-1 per pass "
+          f"{[round(a, 3) for a in accuracy]} ({time.perf_counter() - t0:.0f}s)", flush=True)
+
+    policy_state = target.state_dict()
+    drafts = {"untrained": untrained.state_dict(), "trained": trained.state_dict()}
+    check_prompts = language.prompts(6, g)
+    failures = []
+    for name, state in drafts.items():
+        engine.load_weights(policy_state, state)
+        failures += [f"{name} draft, {f}" for f in check_greedy(engine, check_prompts, 40)]
+    if failures:
+        for failure in failures:
+            print(f"FAIL: {failure}", file=sys.stderr)
+        return 1
+    print("check: speculative greedy == plain greedy (ragged prompts, EOS mid-batch, k in 2/4/6, both drafts)")
+
+    params = SamplingParams(temperature=0, max_new_tokens=args.new_tokens)
+    records, bounds = [], []
+    for batch in BATCHES:
+        prompts = language.prompts(batch, g)
+        plain = measure(engine, prompts, params, 0, args.repeats, seed=batch)
+        step_s = plain.verify_s / plain.target_forwards
+        records.append(dict(device=device, model="/".join(MODEL), batch=batch, k=0, draft="none",
+                            tokens_per_s=plain.tokens_per_s, acceptance_length=1.0, temperature=0.0))
+        print(f"batch {batch:2d}  plain             {plain.tokens_per_s:8.0f} tok/s  step {step_s * 1e3:.2f} ms")
+        for name, state in drafts.items():
+            engine.load_weights(policy_state, state)
+            for k in KS:
+                s = measure(engine, prompts, params, k, args.repeats, seed=batch)
+                c = s.draft_s / (s.target_forwards * k) / step_s
+                v = s.verify_s / s.target_forwards / step_s
+                speedup = s.tokens_per_s / plain.tokens_per_s
+                records.append(dict(device=device, model="/".join(MODEL), batch=batch, k=k, draft=name,
+                                    tokens_per_s=s.tokens_per_s, acceptance_length=s.acceptance_length,
+                                    temperature=0.0, speedup=speedup,
+                                    acceptance_rate=[round(r, 4) for r in s.acceptance_rate]))
+                bounds.append(dict(batch=batch, k=k, draft=name, c=c, v=v, bound=(k + 1) / (1 + k * c),
+                                   allowed_by_tau=s.acceptance_length / (v + k * c), speedup=speedup))
+                print(f"batch {batch:2d}  {name:9s} k={k}  {s.tokens_per_s:8.0f} tok/s  x{speedup:.2f}  "
+                      f"tau {s.acceptance_length:.2f}  c {c:.3f}  v {v:.2f}  bound x{bounds[-1]['bound']:.2f}  "
+                      f"tau allows x{bounds[-1]['allowed_by_tau']:.2f}", flush=True)
+
+    best_b1 = max(b["speedup"] for b in bounds if b["batch"] == 1 and b["draft"] == "trained")
+    summary = dict(
+        target_fit_loss=target_loss, trained_draft_top1_per_pass=accuracy, new_tokens=args.new_tokens,
+        best_speedup_batch1_trained=best_b1, goal_batch1=2.0, goal_met=best_b1 >= 2.0,
+        runtime_s=time.perf_counter() - t0,
+    )
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(dict(records=records, bounds=bounds, summary=summary), indent=1) + "\n")
+    plot(records, device).save(args.png)
+    print(f"best batch-1 speedup with the trained draft: x{best_b1:.2f} (goal x2.0); "
+          f"{summary['runtime_s']:.0f}s; wrote {args.json} and {args.png}")
+    if args.min_speedup and best_b1 < args.min_speedup:
+        print(f"FAIL: batch-1 speedup x{best_b1:.2f} < --min-speedup {args.min_speedup}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def plot(records: list[dict], device: str) -> Canvas:
+    """Speedup over plain decoding per batch size: bars for k = 2, 4, 6, untrained and trained draft."""
+    canvas = Canvas(900, 520)
+    left, right, top, bottom = 90, 880, 80, 440
+    y_max = max(3.0, max(r.get("speedup", 1.0) for r in records) + 0.5)
+
+    def y_of(value: float) -> int:
+        return round(bottom - value / y_max * (bottom - top))
+
+    for tick in range(int(y_max) + 1):
+        canvas.line(left, y_of(tick), right, y_of(tick), GRID)
+        canvas.text(left - 12 - canvas.text_width(f"{tick}X"), y_of(tick) - 7, f"{tick}X")
+    canvas.line(left, y_of(1), right, y_of(1), GREY, 2, dash=8)
+    canvas.line(left, y_of(2), right, y_of(2), RED, 2, dash=8)
+    group_w = (right - left) // len(BATCHES)
+    bar_w = 28
+    for i, batch in enumerate(BATCHES):
+        x0 = left + i * group_w + 40
+        for j, k in enumerate(KS):
+            for m, (name, color) in enumerate((("untrained", GREY), ("trained", BLUE))):
+                r = next(r for r in records if r["batch"] == batch and r["k"] == k and r["draft"] == name)
+                x = x0 + j * (2 * bar_w + 14) + m * bar_w
+                canvas.rect(x, y_of(r["speedup"]), bar_w - 2, bottom - y_of(r["speedup"]), color)
+            label = f"K={k}"
+            canvas.text(x0 + j * (2 * bar_w + 14) + bar_w - canvas.text_width(label) // 2, bottom + 10, label)
+        label = f"BATCH {batch}"
+        canvas.text(left + i * group_w + (group_w - canvas.text_width(label)) // 2, bottom + 40, label)
+    canvas.line(left, top, left, bottom, BLACK, 2)
+    canvas.line(left, bottom, right, bottom, BLACK, 2)
+    title = f"SPECULATIVE / PLAIN TOKENS PER S, GREEDY, LLAMA3 DEBUGMODEL, {device.upper()}"
+    canvas.text((canvas.width - canvas.text_width(title)) // 2, 20, title)
+    for i, (color, label) in enumerate(((BLUE, "TRAINED DRAFT"), (GREY, "UNTRAINED DRAFT"))):
+        canvas.rect(left + 20 + 260 * i, 50, 16, 16, color)
+        canvas.text(left + 44 + 260 * i, 51, label)
+    canvas.text(left + 540, 51, "2X GOAL", RED)
+    return canvas
+
+
+if __name__ == "__main__":
+    sys.exit(main())

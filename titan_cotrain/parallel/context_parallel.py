@@ -1,0 +1,369 @@
+"""Context parallelism (CP) over packed rows: the zigzag shard, its inverse, and the TTT halo.
+
+Sharding (the picture is at the top of ``titan_cotrain.ops.ring_attention``). A CP group of
+``W`` ranks splits every packed row ``[S]`` of a batch:
+
+1. each document (true length ``n``) is padded *at its end* to ``m``, the next multiple
+   of ``2W``, and the row is closed by a filler document up to ``row_len`` tokens (a
+   multiple of ``2W``, at least the padded documents' total);
+2. every document is cut in ``2W`` chunks of ``c = m / 2W`` tokens, and rank ``r`` keeps
+   chunks ``r`` and ``2W-1-r`` of each, in document order: ``row_len / W`` local tokens.
+
+Positions stay the global in-document ones (RoPE sees the unsharded sequence). Padding
+sits after a document's real tokens, so under the causal mask no real query ever sees it,
+and every loss mask is False on it: the real tokens' results are those of the unsharded
+row. ``CPShard`` is one rank's share: ``cu_seqlens`` and ``positions`` for the model, and
+``shard`` / ``shard_shifted`` / ``unshard`` for any per-token tensor (taps, labels, loss
+masks, advantages, logits).
+
+The TTT halo. Pass ``d`` of the draft reads ``e(x_{i+d})`` and scores against the teacher
+at ``i + d`` (DESIGN.md section 3); for the last ``d`` tokens of a chunk those live in the
+next chunk of the document, on another rank (or this one: chunk ``W-1``'s successor is
+chunk ``W``). ``TTTHalo.exchange`` sends the first ``D + 1`` positions after each local
+chunk's end to the rank that holds the chunk, for any number of per-token tensors at once,
+in one ``all_to_all``; ``TTTHalo.shift`` then reads ``x_{i+d}`` from the local rows or the
+halo, with the single-device semantics of ``shift_in_document``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from titan_cotrain.data.packing import layout_from_document_ids
+from titan_cotrain.ops.ring_attention import chunks_per_document, local_chunks
+
+__all__ = [
+    "CPBatch",
+    "CPShard",
+    "TTTHalo",
+    "check_cp_degree",
+    "init_cp_mesh",
+    "plan_padded_rows",
+    "shard_batch_for_cp",
+    "shard_packed_rows",
+]
+
+
+def check_cp_degree(cp_degree: int, world_size: int) -> None:
+    """A CP group of ``cp_degree`` ranks must tile the ``world_size`` ranks exactly."""
+    if cp_degree < 1 or world_size % cp_degree:
+        raise ValueError(
+            f"context_parallel_degree = {cp_degree} does not divide the mesh of {world_size} ranks; "
+            f"use a divisor of {world_size}"
+        )
+
+
+def init_cp_mesh(cp_degree: int, device_type: str | None = None):
+    """The 1-D CP mesh of this rank: ranks ``[k W, (k+1) W)`` form a group (``("dp", "cp")`` mesh).
+
+    For runs whose world mesh comes from torchtitan's ``ParallelDims``, use its ``"cp"``
+    dimension instead.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titan_cotrain.components.titan import device_type as resolve_device_type
+
+    world = dist.get_world_size()
+    check_cp_degree(cp_degree, world)
+    mesh = init_device_mesh(
+        device_type or resolve_device_type(), (world // cp_degree, cp_degree), mesh_dim_names=("dp", "cp")
+    )
+    return mesh["cp"]
+
+
+def plan_padded_rows(
+    doc_lengths: Sequence[Sequence[int]], world: int, row_len: int | None = None, layout: str = "zigzag"
+) -> tuple[list[list[int]], int]:
+    """Padded document lengths per row and the CP row length.
+
+    ``doc_lengths[b]``: the true lengths of row ``b``'s documents. Each is rounded up to a
+    multiple of the chunk count (``2W`` zigzag, ``W`` contiguous). ``row_len`` (default: the
+    longest padded row) must hold every row's padded documents; fixing it keeps shapes
+    static from step to step.
+    """
+    n_chunks = chunks_per_document(layout, world)
+    padded = [[math.ceil(n / n_chunks) * n_chunks for n in row] for row in doc_lengths]
+    need = max((sum(row) for row in padded), default=0)
+    if row_len is None:
+        return padded, max(need, n_chunks)
+    if row_len < 1 or row_len % n_chunks:
+        raise ValueError(f"CP row_len = {row_len} must be a positive multiple of {n_chunks} ({layout}, W = {world})")
+    for b, (row, prow) in enumerate(zip(doc_lengths, padded)):
+        for n, m in zip(row, prow):
+            if m > row_len:
+                raise ValueError(
+                    f"row {b}: a document of {n} tokens ({m} once padded to a multiple of {n_chunks}) is longer "
+                    f"than the CP row of {row_len} tokens"
+                )
+        if sum(prow) > row_len:
+            raise ValueError(
+                f"row {b}: its documents {list(row)} need {sum(prow)} tokens once each is padded to a multiple of "
+                f"{n_chunks}, more than the CP row of {row_len} tokens; pass a larger row_len or pack fewer documents"
+            )
+    return padded, row_len
+
+
+def _group_of(group_or_mesh):
+    """A ProcessGroup (or None) from a process group or a 1-D DeviceMesh."""
+    if hasattr(group_or_mesh, "get_group"):
+        if group_or_mesh.ndim != 1:
+            raise ValueError(f"the CP mesh must be 1-D, got a {group_or_mesh.ndim}-D mesh")
+        return group_or_mesh.get_group()
+    return group_or_mesh
+
+
+class CPShard:
+    """One CP rank's share of a batch of packed rows (see the module docstring).
+
+    For the model: ``cu_seqlens`` (int32, the local documents over the flattened
+    ``B * local_len`` tokens; identical on every rank), ``positions`` (int64 ``[B,
+    local_len]``, global in-document), ``valid`` (bool ``[B, local_len]``, False on
+    padding), ``group`` and ``layout`` (for the ring). Build it with ``shard_packed_rows``.
+    """
+
+    def __init__(self, padded: list[list[int]], doc_lengths: list[list[int]], seq_len: int, row_len: int,
+                 group, layout: str, device: torch.device) -> None:
+        self.group = group
+        single = group is None and not dist.is_initialized()
+        self.rank = 0 if single else dist.get_rank(group)
+        self.world = 1 if single else dist.get_world_size(group)
+        self.layout, self.seq_len, self.row_len = layout, seq_len, row_len
+        self.batch = len(doc_lengths)
+        self.local_len = row_len // self.world
+        self.device = device
+        self._n_chunks = chunks_per_document(layout, self.world)
+        self._chunks = [local_chunks(layout, r, self.world) for r in range(self.world)]
+        self._n_slots = len(self._chunks[0])
+        # Every local document (real ones, then one filler per row when there is room):
+        # chunk length, true length, flat index of its first token in the unsharded batch.
+        chunk, true_len, base = [], [], []
+        for b, (row, prow) in enumerate(zip(doc_lengths, padded)):
+            start = 0
+            for n, m in zip(row, prow):
+                chunk.append(m // self._n_chunks)
+                true_len.append(n)
+                base.append(b * seq_len + start)
+                start += n
+            if row_len > sum(prow):
+                chunk.append((row_len - sum(prow)) // self._n_chunks)
+                true_len.append(0)
+                base.append(-1)
+        self._chunk = torch.tensor(chunk, dtype=torch.int64)
+        self._true_len = torch.tensor(true_len, dtype=torch.int64)
+        self._base = torch.tensor(base, dtype=torch.int64)
+        local_lengths = self._chunk * self._n_slots
+        self._local_start = torch.cumsum(local_lengths, 0) - local_lengths
+        cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(local_lengths, 0)])
+        self.cu_seqlens = cu.to(torch.int32).to(device)
+        self._halos: dict[int, TTTHalo] = {}
+
+        doc, slot, offset, pos = self._tokens(self.rank)
+        self._doc, self._slot, self._offset, self._pos = doc, slot, offset, pos
+        self.positions = pos.view(self.batch, self.local_len).to(device)
+        self.valid = (pos < self._true_len[doc]).view(self.batch, self.local_len).to(device)
+
+    # -- where every token lives -----------------------------------------------------------
+    def _tokens(self, rank: int):
+        """For rank ``rank``'s local tokens: document, slot, offset in the chunk, global position."""
+        local_lengths = self._chunk * self._n_slots
+        total = int(local_lengths.sum())
+        doc = torch.repeat_interleave(torch.arange(len(self._chunk)), local_lengths, output_size=total)
+        within = torch.arange(total) - self._local_start[doc]
+        c = self._chunk[doc]
+        slot, offset = within // c, within % c
+        chunk_id = torch.tensor(self._chunks[rank], dtype=torch.int64)[slot]
+        return doc, slot, offset, chunk_id * c + offset
+
+    def _source(self, rank: int) -> torch.Tensor:
+        """int64 ``[B * local_len]``: each of ``rank``'s local tokens as a flat index of the
+        unsharded batch, -1 for padding."""
+        doc, _, _, pos = self._tokens(rank) if rank != self.rank else (self._doc, None, None, self._pos)
+        return torch.where(pos < self._true_len[doc], self._base[doc] + pos, -1)
+
+    def _gather(self, x: torch.Tensor, source: torch.Tensor, fill) -> torch.Tensor:
+        """``x [B, S, ...]`` read at ``source`` (flat, -1 = ``fill``) -> ``[B, local_len, ...]``."""
+        if x.shape[:2] != (self.batch, self.seq_len):
+            raise ValueError(f"expected a [B, S, ...] = [{self.batch}, {self.seq_len}, ...] tensor, got {tuple(x.shape)}")
+        source = source.to(x.device)
+        flat = x.reshape(self.batch * self.seq_len, *x.shape[2:])
+        picked = flat[source.clamp(min=0)]
+        keep = (source >= 0).view(-1, *([1] * (x.dim() - 2)))
+        out = torch.where(keep, picked, torch.as_tensor(fill, dtype=x.dtype, device=x.device))
+        return out.view(self.batch, self.local_len, *x.shape[2:])
+
+    # -- per-token tensors -----------------------------------------------------------------
+    def shard(self, x: torch.Tensor, fill=0) -> torch.Tensor:
+        """This rank's tokens of ``x [B, S, ...]``: ``[B, local_len, ...]``, ``fill`` on padding.
+        Differentiable (an index)."""
+        return self._gather(x, self._source(self.rank), fill)
+
+    def shard_shifted(self, x: torch.Tensor, d: int, fill=0) -> torch.Tensor:
+        """``shard`` of ``x`` shifted by ``d`` inside documents: local token at position ``i``
+        gets ``x`` at ``i + d`` of its document, ``fill`` past the document's (true) end. The
+        shift happens before sharding, so it needs no communication (labels, loss masks)."""
+        inside = self._pos + d < self._true_len[self._doc]
+        return self._gather(x, torch.where(inside, self._base[self._doc] + self._pos + d, -1), fill)
+
+    @torch.no_grad()
+    def unshard(self, x: torch.Tensor) -> torch.Tensor:
+        """Inverse of ``shard``: ``[B, local_len, ...]`` on every rank -> ``[B, S, ...]`` on
+        every rank (one all_gather; padding dropped; not differentiable)."""
+        if x.shape[:2] != (self.batch, self.local_len):
+            raise ValueError(f"expected [B, local_len, ...] = [{self.batch}, {self.local_len}, ...], got {tuple(x.shape)}")
+        x = x.contiguous()
+        parts = [x] if self.world == 1 else [torch.empty_like(x) for _ in range(self.world)]
+        if self.world > 1:
+            dist.all_gather(parts, x, group=self.group)
+        out = x.new_zeros(self.batch * self.seq_len, *x.shape[2:])
+        for rank, part in enumerate(parts):
+            source = self._source(rank).to(x.device)
+            keep = source >= 0
+            out[source[keep]] = part.reshape(-1, *x.shape[2:])[keep]
+        return out.view(self.batch, self.seq_len, *x.shape[2:])
+
+    def ttt_halo(self, ttt_steps: int) -> TTTHalo:
+        """The halo of a ``ttt_steps``-pass TTT unroll (``D + 1`` positions per chunk edge:
+        pass ``d`` reads inputs at ``i + d`` and loss masks at ``i + d + 1``). Cached."""
+        if ttt_steps not in self._halos:
+            self._halos[ttt_steps] = TTTHalo(self, ttt_steps + 1)
+        return self._halos[ttt_steps]
+
+
+class TTTHalo:
+    """The ``width`` positions after the end of every local chunk, from wherever they live.
+
+    An *extended* tensor is a local ``[T, ...]`` tensor (``T = B * local_len``) followed
+    by its halo rows, ``[T + n_halo, ...]``: ``exchange`` builds them, ``shift`` reads them.
+    """
+
+    def __init__(self, shard: CPShard, width: int) -> None:
+        self.shard, self.width = shard, width
+        s = shard
+        n_local = s.batch * s.local_len
+        c = s._chunk[s._doc]
+        # Row of the halo that follows local token t's chunk: (doc * n_slots + slot) * width.
+        halo_base = n_local + (s._doc * s._n_slots + s._slot) * width
+        self._offset, self._chunk_len, self._halo_base = s._offset, c, halo_base
+        self._room = s._true_len[s._doc] - s._pos  # shift d is inside the document iff d < room
+        owner, owner_row, wanted = zip(*(self._requests(rank) for rank in range(s.world)))
+        me = s.rank
+        # What this rank sends to rank o: its own rows that o's halo wants, in o's halo order.
+        self._send = [owner_row[o][wanted[o] & (owner[o] == me)] for o in range(s.world)]
+        # Where the rows received from rank o go in this rank's halo.
+        halo_rows = torch.arange(owner[me].numel())
+        self._recv = [halo_rows[wanted[me] & (owner[me] == o)] for o in range(s.world)]
+        self.n_halo = owner[me].numel()
+
+    def _requests(self, rank: int):
+        """``rank``'s halo rows (document, slot, 0..width-1): owner rank, row on the owner,
+        and whether the position is a real token (inside the document's true length)."""
+        s = self.shard
+        n_docs = len(s._chunk)
+        doc = torch.arange(n_docs).repeat_interleave(s._n_slots * self.width)
+        slot = torch.arange(s._n_slots).repeat_interleave(self.width).repeat(n_docs)
+        j = torch.arange(self.width).repeat(n_docs * s._n_slots)
+        c = s._chunk[doc]
+        chunk_id = torch.tensor(s._chunks[rank], dtype=torch.int64)[slot]
+        pos = (chunk_id + 1) * c + j
+        wanted = pos < s._true_len[doc]
+        owner_chunk = torch.where(wanted, pos // c.clamp(min=1), 0)
+        owner_of = torch.empty(s._n_chunks, dtype=torch.int64)
+        slot_of = torch.empty(s._n_chunks, dtype=torch.int64)
+        for r, chunks in enumerate(s._chunks):
+            for k, chunk in enumerate(chunks):
+                owner_of[chunk], slot_of[chunk] = r, k
+        owner_row = s._local_start[doc] + slot_of[owner_chunk] * c + pos % c.clamp(min=1)
+        return owner_of[owner_chunk], owner_row, wanted
+
+    @torch.no_grad()
+    def exchange(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Extend local tensors ``[T, ...]`` (any dtypes) with their halo rows, all in one
+        ``all_to_all`` of raw bytes. Positions past a document's end arrive as zeros. The
+        halo carries data, not gradients: the inputs are detached."""
+        n_local = self.shard.batch * self.shard.local_len
+        for x in xs:
+            if x.shape[0] != n_local:
+                raise ValueError(f"halo exchange expects local [T = {n_local}, ...] tensors, got {tuple(x.shape)}")
+        as_bytes = [x.detach().reshape(n_local, -1).contiguous().view(torch.uint8) for x in xs]
+        packed = torch.cat(as_bytes, dim=1)
+        device = packed.device
+        send = packed[torch.cat(self._send).to(device)]
+        received = torch.empty(sum(r.numel() for r in self._recv), packed.shape[1], dtype=torch.uint8, device=device)
+        if self.shard.world > 1:
+            dist.all_to_all_single(
+                received, send, [r.numel() for r in self._recv], [s.numel() for s in self._send],
+                group=self.shard.group,
+            )
+        else:
+            received = send
+        halo = packed.new_zeros(self.n_halo, packed.shape[1])
+        halo[torch.cat(self._recv).to(device)] = received
+        out, col = [], 0
+        for x, b in zip(xs, as_bytes):
+            halo_x = halo[:, col : col + b.shape[1]].contiguous().view(x.dtype).view(self.n_halo, *x.shape[1:])
+            out.append(torch.cat([x.detach(), halo_x]))
+            col += b.shape[1]
+        return tuple(out)
+
+    def shift(self, x: torch.Tensor, d: int, fill=0) -> torch.Tensor:
+        """``out[t] = x[t + d]`` in ``t``'s document, else ``fill``: ``shift_in_document`` for
+        an extended ``x [T + n_halo, ...]``; returns ``[T, ...]``. ``1 <= d <= width``."""
+        if not 1 <= d <= self.width:
+            raise ValueError(f"the halo holds {self.width} positions per chunk edge; cannot shift by {d}")
+        device = x.device
+        n_local = self._offset.numel()
+        inside_chunk = self._offset + d < self._chunk_len
+        index = torch.where(inside_chunk, torch.arange(n_local) + d, self._halo_base + self._offset + d - self._chunk_len)
+        valid = (d < self._room).to(device).view(-1, *([1] * (x.dim() - 1)))
+        return torch.where(valid, x[index.to(device)], torch.as_tensor(fill, dtype=x.dtype, device=device))
+
+
+def shard_packed_rows(
+    document_ids: torch.Tensor, group=None, *, row_len: int | None = None, layout: str = "zigzag"
+) -> CPShard:
+    """This rank's ``CPShard`` of packed rows ``document_ids [B, S]`` (documents are maximal
+    runs of equal ids) over the CP ``group`` (a ProcessGroup or a 1-D DeviceMesh; None: the
+    default group, or no CP without an initialised process group). See ``plan_padded_rows``
+    for ``row_len``. Every rank of the group must hold the same batch."""
+    group = _group_of(group)
+    world = 1 if group is None and not dist.is_initialized() else dist.get_world_size(group)
+    b, s = document_ids.shape
+    cu = layout_from_document_ids(document_ids).cu_seqlens.to(torch.int64).cpu()
+    ends = [[int(e) - row * s for e in cu[1:] if row * s < int(e) <= (row + 1) * s] for row in range(b)]
+    doc_lengths = [[e - p for p, e in zip([0, *row_ends[:-1]], row_ends)] for row_ends in ends]
+    padded, row_len = plan_padded_rows(doc_lengths, world, row_len, layout)
+    return CPShard(padded, doc_lengths, s, row_len, group, layout, document_ids.device)
+
+
+@dataclass
+class CPBatch:
+    """One CP rank's share of a ``PackedBatch``, all ``[B, local_len]``: ``tokens``;
+    ``loss_mask`` (False on padding); ``next_tokens``, the token at ``i + 1`` of the same
+    document (0 past the end), and ``next_token_mask``, True where ``next_tokens`` is a
+    training target (inside the document and in the loss mask), both shifted before
+    sharding, so a next-token loss needs no communication."""
+
+    tokens: torch.Tensor
+    loss_mask: torch.Tensor
+    next_tokens: torch.Tensor
+    next_token_mask: torch.Tensor
+
+
+def shard_batch_for_cp(batch, group=None, *, row_len: int | None = None) -> tuple[CPBatch, CPShard]:
+    """Zigzag-shard a packed batch (``tokens, document_ids, loss_mask [B, S]``) for this CP
+    rank. Run the policy as ``policy(cp_batch.tokens, cp=shard, return_taps=True)`` and the
+    draft as ``ttt_unroll(..., cp=shard)`` on the local results; other per-token tensors
+    (advantages, behaviour logprobs) go through ``shard.shard`` / ``shard.shard_shifted``."""
+    shard = shard_packed_rows(batch.document_ids, group, row_len=row_len)
+    cp_batch = CPBatch(
+        tokens=shard.shard(batch.tokens),
+        loss_mask=shard.shard(batch.loss_mask, fill=False),
+        next_tokens=shard.shard_shifted(batch.tokens, 1),
+        next_token_mask=shard.shard_shifted(batch.loss_mask, 1, fill=False),
+    )
+    return cp_batch, shard

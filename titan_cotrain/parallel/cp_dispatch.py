@@ -1,0 +1,221 @@
+"""Our attention ops as handlers of torch's context-parallel dispatcher (private torch API).
+
+``torch.distributed.tensor.experimental`` implements CP as a table of DTensor op handlers
+(``_context_parallel._attention.custom_ops``) that it installs into DTensor's dispatcher
+while CP is on (inside ``context_parallel(...)``, or between
+``_enable_context_parallel_dispatcher()`` and ``_disable_...``). Its table covers the
+CUDA SDPA ops only. ``register_cp_handlers`` adds, all running our ring
+(``titan_cotrain.ops.ring_attention``) on the local shards:
+
+* ``titan_cotrain::varlen_causal_attention`` and ``titan_cotrain::branch_attention``
+  (forward and backward ops): ``q, k, v`` DTensors ``Shard(0)`` (packed ``[T, H, Dh]``)
+  and ``branch_k, branch_v`` ``Shard(1)`` (``[P, T, Hkv, Dh]``) on a 1-D CP mesh, holding
+  the zigzag shard of ``titan_cotrain.parallel.context_parallel``; ``cu_seqlens`` a plain
+  tensor of the *local* documents (the same on every rank). The model keeps calling
+  ``varlen_causal_attention`` / ``branch_attention``; DTensor inputs route them here;
+* ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, the CPU SDPA ops
+  stock torch lacks: ``[B, H, L, E]`` ``Shard(2)``, one document per row, in torch's
+  head-tail layout (= our zigzag), or contiguous when ``_cp_options.enable_load_balance``
+  is off. With these, ``context_parallel(mesh, buffers=...)`` runs on gloo/CPU too.
+
+The pipeline-stage path needs none of this: ``ring_attention`` / ``ring_branch_attention``
+take local tensors and a process group. This module is the only user of the private
+names; it checks the torch version at import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+SUPPORTED_TORCH = ("2.13",)
+
+
+def check_torch_version(version: str = torch.__version__) -> None:
+    """Raise unless torch's ``major.minor`` is one whose private CP dispatcher we target."""
+    major_minor = ".".join(version.split("+")[0].split(".")[:2])
+    if major_minor not in SUPPORTED_TORCH:
+        raise RuntimeError(
+            f"titan_cotrain.parallel.cp_dispatch hooks torch's private context-parallel dispatcher "
+            f"(torch.distributed.tensor.experimental._context_parallel), written against torch "
+            f"{', '.join(SUPPORTED_TORCH)}; found torch {version}. Use the local-tensor entry points "
+            f"(titan_cotrain.ops.ring_attention.ring_attention) or port this module."
+        )
+
+
+check_torch_version()
+
+from torch.distributed.tensor import DTensor, Shard  # noqa: E402
+from torch.distributed.tensor.experimental._context_parallel import _attention as _torch_cp  # noqa: E402
+
+from titan_cotrain.ops.branch_attention import branch_backward, branch_forward  # noqa: E402
+from titan_cotrain.ops.ring_attention import RingComm, ring_backward, ring_forward  # noqa: E402
+
+__all__ = ["check_torch_version", "context_parallel_dispatch", "register_cp_handlers"]
+
+aten = torch.ops.aten
+
+
+def _bind(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict:
+    """The op's arguments by name, defaults filled in."""
+    bound = {}
+    for i, arg in enumerate(op._schema.arguments):
+        if i < len(args):
+            bound[arg.name] = args[i]
+        elif arg.name in kwargs:
+            bound[arg.name] = kwargs[arg.name]
+        elif arg.has_default_value():
+            bound[arg.name] = arg.default_value
+        else:
+            raise TypeError(f"{op}: missing argument {arg.name}")
+    return bound
+
+
+def _local(x, dim: int, name: str) -> torch.Tensor:
+    """The local shard of a DTensor placed ``Shard(dim)`` on a 1-D mesh."""
+    if not isinstance(x, DTensor):
+        raise TypeError(f"context-parallel attention: {name} must be a DTensor sharded on dim {dim}, got a plain tensor")
+    if x.device_mesh.ndim != 1 or tuple(x.placements) != (Shard(dim),):
+        raise ValueError(
+            f"context-parallel attention: {name} must be Shard({dim}) on a 1-D CP mesh, "
+            f"got {tuple(x.placements)} on a {x.device_mesh.ndim}-D mesh"
+        )
+    return x.to_local()
+
+
+def _plain(x) -> torch.Tensor:
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+def _shard(x: torch.Tensor, mesh, dim: int) -> DTensor:
+    return DTensor.from_local(x, mesh, (Shard(dim),), run_check=False)
+
+
+def _comm(mesh) -> RingComm:
+    return RingComm(mesh.get_group())
+
+
+def _trunk(op, args, kwargs):
+    a = _bind(op, args, kwargs)
+    mesh = a["q"].device_mesh
+    q, k, v = (_local(a[n], 0, n) for n in ("q", "k", "v"))
+    out, lse = ring_forward(q, k, v, _plain(a["cu_seqlens"]), a["scale"], _comm(mesh))
+    return _shard(out, mesh, 0), _shard(lse, mesh, 0)
+
+
+def _trunk_backward(op, args, kwargs):
+    a = _bind(op, args, kwargs)
+    mesh = a["q"].device_mesh
+    t = {n: _local(a[n], 0, n) for n in ("grad_out", "q", "k", "v", "out", "lse")}
+    grads = ring_backward(t["grad_out"], t["q"], t["k"], t["v"], t["out"], t["lse"], _plain(a["cu_seqlens"]),
+                          a["scale"], _comm(mesh))
+    return tuple(_shard(g, mesh, 0) for g in grads)
+
+
+def _branch(op, args, kwargs):
+    a = _bind(op, args, kwargs)
+    mesh = a["q"].device_mesh
+    q, k, v = (_local(a[n], 0, n) for n in ("q", "k", "v"))
+    branch_k, branch_v = (_local(a[n], 1, n) for n in ("branch_k", "branch_v"))
+    initial = branch_forward(q, branch_k, branch_v, a["scale"])
+    out, lse = ring_forward(q, k, v, _plain(a["cu_seqlens"]), a["scale"], _comm(mesh), initial=initial)
+    return _shard(out.contiguous(), mesh, 0), _shard(lse.contiguous(), mesh, 0)
+
+
+def _branch_backward(op, args, kwargs):
+    a = _bind(op, args, kwargs)
+    mesh = a["q"].device_mesh
+    t = {n: _local(a[n], 0, n) for n in ("grad_out", "q", "k", "v", "out", "lse")}
+    branch_k, branch_v = (_local(a[n], 1, n) for n in ("branch_k", "branch_v"))
+    grad_lse = None if a["grad_lse"] is None else _local(a["grad_lse"], 0, "grad_lse")
+    dq, dk, dv = ring_backward(t["grad_out"], t["q"], t["k"], t["v"], t["out"], t["lse"], _plain(a["cu_seqlens"]),
+                               a["scale"], _comm(mesh), grad_lse=grad_lse)
+    dq_branch, dbranch_k, dbranch_v = branch_backward(
+        t["grad_out"], t["q"], branch_k, branch_v, t["out"], t["lse"], a["scale"], grad_lse
+    )
+    return (_shard((dq + dq_branch).contiguous(), mesh, 0), _shard(dk.contiguous(), mesh, 0),
+            _shard(dv.contiguous(), mesh, 0), _shard(dbranch_k.contiguous(), mesh, 1),
+            _shard(dbranch_v.contiguous(), mesh, 1))
+
+
+def _sdpa_layout() -> str:
+    return "zigzag" if _torch_cp._cp_options.enable_load_balance else "contiguous"
+
+
+def _packed(x: torch.Tensor) -> torch.Tensor:
+    """``[B, H, L, E] -> [B * L, H, E]``."""
+    b, h, l, e = x.shape
+    return x.transpose(1, 2).reshape(b * l, h, e)
+
+
+def _unpacked(x: torch.Tensor, b: int) -> torch.Tensor:
+    """``[B * L, H, ...] -> [B, H, L, ...]``."""
+    return x.unflatten(0, (b, -1)).transpose(1, 2)
+
+
+def _sdpa_args(op, args, kwargs):
+    a = _bind(op, args, kwargs)
+    if a["dropout_p"] != 0.0 or a["attn_mask"] is not None:
+        raise NotImplementedError("context-parallel CPU SDPA supports no dropout and no attn_mask (is_causal only)")
+    mesh = a["query"].device_mesh
+    q = _local(a["query"], 2, "query")
+    b, _, l, e = q.shape
+    scale = e**-0.5 if a["scale"] is None else a["scale"]
+    cu = torch.arange(b + 1, dtype=torch.int32, device=q.device) * l
+    return a, mesh, q, b, scale, cu
+
+
+def _sdpa_cpu(op, args, kwargs):
+    a, mesh, q, b, scale, cu = _sdpa_args(op, args, kwargs)
+    k, v = _local(a["key"], 2, "key"), _local(a["value"], 2, "value")
+    out, lse = ring_forward(_packed(q), _packed(k), _packed(v), cu, scale, _comm(mesh), layout=_sdpa_layout(),
+                            causal=a["is_causal"])
+    return _shard(_unpacked(out, b), mesh, 2), _shard(_unpacked(lse, b).contiguous(), mesh, 2)
+
+
+def _sdpa_cpu_backward(op, args, kwargs):
+    a, mesh, q, b, scale, cu = _sdpa_args(op, args, kwargs)
+    grad_out, k, v, out = (_local(a[n], 2, n) for n in ("grad_out", "key", "value", "out"))
+    lse = _local(a["logsumexp"], 2, "logsumexp")
+    grads = ring_backward(_packed(grad_out), _packed(q), _packed(k), _packed(v), _packed(out),
+                          lse.transpose(1, 2).reshape(-1, lse.shape[1]), cu, scale, _comm(mesh),
+                          layout=_sdpa_layout(), causal=a["is_causal"])
+    return tuple(_shard(_unpacked(g, b), mesh, 2) for g in grads)
+
+
+def _handlers() -> dict:
+    ops = torch.ops.titan_cotrain
+    return {
+        ops.varlen_causal_attention.default: _trunk,
+        ops.varlen_causal_attention_backward.default: _trunk_backward,
+        ops.branch_attention.default: _branch,
+        ops.branch_attention_backward.default: _branch_backward,
+        aten._scaled_dot_product_flash_attention_for_cpu.default: _sdpa_cpu,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _sdpa_cpu_backward,
+    }
+
+
+def register_cp_handlers() -> None:
+    """Add our handlers to torch's CP handler table (idempotent). They take effect while
+    torch's CP dispatcher is enabled, including one enabled already."""
+    import titan_cotrain.ops  # noqa: F401  (defines the titan_cotrain ops)
+
+    handlers = _handlers()
+    _torch_cp.custom_ops.update(handlers)
+    live = DTensor._op_dispatcher._custom_op_handlers
+    if live is not _torch_cp.existing_custom_ops:  # CP is on right now
+        live.update(handlers)
+
+
+@contextlib.contextmanager
+def context_parallel_dispatch():
+    """Within the block, DTensor (``Shard(seq)``) inputs to our attention ops and to CPU
+    SDPA run the ring. (torch's ``context_parallel(mesh, buffers=...)`` works as well once
+    ``register_cp_handlers`` has run.)"""
+    register_cp_handlers()
+    _torch_cp._enable_context_parallel_dispatcher()
+    try:
+        yield
+    finally:
+        _torch_cp._disable_context_parallel_dispatcher()

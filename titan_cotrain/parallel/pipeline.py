@@ -1,0 +1,573 @@
+"""Pipeline parallelism for co-training: the target split into stages, the draft on the last.
+
+Layout, for ``pp`` ranks and ``v`` stages per rank (``pp * v`` stages)::
+
+    stage 0                 stage 1 .. n-2          stage n-1
+    embed_tokens            layers [a, b)           layers [c, L), norm, lm_head,
+    layers [0, a)                                   draft (a submodule), CotrainLoss
+      |  taps of the layers a stage owns (and the embedding output) --TapChannel--> |
+
+* Each stage module (``TransformerStage``) holds a contiguous range of the policy's decoder
+  layers, under their whole-model names (``layers.5.mlp.up_proj.weight`` stays that name on
+  whichever stage holds it), so checkpoints and gradients map one to one.
+* Stage ``i`` runs on PP rank ``i % pp`` ("loop": GPipe, 1F1B, Interleaved1F1B, LoopedBFS,
+  InterleavedZeroBubble) or zigzags ("v": ZBVZeroBubble, DualPipeV: rank ``r`` holds stages
+  ``r`` and ``2 pp - 1 - r``, so the first and the last stage share rank 0).
+* Every PP rank gets the whole batch: the first stage reads the tokens, every stage reads the
+  ``document_ids`` (a kwarg the schedule splits per microbatch) to build its attention
+  layout, and the loss reads the microbatch's rows of the batch (the schedule's ``target``
+  is the row indices).
+* The draft is a submodule of the last stage's module, so the optimizer, checkpointing and
+  FSDP's reduction at the end of the schedule see it, but the schedule never runs its
+  backward: ``CotrainLoss`` runs the draft's forward *and* backward for microbatch ``m``
+  inside the last stage's loss function (its inputs are detached, its graph is its own).
+  The taps' landing slots and the draft's activations are free when the loss returns,
+  whatever the schedule, and zero-bubble weight passes (which only find parameters reached
+  from the stage's inputs) have nothing to miss.
+
+Normalisation. Both losses divide by *global* token counts (every microbatch, every
+data-parallel rank), as on a single device. The draft's count depends on the policy's
+logits (a masked anchor needs the teacher's argmax in the draft vocabulary), so it is only
+known after the last microbatch. torch's schedules handle the same problem for their
+microbatch mean after the fact (``scale_grads`` divides every gradient by the number of
+microbatches once the step is done); we build the schedule with ``scale_grads=False`` and
+do the same with the true counts: each microbatch backpropagates its loss *sums*, and
+``pipeline_step`` scales the policy's gradients by ``1 / N_policy`` and the draft's by
+``lambda / sum_d w_d N_d`` once every count is in. This is exact because no gradient mixes
+the two (the draft reads only detached tensors of the policy). The per-microbatch values
+the schedule itself records (its ``losses``) are therefore sums; the metrics come from the
+loss's own side channel, reduced over the data-parallel group and broadcast to every PP
+rank (so rank 0, which holds no loss, logs the right numbers).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV, ScheduleZBVZeroBubble
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+from titan_cotrain.cotrain.step import PackedBatch, PolicyLossFn
+from titan_cotrain.cotrain.ttt import pass_weights, tau, ttt_unroll
+from titan_cotrain.data.packing import layout_from_document_ids
+from titan_cotrain.models.draft import Draft
+from titan_cotrain.models.transformer import Transformer, rope_cos_sin
+from titan_cotrain.parallel.tap_channel import EMBEDDINGS, TapChannel
+
+__all__ = [
+    "CotrainLoss",
+    "Pipeline",
+    "PipelinePlan",
+    "TransformerStage",
+    "build_pipeline",
+    "build_schedule",
+    "make_pipeline",
+    "pipeline_step",
+    "plan_pipeline",
+]
+
+
+# -- where everything goes ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Which layers each stage holds and which PP rank runs it, for ``schedule`` (a torch
+    schedule name) on ``pp`` ranks.
+
+    ``layer_ranges[i]``: the decoder layers of stage ``i`` (contiguous, covering
+    ``0..L-1`` in order; a stage may hold none); ``stage_ranks[i]``: its PP rank.
+    """
+
+    schedule: str
+    pp: int
+    layer_ranges: tuple[range, ...]
+    stage_ranks: tuple[int, ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.layer_ranges)
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        return [i for i, r in enumerate(self.stage_ranks) if r == pp_rank]
+
+    def tap_owners(self, tap_layers: Sequence[int]) -> dict[int, int]:
+        """``{source: PP rank}`` for the embedding output and every tap layer."""
+        owners = {EMBEDDINGS: self.stage_ranks[0]}
+        for layer in tap_layers:
+            owners[layer] = next(self.stage_ranks[i] for i, r in enumerate(self.layer_ranges) if layer in r)
+        return owners
+
+
+def _stage_ranks(num_stages: int, pp: int, v_shape: bool) -> tuple[int, ...]:
+    """Loop: stage i on rank i % pp. V: zigzag, rank r holds stages r, 2pp-1-r, 2pp+r, ..."""
+    if not v_shape:
+        return tuple(i % pp for i in range(num_stages))
+    return tuple(i % pp if (i // pp) % 2 == 0 else pp - 1 - i % pp for i in range(num_stages))
+
+
+def plan_pipeline(
+    n_layers: int,
+    pp: int,
+    schedule: str,
+    *,
+    layers_per_stage: Sequence[int] | None = None,
+    stages_per_rank: int | None = None,
+    first_stage_less_layers: int = 1,
+    last_stage_less_layers: int = 1,
+) -> PipelinePlan:
+    """Split ``n_layers`` decoder layers into stages for ``schedule`` on ``pp`` ranks.
+
+    ``layers_per_stage`` is the explicit split (its length is the number of stages);
+    otherwise ``stages_per_rank`` (default: 1 for single-stage schedules, 2 for looped and V
+    schedules) stages share the layers evenly, counting the embedding and the head as
+    ``first/last_stage_less_layers`` layers (torchtitan's split).
+    """
+    schedule_cls = get_schedule_class(schedule)
+    single = issubclass(schedule_cls, PipelineScheduleSingle)
+    if layers_per_stage is not None:
+        counts = [int(n) for n in layers_per_stage]
+        if sum(counts) != n_layers or min(counts) < 0:
+            raise ValueError(f"layers per stage {counts} must be >= 0 and add up to the {n_layers} layers")
+    else:
+        from titan_cotrain.components import titan
+
+        v = stages_per_rank or (1 if single else 2)
+        counts = titan.pipeline_layer_split(pp * v, n_layers, first_stage_less_layers, last_stage_less_layers)
+    if len(counts) % pp:
+        raise ValueError(f"{len(counts)} stages cannot be spread evenly over {pp} PP ranks")
+    v = len(counts) // pp
+    if single and v != 1:
+        raise ValueError(f"schedule {schedule} runs one stage per rank, but the split has {v} per rank")
+    if not single and v < 2:
+        raise ValueError(f"schedule {schedule} needs at least 2 stages per rank, the split has {v}")
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    ranges = tuple(range(s, s + n) for s, n in zip(starts, counts))
+    v_shape = schedule_cls in (ScheduleZBVZeroBubble, ScheduleDualPipeV)
+    return PipelinePlan(schedule=schedule, pp=pp, layer_ranges=ranges, stage_ranks=_stage_ranks(len(counts), pp, v_shape))
+
+
+def layers_per_stage_from_fqns(module_fqns_per_model_part: Sequence[Sequence[str]], n_layers: int) -> list[int]:
+    """Read torchtitan's ``[parallelism] module_fqns_per_model_part`` with our module names
+    (``embed_tokens``, ``layers.N``, ``norm``, ``lm_head``) as layers per stage."""
+    parts = [list(p) for p in module_fqns_per_model_part]
+    layers = [[int(n.split(".")[1]) for n in p if n.startswith("layers.")] for p in parts]
+    flat = [i for part in layers for i in part]
+    problems = []
+    if flat != list(range(n_layers)):
+        problems.append(f"the layers must be layers.0 .. layers.{n_layers - 1}, each once, in order")
+    if "embed_tokens" not in parts[0]:
+        problems.append("the first part must hold embed_tokens")
+    if not {"norm", "lm_head"} <= set(parts[-1]):
+        problems.append("the last part must hold norm and lm_head")
+    known = {"embed_tokens", "norm", "lm_head"}
+    unknown = [n for p in parts for n in p if not n.startswith("layers.") and n not in known]
+    if unknown:
+        problems.append(f"unknown module names {unknown}")
+    if problems:
+        raise ValueError("parallelism.module_fqns_per_model_part: " + "; ".join(problems))
+    return [len(p) for p in layers]
+
+
+# -- the stage module --------------------------------------------------------------------
+
+
+class TransformerStage(nn.Module):
+    """One pipeline stage of the target: ``layers`` (a contiguous range), plus the embedding
+    on the first stage and the final norm, head and draft on the last.
+
+    ``forward(x, *, document_ids, rows)``: ``x`` is ``tokens: int64 [mb, S]`` on the first
+    stage, the hidden stream ``[mb, S, H]`` elsewhere; ``document_ids [mb, S]`` give the
+    packing; ``rows [mb]`` are the microbatch's row indices in the batch (their first
+    entry names the microbatch). Returns the hidden stream, or ``logits [mb, S, V]`` (fp32)
+    on the last stage. The ops and their order are exactly ``Transformer.forward``'s, so
+    hidden states and taps are bitwise the single-device ones. With a ``channel``, the
+    detached output of every tapped layer it holds (and the embedding output) is sent the
+    moment it is computed.
+    """
+
+    def __init__(
+        self,
+        policy: Transformer,
+        layers: range,
+        *,
+        first: bool,
+        last: bool,
+        draft: Draft | None = None,
+        channel: TapChannel | None = None,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = policy.embed_tokens if first else None
+        self.layers = nn.ModuleDict({str(i): policy.layers[i] for i in layers})
+        self.norm = policy.norm if last else None
+        self.lm_head = policy.lm_head if last else None
+        self.draft = draft if last else None
+        self.register_buffer("rope_inv_freq", policy.rope_inv_freq, persistent=False)
+        self.channel = channel
+        sources = ({EMBEDDINGS} if first else set()) | (set(layers) & set(policy.tap_layers))
+        self.tap_sources = frozenset(sources) if channel is not None else frozenset()
+
+    def tap(self, microbatch: int, source: int, x: torch.Tensor, shape: torch.Size) -> None:
+        if source in self.tap_sources:
+            self.channel.send(microbatch, source, x.detach().view(shape))
+
+    def forward(self, x: torch.Tensor, *, document_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        b, s = document_ids.shape
+        microbatch = int(rows[0]) // rows.numel()
+        layout = layout_from_document_ids(document_ids)
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(x)
+            self.tap(microbatch, EMBEDDINGS, x, x.shape)
+        cos, sin = rope_cos_sin(self.rope_inv_freq, layout.positions.reshape(-1), x.dtype)
+        h = x.reshape(b * s, -1)
+        for name, layer in self.layers.items():
+            h = layer(h, cos, sin, layout.cu_seqlens)
+            self.tap(microbatch, int(name), h, x.shape)
+        if self.lm_head is None:
+            return h.view(b, s, -1)
+        return self.lm_head(self.norm(h.view(b, s, -1))).float()
+
+
+# -- the last stage's loss ---------------------------------------------------------------
+
+
+class CotrainLoss:
+    """The schedule's ``loss_fn(logits, rows)``: policy loss and the draft's TTT step for one
+    microbatch (called on the last stage only, in microbatch order).
+
+    Returns the microbatch's policy loss *sum* (the schedule backpropagates it); runs the
+    draft's forward and backward on the taps of that microbatch from ``channel``
+    (``lambda`` and the global normalisation are applied to the gradients after the step,
+    see the module docstring); keeps the step's detached sums for the metrics (``sums``).
+    """
+
+    def __init__(
+        self,
+        policy_loss_fn: PolicyLossFn,
+        draft: Draft | None,
+        channel: TapChannel | None,
+        tap_layers: Sequence[int],
+        *,
+        ttt_steps: int,
+        pass_decay: float,
+        draft_loss_on: str = "response",
+    ) -> None:
+        if draft_loss_on not in ("response", "all"):
+            raise ValueError(f"draft_loss_on must be 'response' or 'all', got {draft_loss_on!r}")
+        self.policy_loss_fn, self.draft, self.channel = policy_loss_fn, draft, channel
+        self.tap_layers = tuple(tap_layers)
+        self.ttt_steps, self.pass_decay, self.draft_loss_on = ttt_steps, pass_decay, draft_loss_on
+        self._batch: PackedBatch | None = None
+        self._sums: dict[str, torch.Tensor] = {}
+        self._next = 0
+
+    def begin_step(self, batch: PackedBatch) -> None:
+        self._batch, self._sums, self._next = batch, {}, 0
+
+    def sums(self) -> dict[str, torch.Tensor]:
+        """The step's detached fp64 sums over microbatches: ``policy/sum``, ``policy/count``,
+        ``metric/<name>`` (the policy loss's ``metric_sums``) and, with the draft, the
+        per-pass ``draft/ce_sum``, ``draft/count``, ``draft/correct`` (``[D]`` each)."""
+        return self._sums
+
+    def _add(self, name: str, value: torch.Tensor) -> None:
+        value = value.detach().double()
+        self._sums[name] = self._sums[name] + value if name in self._sums else value
+
+    def __call__(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        lo, n = int(rows[0]), rows.numel()
+        microbatch = lo // n
+        if microbatch != self._next:
+            raise RuntimeError(f"CotrainLoss: got microbatch {microbatch}, expected {self._next} (in-order losses)")
+        self._next += 1
+        batch = PackedBatch(**{f.name: None if getattr(self._batch, f.name) is None
+                               else getattr(self._batch, f.name)[lo:lo + n] for f in fields(PackedBatch)})
+        policy = self.policy_loss_fn(logits, batch)
+        self._add("policy/sum", policy.loss_sum)
+        self._add("policy/count", policy.count)
+        for name, value in policy.metric_sums.items():
+            self._add(f"metric/{name}", value)
+        if self.draft is not None:
+            self._draft_step(microbatch, logits, batch)
+        return policy.loss_sum
+
+    def _draft_step(self, microbatch: int, logits: torch.Tensor, batch: PackedBatch) -> None:
+        b, s = batch.tokens.shape
+        taps = self.channel.receive(microbatch)
+        layout = layout_from_document_ids(batch.document_ids)
+        region = batch.loss_mask if self.draft_loss_on == "response" else torch.ones_like(batch.loss_mask)
+        stats = ttt_unroll(
+            self.draft,
+            taps=torch.cat([taps[layer] for layer in self.tap_layers], dim=-1).reshape(b * s, -1),
+            embeddings=taps[EMBEDDINGS].reshape(b * s, -1),
+            tokens=batch.tokens.reshape(-1),
+            positions=layout.positions.reshape(-1),
+            cu_seqlens=layout.cu_seqlens,
+            teacher_logits=logits.reshape(b * s, -1),
+            loss_region=region.reshape(-1),
+            ttt_steps=self.ttt_steps,
+        )
+        weights = pass_weights(self.ttt_steps, self.pass_decay, device=stats.ce_sum.device)
+        (weights * stats.ce_sum).sum().backward()
+        self.channel.release(microbatch)
+        self._add("draft/ce_sum", stats.ce_sum)
+        self._add("draft/count", stats.count)
+        self._add("draft/correct", stats.correct)
+
+
+# -- schedule and pipeline ---------------------------------------------------------------
+
+
+def build_schedule(schedule: str, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable):
+    """torch's schedule ``schedule`` over this rank's ``stages``, with gradient scaling off
+    (``pipeline_step`` normalises by the true token counts instead)."""
+    schedule_cls = get_schedule_class(schedule)
+    if issubclass(schedule_cls, PipelineScheduleSingle):
+        if len(stages) != 1:
+            raise ValueError(f"schedule {schedule} runs one stage per rank, got {len(stages)}")
+        return schedule_cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return schedule_cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+@dataclass
+class Pipeline:
+    """Everything one PP rank needs to run a co-training step.
+
+    ``model_parts``: this rank's stage modules (what the optimizer, FSDP and checkpointing
+    wrap, one per stage); ``stages``: torch's ``PipelineStage`` around each; ``loss``: the
+    last stage's loss (present on every rank, only called where the last stage runs);
+    ``channel``: None when the draft is off.
+    """
+
+    schedule: object
+    stages: list[PipelineStage]
+    model_parts: list[TransformerStage]
+    loss: CotrainLoss
+    channel: TapChannel | None
+    plan: PipelinePlan
+    pp_group: dist.ProcessGroup
+    microbatch_size: int
+    n_microbatches: int
+    draft_loss_weight: float
+    loss_group: dist.ProcessGroup | None = None
+    tied_group: dist.ProcessGroup | None = field(default=None, repr=False)
+
+    @property
+    def has_last_stage(self) -> bool:
+        return any(stage.is_last for stage in self.stages)
+
+    @property
+    def has_first_stage(self) -> bool:
+        return any(stage.is_first for stage in self.stages)
+
+
+def _example(shape, dtype, requires_grad: bool) -> torch.Tensor:
+    """Static stage metadata (no memory, no shape inference run through the model)."""
+    return torch.empty(shape, dtype=dtype, device="meta", requires_grad=requires_grad)
+
+
+def _tied_group(policy: Transformer, plan: PipelinePlan, pp_ranks: list[int], pp_rank: int):
+    """A two-rank group over the first and last stage when the head is tied to the
+    embedding, so the tied weight's two gradient halves can be summed."""
+    if policy.lm_head.weight is not policy.embed_tokens.weight:
+        return None
+    first, last = plan.stage_ranks[0], plan.stage_ranks[-1]
+    if first == last:
+        raise NotImplementedError(
+            "tied embeddings with a V schedule put the embedding and the head on one rank in two model parts "
+            "(one parameter, two optimizers); use a looped schedule or an untied model"
+        )
+    if pp_rank not in (first, last):
+        return None
+    return dist.new_group([pp_ranks[first], pp_ranks[last]], use_local_synchronization=True)
+
+
+def make_pipeline(
+    policy: Transformer,
+    draft: Draft | None,
+    pp_mesh,
+    plan: PipelinePlan,
+    *,
+    microbatch_size: int,
+    n_microbatches: int,
+    seq_len: int,
+    policy_loss_fn: PolicyLossFn,
+    ttt_steps: int,
+    pass_decay: float,
+    draft_loss_weight: float,
+    draft_loss_on: str = "response",
+    loss_group: dist.ProcessGroup | None = None,
+    tap_prefetch: int = 2,
+) -> Pipeline:
+    """Split ``policy`` (built whole on every PP rank) into this rank's stages as ``plan``
+    says, put ``draft`` on the last stage, and build the TapChannel and the schedule.
+
+    ``pp_mesh``: the 1-D ``pp`` device mesh of this rank's PP column. Batches must be
+    ``[n_microbatches * microbatch_size, seq_len]``. ``loss_group``: the data-parallel
+    ranks (dp x cp) that share the global token counts (None: no data parallelism). The
+    stage modules reference the policy's modules (no copy); the layers of other stages
+    are not referenced and go away with the caller's ``policy``.
+    """
+    pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    pp_ranks = pp_mesh.mesh.flatten().tolist()
+    pp_group = pp_mesh.get_group()
+    if plan.pp != pp:
+        raise ValueError(f"the plan is for {plan.pp} PP ranks, the mesh has {pp}")
+    param = policy.embed_tokens.weight
+    device, dtype = param.device, param.dtype
+    hidden_shape = (microbatch_size, seq_len, policy.args.dim)
+    channel = None
+    if draft is not None:
+        channel = TapChannel(pp_ranks=pp_ranks, pp_rank=pp_rank, consumer=plan.stage_ranks[-1],
+                             owners=plan.tap_owners(policy.tap_layers), shape=hidden_shape, dtype=dtype,
+                             device=device, prefetch=tap_prefetch)
+    loss = CotrainLoss(policy_loss_fn, draft if pp_rank == plan.stage_ranks[-1] else None, channel,
+                       policy.tap_layers, ttt_steps=ttt_steps, pass_decay=pass_decay, draft_loss_on=draft_loss_on)
+    stages, parts = [], []
+    last = plan.num_stages - 1
+    for i in plan.stages_of(pp_rank):
+        part = TransformerStage(policy, plan.layer_ranges[i], first=i == 0, last=i == last,
+                                draft=draft, channel=channel)
+        inputs = (_example((microbatch_size, seq_len), torch.int64, False) if i == 0
+                  else _example(hidden_shape, dtype, True))
+        outputs = (_example((microbatch_size, seq_len, policy.args.vocab_size), torch.float32, True) if i == last
+                   else _example(hidden_shape, dtype, True))
+        stages.append(PipelineStage(part, i, plan.num_stages, device, input_args=inputs, output_args=outputs,
+                                    group=pp_group))
+        parts.append(part)
+    sched = build_schedule(plan.schedule, stages, n_microbatches, loss)
+    expected = dict(enumerate(plan.stage_ranks))
+    if getattr(sched, "stage_index_to_group_rank", expected) != expected:
+        raise RuntimeError(f"schedule {plan.schedule} places stages as {sched.stage_index_to_group_rank}, "
+                           f"the plan as {expected}")
+    return Pipeline(schedule=sched, stages=stages, model_parts=parts, loss=loss, channel=channel, plan=plan,
+                    pp_group=pp_group, microbatch_size=microbatch_size, n_microbatches=n_microbatches,
+                    draft_loss_weight=draft_loss_weight, loss_group=loss_group,
+                    tied_group=_tied_group(policy, plan, pp_ranks, pp_rank))
+
+
+def build_pipeline(
+    policy: Transformer,
+    draft: Draft | None,
+    config,
+    pp_mesh,
+    *,
+    policy_loss_fn: PolicyLossFn,
+    loss_group: dist.ProcessGroup | None = None,
+) -> Pipeline:
+    """``make_pipeline`` from a job config: ``[parallelism] pipeline_parallel_schedule``,
+    ``pipeline_parallel_microbatch_size``, ``module_fqns_per_model_part`` (explicit split,
+    our module names) or ``pipeline_parallel_layers_per_stage``, the first/last stage
+    weights; ``[training] local_batch_size, seq_len``; ``[draft]`` TTT settings."""
+    p, t, d = config.parallelism, config.training, config.draft
+    if p.pipeline_parallel_schedule_csv:
+        raise NotImplementedError("parallelism.pipeline_parallel_schedule_csv is not supported")
+    n_layers = policy.args.n_layers
+    layers_per_stage = stages_per_rank = None
+    if p.module_fqns_per_model_part:
+        layers_per_stage = layers_per_stage_from_fqns(p.module_fqns_per_model_part, n_layers)
+    elif p.pipeline_parallel_layers_per_stage:
+        weight = p.pipeline_parallel_first_stage_less_layers + p.pipeline_parallel_last_stage_less_layers
+        n_stages = math.ceil((n_layers + weight) / p.pipeline_parallel_layers_per_stage)
+        if n_stages % p.pipeline_parallel_degree:
+            raise ValueError(f"parallelism.pipeline_parallel_layers_per_stage gives {n_stages} stages, "
+                             f"not a multiple of pipeline_parallel_degree {p.pipeline_parallel_degree}")
+        stages_per_rank = n_stages // p.pipeline_parallel_degree
+    plan = plan_pipeline(
+        n_layers, p.pipeline_parallel_degree, p.pipeline_parallel_schedule, layers_per_stage=layers_per_stage,
+        stages_per_rank=stages_per_rank, first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
+        last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers,
+    )
+    mb = p.pipeline_parallel_microbatch_size
+    return make_pipeline(
+        policy, draft, pp_mesh, plan, microbatch_size=mb, n_microbatches=t.local_batch_size // mb,
+        seq_len=t.seq_len // p.context_parallel_degree, policy_loss_fn=policy_loss_fn, ttt_steps=d.ttt_steps,
+        pass_decay=d.pass_decay, draft_loss_weight=d.loss_weight, draft_loss_on=d.loss_on, loss_group=loss_group,
+    )
+
+
+# -- one step ----------------------------------------------------------------------------
+
+
+def pipeline_step(pipeline: Pipeline, batch: PackedBatch) -> dict[str, torch.Tensor]:
+    """Forward and backward one batch through the pipeline; every PP rank calls it with the
+    whole batch ``[n_microbatches * microbatch_size, S]``.
+
+    On return every rank's gradients are final and normalised exactly as
+    ``titan_cotrain.cotrain.step.forward_backward``'s, and every rank holds the same
+    metrics (the same keys as ``forward_backward``'s, detached).
+    """
+    p = pipeline
+    rows = torch.arange(p.n_microbatches * p.microbatch_size)
+    if batch.tokens.shape[0] != rows.numel():
+        raise ValueError(f"batch has {batch.tokens.shape[0]} rows; the pipeline takes "
+                         f"{p.n_microbatches} microbatches of {p.microbatch_size}")
+    if p.channel is not None:
+        p.channel.begin_step(p.n_microbatches)
+    p.loss.begin_step(batch)
+    args = (batch.tokens,) if p.has_first_stage else ()
+    p.schedule.step(*args, target=rows if p.has_last_stage else None, return_outputs=False,
+                    document_ids=batch.document_ids, rows=rows)
+    if p.channel is not None:
+        p.channel.finish_step()
+    # The metrics side channel: the last stage's sums, reduced over the data-parallel ranks,
+    # turned into gradient scales and metrics, and broadcast to the whole PP column.
+    payload = [None]
+    if p.has_last_stage:
+        sums = p.loss.sums()
+        if p.loss_group is not None:
+            sums = _all_reduce(sums, p.loss_group)
+        payload = [_scales_and_metrics(sums, p)]
+    dist.broadcast_object_list(payload, group=p.pp_group, group_src=p.plan.stage_ranks[-1])
+    policy_scale, draft_scale, metrics = payload[0]
+    _normalise_gradients(p, policy_scale, draft_scale)
+    return {name: torch.tensor(value) for name, value in metrics.items()}
+
+
+def _all_reduce(sums: dict[str, torch.Tensor], group) -> dict[str, torch.Tensor]:
+    names = sorted(sums)
+    flat = torch.cat([sums[k].reshape(-1) for k in names])
+    dist.all_reduce(flat, group=group)
+    out, i = {}, 0
+    for k in names:
+        out[k] = flat[i:i + sums[k].numel()].view_as(sums[k])
+        i += sums[k].numel()
+    return out
+
+
+def _scales_and_metrics(sums: dict[str, torch.Tensor], p: Pipeline) -> tuple[float, float, dict[str, float]]:
+    """``(policy gradient scale, draft gradient scale, metrics)`` from the global sums."""
+    count = max(float(sums["policy/count"]), 1.0)
+    metrics = {"loss/policy": float(sums["policy/sum"]) / count}
+    metrics |= {name[len("metric/"):]: float(v) / count for name, v in sums.items() if name.startswith("metric/")}
+    draft_scale = 0.0
+    if "draft/count" in sums:
+        d = p.loss.ttt_steps
+        ce, counts = sums["draft/ce_sum"].cpu(), sums["draft/count"].cpu()
+        weights = pass_weights(d, p.loss.pass_decay).double()
+        weighted_count = max(float((weights * counts).sum()), 1e-12)
+        draft_scale = p.draft_loss_weight / weighted_count
+        metrics["loss/draft"] = float((weights * ce).sum()) / weighted_count
+        accuracy = sums["draft/correct"].cpu() / counts.clamp(min=1)
+        for i in range(d):
+            metrics[f"draft/loss_pass{i + 1}"] = float(ce[i] / counts[i].clamp(min=1))
+            metrics[f"draft/acc_pass{i + 1}"] = float(accuracy[i])
+        metrics["draft/tau"] = float(tau(accuracy))
+    return 1.0 / count, draft_scale, metrics
+
+
+def _normalise_gradients(p: Pipeline, policy_scale: float, draft_scale: float) -> None:
+    if p.tied_group is not None:
+        # This rank holds the first stage (the embedding) or the last (the head), not both.
+        tied = next(m.weight for part in p.model_parts for m in (part.embed_tokens, part.lm_head) if m is not None)
+        dist.all_reduce(tied.grad, group=p.tied_group)
+    for part in p.model_parts:
+        draft_params = {id(q) for q in part.draft.parameters()} if part.draft is not None else set()
+        for param in part.parameters():
+            if param.grad is not None:
+                param.grad.mul_(draft_scale if id(param) in draft_params else policy_scale)

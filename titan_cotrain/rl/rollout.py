@@ -1,0 +1,411 @@
+"""The rollout engine: batched generation from static KV caches, plain or speculative.
+
+``RolloutEngine.generate`` takes ragged prompts and returns responses with the behaviour
+log-probabilities of every token. Plain decoding is ``prefill`` then one
+``decode_one_token`` per step. Speculative decoding (DESIGN.md section 6) replaces the
+step by a round of the EAGLE-3 draft and one verify forward of the target.
+
+State of a sequence between rounds, ``n`` = committed tokens (prompt + response)::
+
+    tokens      x_0 ... x_{n-2}  x_{n-1}
+    target KV   0   ... n-2               x_{n-1} is committed but not yet fed to the target
+    draft trunk 0   ... n-2               slot j = TTT pass-1 key of anchor j (taps_j, e(x_{j+1}))
+    h1          pass-1 output at anchor n-2, i.e. the draft's first step for x_n
+
+One round with ``k`` drafted tokens, every sequence at its own ``n``:
+
+1. draft: q_1 = draft(h1); for d = 2..k, TTT pass d at anchor n-2 (``Draft.chain_step``)
+   reads the token pass d-1 drafted and sees the trunk plus the chain's own keys;
+2. verify: one target forward over ``[x_{n-1}, t_1 .. t_k]`` at positions ``n-1 .. n-1+k``
+   gives p_1 .. p_{k+1} and the taps at those positions;
+3. accept: ``speculative_accept`` keeps a prefix of ``a`` drafted tokens and draws one more
+   (correction or bonus): ``a + 1`` tokens are committed;
+4. catch up: TTT pass 1 (``Draft.extend``) over the ``k + 1`` verified positions, with the
+   embeddings of the committed tokens after them. Anchors ``n-1 .. n-1+a`` are now right
+   and the output at ``n-1+a`` is the next round's h1; the rest are stale slots that no
+   query sees before they are rewritten.
+
+All shapes are static per ``(batch, k)``: finished sequences ride along without moving and
+their outputs are dropped, so there is no Python loop over sequences.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from titan_cotrain.models.draft import Draft, DraftKVCache
+from titan_cotrain.models.kv_cache import KVCache
+from titan_cotrain.models.transformer import Transformer
+from titan_cotrain.rl.sampling import SamplingParams, processed_logits, sample, sampling_probs, speculative_accept
+
+__all__ = ["RolloutEngine", "RolloutStats", "Rollouts"]
+
+
+@dataclass
+class RolloutStats:
+    """What one ``generate`` call did and how long it took.
+
+    ``acceptance_length``: tokens committed per target forward, averaged over the (sequence,
+    round) pairs of unfinished sequences (1 for plain decoding, at most ``k + 1``).
+    ``acceptance_rate[d - 1]``: how often drafted token ``d`` was accepted when tokens
+    ``1..d-1`` were. Times in seconds: ``prefill_s`` (target prefill and the draft's pass 1
+    over the prompt), ``draft_s`` (drafting and catching up), ``verify_s`` (target decode or
+    verify forwards, acceptance, bookkeeping), ``total_s`` (wall time of the call).
+    """
+
+    new_tokens: int
+    target_forwards: int
+    acceptance_length: float
+    acceptance_rate: list[float]
+    prefill_s: float
+    draft_s: float
+    verify_s: float
+    total_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / max(self.total_s, 1e-9)
+
+    def metrics(self, prefix: str = "rollout/") -> dict[str, float]:
+        out = {
+            "tokens_per_s": self.tokens_per_s,
+            "acceptance_length": self.acceptance_length,
+            "target_forwards": float(self.target_forwards),
+            "prefill_s": self.prefill_s,
+            "draft_s": self.draft_s,
+            "verify_s": self.verify_s,
+        }
+        out |= {f"acceptance_rate_{d}": r for d, r in enumerate(self.acceptance_rate, start=1)}
+        return {prefix + k: v for k, v in out.items()}
+
+
+@dataclass
+class Rollouts:
+    """Responses of one ``generate`` call, row ``b`` answering prompt ``b``.
+
+    ``tokens: int64 [B, max_new_tokens]`` and ``logprobs: fp32 [B, max_new_tokens]`` are
+    valid for ``t < response_lens[b]`` and 0 after. ``logprobs[b, t]`` is the behaviour
+    log-probability of ``tokens[b, t]``: the target's, under the processed logits it was
+    sampled from (temperature, top-k, top-p; temperature 1 when greedy), whether the token
+    was drafted and accepted or drawn by the target. ``finished[b]``: the response ended
+    with EOS (else it ran out of ``max_new_tokens``).
+    """
+
+    prompt_lens: torch.Tensor
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    response_lens: torch.Tensor
+    finished: torch.Tensor
+    stats: RolloutStats
+
+    def response_mask(self) -> torch.Tensor:
+        """``bool [B, max_new_tokens]``: True on response tokens."""
+        return torch.arange(self.tokens.shape[1], device=self.tokens.device) < self.response_lens.unsqueeze(1)
+
+
+@dataclass
+class _Sequences:
+    """Per-sequence decoding state; see the module docstring for what ``length`` and
+    ``draft_hidden`` mean. Output buffers have ``k + 1`` columns of slack so a round can
+    write all its candidates and let ``response_len`` say which are real."""
+
+    length: torch.Tensor
+    last_token: torch.Tensor
+    response_len: torch.Tensor
+    active: torch.Tensor
+    finished: torch.Tensor
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    draft_hidden: torch.Tensor | None = None
+
+
+@dataclass
+class _Counters:
+    """Acceptance counts kept on the device (no host sync per round)."""
+
+    rounds: int = 0
+    rows: torch.Tensor | int = 0
+    committed: torch.Tensor | int = 0
+    reached: torch.Tensor | int = 0
+    accepted: torch.Tensor | int = 0
+    times: dict[str, float] = field(default_factory=lambda: {"prefill": 0.0, "draft": 0.0, "verify": 0.0})
+
+
+class _Timer:
+    """Accumulates wall time into ``counters.times[name]``; syncs CUDA so GPU work is counted
+    where it runs."""
+
+    def __init__(self, counters: _Counters, device: torch.device) -> None:
+        self.counters, self.cuda = counters, device.type == "cuda"
+
+    def __call__(self, name: str) -> "_Timer":
+        self.name = name
+        return self
+
+    def __enter__(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.counters.times[self.name] += time.perf_counter() - self.t0
+
+
+def _pad_prompts(prompts: Sequence[torch.Tensor | Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad ragged prompts with token 0: ``tokens [B, P_max]``, ``lens [B]``."""
+    rows = [torch.as_tensor(p, dtype=torch.int64).flatten() for p in prompts]
+    if not rows or any(r.numel() == 0 for r in rows):
+        raise ValueError("generate needs at least one prompt, and every prompt at least one token")
+    lens = torch.tensor([r.numel() for r in rows])
+    tokens = torch.zeros(len(rows), int(lens.max()), dtype=torch.int64)
+    for i, r in enumerate(rows):
+        tokens[i, : r.numel()] = r
+    return tokens.to(device), lens.to(device)
+
+
+def _state_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A full tensor from a state-dict entry: DTensors (FSDP2 shards) are all-gathered."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+@torch.no_grad()
+def _copy_state(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    own = module.state_dict()
+    missing, unexpected = own.keys() - state.keys(), state.keys() - own.keys()
+    if missing or unexpected:
+        raise KeyError(f"state dict does not match the engine's {type(module).__name__}: "
+                       f"missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+    for name, dst in own.items():  # the module's order: the same on every rank, as collectives need
+        dst.copy_(_state_tensor(state[name]))
+
+
+class RolloutEngine:
+    """Batched generation for the RL loop, plain or with the EAGLE-3 draft.
+
+    ``policy`` and ``draft`` are the engine's own inference copies (plain modules, not
+    FSDP-wrapped); ``load_weights`` refreshes them in place from the trainer's state after
+    every step. KV caches for ``max_batch_size`` sequences of ``max_seq_len`` tokens
+    (prompt + response) and chains of up to ``max_draft_tokens`` are allocated here, once;
+    a smaller batch uses their leading rows.
+
+    ``compile`` wraps the fixed-shape steps (target decode / verify, draft chain step and
+    catch-up) in ``torch.compile``: one graph per ``(batch, k)``, worth it on GPU, slow to
+    build on CPU. The prefill (ragged prompt width) stays eager.
+    """
+
+    def __init__(self, policy: Transformer, draft: Draft | None = None, *, max_batch_size: int, max_seq_len: int,
+                 max_draft_tokens: int = 4, compile: bool = False) -> None:
+        if draft is not None and draft.args.target_dim != policy.args.dim:
+            raise ValueError(f"draft expects target width {draft.args.target_dim}, policy has {policy.args.dim}")
+        self.policy, self.draft = policy.eval(), draft.eval() if draft is not None else None
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.max_draft_tokens = max_draft_tokens if draft is not None else 0
+        # A round writes k + 1 positions past the last committed one, even for a sequence
+        # that is finished and no longer moves.
+        cache_len = max_seq_len + self.max_draft_tokens + 1
+        self.target_cache = policy.new_kv_cache(max_batch_size, cache_len)
+        self.draft_cache = (
+            draft.new_kv_cache(max_batch_size, cache_len, chain_len=max(self.max_draft_tokens - 1, 1))
+            if draft is not None else None
+        )
+        maybe_compile = (lambda fn: torch.compile(fn, dynamic=False)) if compile else (lambda fn: fn)
+        self._target_step = maybe_compile(policy.forward_cached)
+        self._draft_chain_step = maybe_compile(draft.chain_step) if draft is not None else None
+        self._draft_extend = maybe_compile(draft.extend) if draft is not None else None
+
+    @property
+    def device(self) -> torch.device:
+        return self.policy.embed_tokens.weight.device
+
+    def load_weights(self, policy_state: Mapping[str, torch.Tensor],
+                     draft_state: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Copy new weights into the engine's models in place; caches and compiled graphs stay.
+
+        The states are ``state_dict()``s of the trained models; FSDP2-sharded entries
+        (DTensors) are gathered one tensor at a time, which is a collective: every rank of
+        the training mesh calls this, in the same order, generating or not.
+        """
+        _copy_state(self.policy, policy_state)
+        if draft_state is not None:
+            if self.draft is None:
+                raise ValueError("this engine has no draft to load weights into")
+            _copy_state(self.draft, draft_state)
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[torch.Tensor | Sequence[int]], params: SamplingParams, *,
+                 draft_tokens: int | None = None, generator: torch.Generator | None = None) -> Rollouts:
+        """Sample one response per prompt.
+
+        ``prompts``: token ids, ragged. ``draft_tokens`` is ``k`` (default: the engine's
+        ``max_draft_tokens``; 0 decodes without the draft). ``generator`` (on the engine's
+        device) seeds every draw.
+        """
+        k = self.max_draft_tokens if draft_tokens is None else draft_tokens
+        if not 0 <= k <= self.max_draft_tokens:
+            raise ValueError(f"draft_tokens must be in 0..{self.max_draft_tokens} for this engine, got {k}")
+        prompt, prompt_lens = _pad_prompts(prompts, self.device)
+        b = prompt.shape[0]
+        if b > self.max_batch_size:
+            raise ValueError(f"{b} prompts exceed the engine's max_batch_size {self.max_batch_size}")
+        if prompt.shape[1] + params.max_new_tokens > self.max_seq_len:
+            raise ValueError(f"longest prompt ({prompt.shape[1]}) + max_new_tokens ({params.max_new_tokens}) "
+                             f"exceeds the engine's max_seq_len {self.max_seq_len}")
+        target_cache = copy.copy(self.target_cache)
+        target_cache.k, target_cache.v = self.target_cache.k[:, :b], self.target_cache.v[:, :b]
+        draft_cache = self.draft_cache.rows(b) if k else None
+
+        start = time.perf_counter()
+        counters = _Counters()
+        timer = _Timer(counters, self.device)
+        seqs = _Sequences(
+            length=prompt_lens.clone(), last_token=prompt_lens.new_zeros(b), response_len=prompt_lens.new_zeros(b),
+            active=torch.ones(b, dtype=torch.bool, device=self.device),
+            finished=torch.zeros(b, dtype=torch.bool, device=self.device),
+            tokens=prompt.new_zeros(b, params.max_new_tokens + k + 1),
+            logprobs=torch.zeros(b, params.max_new_tokens + k + 1, device=self.device),
+        )
+        with timer("prefill"):
+            self._prefill(seqs, prompt, prompt_lens, params, generator, target_cache, draft_cache)
+        while bool(seqs.active.any()):
+            if k:
+                self._speculative_round(seqs, k, params, generator, target_cache, draft_cache, counters, timer)
+            else:
+                with timer("verify"):
+                    self._decode_one_token(seqs, params, generator, target_cache, counters)
+
+        mask = torch.arange(params.max_new_tokens, device=self.device) < seqs.response_len.unsqueeze(1)
+        rows = counters.rows if counters.rounds else torch.zeros(())
+        stats = RolloutStats(
+            new_tokens=int(seqs.response_len.sum()),
+            target_forwards=counters.rounds,
+            acceptance_length=float(counters.committed / rows) if counters.rounds else 0.0,
+            acceptance_rate=(counters.accepted / torch.as_tensor(counters.reached).clamp(min=1)).tolist()
+            if k and counters.rounds else [],
+            prefill_s=counters.times["prefill"], draft_s=counters.times["draft"], verify_s=counters.times["verify"],
+            total_s=time.perf_counter() - start,
+        )
+        return Rollouts(
+            prompt_lens=prompt_lens,
+            tokens=seqs.tokens[:, : params.max_new_tokens] * mask,
+            logprobs=seqs.logprobs[:, : params.max_new_tokens] * mask,
+            response_lens=seqs.response_len,
+            finished=seqs.finished,
+            stats=stats,
+        )
+
+    def _prefill(self, seqs: _Sequences, prompt: torch.Tensor, prompt_lens: torch.Tensor, params: SamplingParams,
+                 generator, target_cache: KVCache, draft_cache: DraftKVCache | None) -> None:
+        """Target forward over the (right-padded) prompts, the first response token, and,
+        when drafting, TTT pass 1 over the prompt positions."""
+        b = prompt.shape[0]
+        rows = torch.arange(b, device=prompt.device)
+        last = prompt_lens - 1
+        out = self.policy.forward_cached(prompt, target_cache, torch.zeros_like(prompt_lens),
+                                         return_taps=draft_cache is not None)
+        logits = processed_logits((out.logits if draft_cache is not None else out)[rows, last], params)
+        token = sample(sampling_probs(logits, params), generator)
+        logprob = logits.log_softmax(-1).gather(-1, token.unsqueeze(-1))
+        self._commit(seqs, token.unsqueeze(-1), logprob, torch.ones_like(token), params)
+        if draft_cache is not None:
+            # Anchor j reads e(x_{j+1}): the prompt shifted left, the sampled token after its end.
+            next_tokens = torch.roll(prompt, -1, dims=1)
+            next_tokens[rows, last] = token
+            hidden = self.draft.extend(torch.cat(out.taps, -1), self._draft_embed(next_tokens),
+                                       torch.zeros_like(prompt_lens), draft_cache)
+            seqs.draft_hidden = hidden[rows, last]
+
+    def _decode_one_token(self, seqs: _Sequences, params: SamplingParams, generator, target_cache: KVCache,
+                          counters: _Counters) -> None:
+        """Plain decoding: feed ``x_{n-1}`` to the target and sample ``x_n``."""
+        logits = self._target_step(seqs.last_token.unsqueeze(1), target_cache, seqs.length - 1)
+        logits = processed_logits(logits[:, 0], params)
+        token = sample(sampling_probs(logits, params), generator)
+        logprob = logits.log_softmax(-1).gather(-1, token.unsqueeze(-1))
+        self._count(counters, seqs.active, torch.zeros_like(token), 0)
+        self._commit(seqs, token.unsqueeze(-1), logprob, torch.ones_like(token), params)
+
+    def _speculative_round(self, seqs: _Sequences, k: int, params: SamplingParams, generator,
+                           target_cache: KVCache, draft_cache: DraftKVCache, counters: _Counters, timer: _Timer) -> None:
+        """Draft ``k`` tokens, verify them in one target forward, commit ``a + 1``, catch up."""
+        b = seqs.length.shape[0]
+        rows = torch.arange(b, device=seqs.length.device)
+        draft_to_target = torch.arange(self.draft.args.draft_vocab_size, device=self.device) + self.draft.d2t
+        anchor = seqs.length - 2
+        with timer("draft"):
+            hidden, drafted, draft_probs = seqs.draft_hidden, [], []
+            for depth in range(1, k + 1):
+                if depth > 1:
+                    embeds = self._draft_embed(draft_to_target[drafted[-1]])
+                    hidden = self._draft_chain_step(embeds, hidden, anchor, depth, draft_cache)
+                probs = sampling_probs(processed_logits(self.draft.logits(hidden), params), params)
+                drafted.append(sample(probs, generator))
+                draft_probs.append(probs)
+            drafted, draft_probs = torch.stack(drafted, 1), torch.stack(draft_probs, 1)
+        with timer("verify"):
+            verify_tokens = torch.cat([seqs.last_token.unsqueeze(1), draft_to_target[drafted]], dim=1)
+            start = seqs.length - 1
+            out = self._target_step(verify_tokens, target_cache, start, return_taps=True)
+            logits = processed_logits(out.logits, params)
+            n_accepted, next_token = speculative_accept(
+                drafted, draft_probs, draft_to_target, sampling_probs(logits, params), generator
+            )
+            # Candidate j is the token at position n + j: drafted ones, then the drawn one at a.
+            candidates = torch.cat([verify_tokens[:, 1:], verify_tokens.new_zeros(b, 1)], dim=1)
+            candidates[rows, n_accepted] = next_token
+            logprobs = logits.log_softmax(-1).gather(-1, candidates.unsqueeze(-1)).squeeze(-1)
+            self._count(counters, seqs.active, n_accepted, k)
+            self._commit(seqs, candidates, logprobs, n_accepted + 1, params)
+        with timer("draft"):
+            hidden = self._draft_extend(torch.cat(out.taps, -1), self._draft_embed(candidates), start, draft_cache)
+            seqs.draft_hidden = hidden[rows, n_accepted]
+
+    def _draft_embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The draft's input embeddings of target ids: the current policy's table."""
+        return self.draft.embed(tokens, self.policy.embed_tokens(tokens))
+
+    @staticmethod
+    def _count(counters: _Counters, active: torch.Tensor, n_accepted: torch.Tensor, k: int) -> None:
+        counters.rounds += 1
+        counters.rows = counters.rows + active.sum()
+        counters.committed = counters.committed + ((n_accepted + 1) * active).sum()
+        if k:
+            depth = torch.arange(k, device=active.device)
+            reached = (n_accepted.unsqueeze(1) >= depth) & active.unsqueeze(1)  # drafted token d+1 was judged
+            counters.reached = counters.reached + reached.sum(0)
+            counters.accepted = counters.accepted + (reached & (n_accepted.unsqueeze(1) > depth)).sum(0)
+
+    @staticmethod
+    def _commit(seqs: _Sequences, candidates: torch.Tensor, logprobs: torch.Tensor, n_new: torch.Tensor,
+                params: SamplingParams) -> None:
+        """Append the first ``n_new[b]`` of ``candidates [B, s]`` (with ``logprobs``) to every
+        active sequence, cut after an EOS and at ``max_new_tokens``; retire finished ones."""
+        s = candidates.shape[1]
+        j = torch.arange(s, device=candidates.device)
+        keep = (j < n_new.unsqueeze(1)) & (j < (params.max_new_tokens - seqs.response_len).unsqueeze(1))
+        hit_eos = torch.zeros_like(seqs.active)
+        if params.eos_token_id is not None:
+            eos = keep & (candidates == params.eos_token_id)
+            hit_eos = eos.any(1)
+            first_eos = torch.where(hit_eos, eos.long().argmax(1), s)
+            keep &= j <= first_eos.unsqueeze(1)
+        keep &= seqs.active.unsqueeze(1)
+        n_kept = keep.sum(1)
+        # Columns past n_kept hold junk that a later round overwrites or the mask drops.
+        columns = seqs.response_len.unsqueeze(1) + j
+        seqs.tokens.scatter_(1, columns, candidates)
+        seqs.logprobs.scatter_(1, columns, logprobs.to(seqs.logprobs.dtype))
+        seqs.last_token = torch.where(n_kept > 0, candidates.gather(1, (n_kept - 1).clamp(min=0).unsqueeze(1))
+                                      .squeeze(1), seqs.last_token)
+        seqs.response_len += n_kept
+        seqs.length += n_kept
+        seqs.finished |= hit_eos & seqs.active
+        seqs.active &= ~hit_eos & (seqs.response_len < params.max_new_tokens)

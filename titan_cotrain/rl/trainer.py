@@ -1,0 +1,280 @@
+"""The RL trainer: warm start, then rollouts -> rewards -> GRPO -> co-trained update, per step.
+
+Every rank generates for its own share of the prompts with its own inference copy of
+the policy and draft (colocated), trains its own packed rows with FSDP2 over the
+data-parallel mesh, and refreshes the engine's weights from the sharded training state
+after each update. Step ``s`` is a warm-start (SFT) step for ``s <= task.sft_steps`` and
+an RL step after; its prompts and sampling seeds derive from ``(debug.seed, s, rank)``, so
+a run resumed from a checkpoint of step ``s`` repeats the uninterrupted run exactly.
+"""
+
+import copy
+import json
+import os
+import random
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from titan_cotrain.components import titan
+from titan_cotrain.cotrain.step import PackedBatch, PolicyLoss, clip_and_step, forward_backward
+from titan_cotrain.models.build import build_draft, build_target
+from titan_cotrain.parallel.fsdp import apply_fsdp
+from titan_cotrain.rl.batching import Sample, pack_samples
+from titan_cotrain.rl.grpo import group_advantages, ppo_loss
+from titan_cotrain.rl.rollout import RolloutEngine
+from titan_cotrain.rl.sampling import SamplingParams
+from titan_cotrain.rl.tasks import get_task
+
+__all__ = ["Trainer", "next_token_loss"]
+
+
+def next_token_loss(logits: torch.Tensor, batch: PackedBatch) -> PolicyLoss:
+    """Summed CE of token ``t+1`` given ``t`` inside a document, over targets in ``loss_mask``."""
+    keep = (batch.document_ids[:, 1:] == batch.document_ids[:, :-1]) & batch.loss_mask[:, 1:]
+    ce = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch.tokens[:, 1:].flatten(), reduction="none")
+    return PolicyLoss((ce * keep.flatten()).sum(), keep.sum())
+
+
+class _TrainerState:
+    """The step counter, as a DCP ``Stateful`` (everything random derives from it)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        return {"step": torch.tensor(self.step)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+
+
+class Trainer:
+    """Builds everything a job config asks for; ``run()`` trains to ``task.sft_steps +
+    training.steps`` steps, resuming from the latest checkpoint when there is one."""
+
+    def __init__(self, config, world_size: int, rank: int) -> None:
+        self.config, self.rank, self.world_size = config, rank, world_size
+        self.parallel_dims = titan.build_parallel_dims(config.parallelism, world_size)
+        if self.parallel_dims.cp_enabled or self.parallel_dims.pp_enabled:
+            raise NotImplementedError("context and pipeline parallelism are not wired into the RL trainer yet")
+        if world_size > 1:
+            self.parallel_dims.build_mesh()
+        self.dp_degree = world_size
+        self.device = titan.device_type()
+        self.seed = config.debug.seed if config.debug.seed is not None else 0
+        self.tokenizer = titan.load_tokenizer(config.model.hf_path or config.model.hf_assets_path)
+        self.task = get_task(config.task.name)
+        self.total_steps = config.task.sft_steps + config.training.steps
+
+        self.policy = build_target(config, device=self.device)
+        if self.tokenizer.get_vocab_size() > self.policy.args.vocab_size:
+            raise ValueError(f"tokenizer has {self.tokenizer.get_vocab_size()} tokens but the model's vocabulary "
+                             f"is {self.policy.args.vocab_size}")
+        self.draft = build_draft(config, self.policy, token_counts=self._demonstration_counts(), device=self.device)
+        self.prompts_per_rank = config.rl.prompts_per_step // self.dp_degree
+        self.engine = RolloutEngine(
+            copy.deepcopy(self.policy), copy.deepcopy(self.draft),
+            max_batch_size=max(self.prompts_per_rank * config.rl.group_size, 1),
+            max_seq_len=config.training.seq_len, max_draft_tokens=config.rollout.draft_tokens,
+        )
+        self.reference = copy.deepcopy(self.policy).requires_grad_(False) if config.rl.kl_coef > 0 else None
+        if world_size > 1:
+            for module in (self.policy, self.draft):
+                if module is not None:
+                    apply_fsdp(module, self.parallel_dims.get_mesh("fsdp"), config.training.mixed_precision_param,
+                               config.training.mixed_precision_reduce)
+        self.policy_opt = titan.build_optimizers([self.policy], config.optimizer, self.parallel_dims)
+        self.policy_lr = titan.build_lr_schedulers(self.policy_opt, config.lr_scheduler, self.total_steps)
+        self.draft_opt = self.draft_lr = None
+        states = {}
+        if self.draft is not None:
+            self.draft_opt = titan.build_optimizers([self.draft], config.optimizer, self.parallel_dims,
+                                                    lr=config.draft.lr)
+            self.draft_lr = titan.build_lr_schedulers(self.draft_opt, config.lr_scheduler, self.total_steps)
+            states = {"draft": titan.model_stateful(self.draft), "draft_optimizer": self.draft_opt,
+                      "draft_lr_scheduler": self.draft_lr}
+        if self.reference is not None:
+            states["reference"] = titan.model_stateful(self.reference)
+        self.state = _TrainerState()
+        states["trainer"] = self.state
+        self.checkpointer = titan.build_checkpointer(config.checkpoint, config.job.dump_folder, self.policy,
+                                                     self.policy_opt, self.policy_lr, states)
+        self.tb = None
+        if rank == 0:
+            os.makedirs(config.job.dump_folder, exist_ok=True)
+        if config.metrics.enable_tensorboard and rank == 0:
+            self.tb = titan.tensorboard_logger(os.path.join(config.job.dump_folder, config.metrics.save_tb_folder))
+
+    # ----------------------------------------------------------------- data
+    def _rng(self, step: int, salt: str) -> random.Random:
+        return random.Random(f"{self.seed}/{step}/{self.rank}/{salt}")
+
+    def _encode_prompt(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_bos=True, add_eos=False)
+
+    def _demonstration_counts(self) -> torch.Tensor:
+        """Token counts of a sample of demonstrations: the corpus of a reduced draft vocab."""
+        rng = random.Random(f"{self.seed}/vocab")
+        ids = []
+        for _ in range(256):
+            problem = self.task.sample(rng)
+            ids += self._encode_prompt(problem.prompt) + self.tokenizer.encode(
+                self.task.demonstration(problem, rng), add_bos=False, add_eos=True)
+        return torch.bincount(torch.tensor(ids), minlength=self.policy.args.vocab_size)
+
+    def _pack(self, samples: list[Sample]) -> PackedBatch:
+        """Pack this rank's samples; every rank ends up with the same number of rows
+        (FSDP's collectives need the same number of forwards everywhere)."""
+        batch = pack_samples(samples, self.config.training.seq_len, pad_id=0,
+                             rows_multiple_of=self.config.rl.updates_per_step)
+        rows = torch.tensor(batch.tokens.shape[0])
+        if dist.is_initialized():
+            dist.all_reduce(rows, op=dist.ReduceOp.MAX)
+        extra = int(rows) - batch.tokens.shape[0]
+        if extra:
+            pad = lambda t: torch.cat([t, t.new_zeros(extra, t.shape[1])])  # noqa: E731
+            batch = PackedBatch(*(None if t is None else pad(t) for t in (
+                batch.tokens, batch.document_ids, batch.loss_mask, batch.advantages, batch.old_logprobs)))
+        return batch.to(self.device)
+
+    # ---------------------------------------------------------------- steps
+    def _update(self, batch: PackedBatch, loss_fn, train_draft: bool) -> dict[str, float]:
+        """One or more optimizer updates (``rl.updates_per_step`` minibatches of rows)."""
+        cfg = self.config
+        n = cfg.rl.updates_per_step if batch.advantages is not None else 1
+        metrics: dict[str, float] = {}
+        draft = self.draft if train_draft else None
+        for chunk in range(n):
+            rows = slice(chunk * batch.tokens.shape[0] // n, (chunk + 1) * batch.tokens.shape[0] // n)
+            minibatch = PackedBatch(*(None if t is None else t[rows] for t in (
+                batch.tokens, batch.document_ids, batch.loss_mask, batch.advantages, batch.old_logprobs,
+                batch.ref_logprobs)))
+            out = forward_backward(self.policy, draft, minibatch, loss_fn, ttt_steps=cfg.draft.ttt_steps,
+                                   pass_decay=cfg.draft.pass_decay, draft_loss_weight=cfg.draft.loss_weight,
+                                   draft_loss_on=cfg.draft.loss_on)
+            out |= clip_and_step(self.policy, draft, self.policy_opt, self.draft_opt, cfg.training.max_norm,
+                                 cfg.draft.grad_clip)
+            for key, value in out.items():  # the mean over minibatches
+                metrics[key] = metrics.get(key, 0.0) + float(value) / n
+        return metrics
+
+    def sft_step(self, step: int) -> dict[str, float]:
+        """Warm start: next-token training of the policy on demonstrations, draft co-trained."""
+        rng = self._rng(step, "sft")
+        samples = []
+        for _ in range(self.config.task.sft_batch_size):
+            problem = self.task.sample(rng)
+            response = self.tokenizer.encode(self.task.demonstration(problem, rng), add_bos=False, add_eos=True)
+            samples.append(Sample(self._encode_prompt(problem.prompt), response, [0.0] * len(response), 0.0))
+        batch = self._pack(samples)
+        batch.advantages = batch.old_logprobs = None
+        return self._update(batch, next_token_loss, train_draft=self.draft is not None)
+
+    def rl_step(self, step: int) -> dict[str, float]:
+        cfg = self.config
+        t0 = time.perf_counter()
+        self.engine.load_weights(self.policy.state_dict(),
+                                 self.draft.state_dict() if self.draft is not None else None)
+        t_refresh = time.perf_counter() - t0
+        if self.reference is not None and step == cfg.task.sft_steps + 1:
+            # The reference of the KL term is the policy RL starts from.
+            self.reference.load_state_dict(self.engine.policy.state_dict())
+
+        rng = self._rng(step, "prompts")
+        problems = [self.task.sample(rng) for _ in range(self.prompts_per_rank)]
+        prompts = [self._encode_prompt(p.prompt) for p in problems for _ in range(cfg.rl.group_size)]
+        params = SamplingParams(temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
+                                top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens,
+                                eos_token_id=self.tokenizer.eos_id)
+        generator = torch.Generator(device=self.device).manual_seed((self.seed * 1_000_003 + step) * 1009 + self.rank)
+        t0 = time.perf_counter()
+        rollouts = self.engine.generate(prompts, params, generator=generator,
+                                        draft_tokens=cfg.rollout.draft_tokens if cfg.rollout.speculative else 0)
+        t_rollout = time.perf_counter() - t0
+
+        rewards = []
+        for i, prompt in enumerate(prompts):
+            n = int(rollouts.response_lens[i])
+            text = self.tokenizer.decode(rollouts.tokens[i, :n].tolist())
+            rewards.append(self.task.reward(problems[i // cfg.rl.group_size], text))
+        rewards_t = torch.tensor(rewards)
+        advantages = group_advantages(rewards_t, cfg.rl.group_size)
+        samples = [
+            Sample(prompt, rollouts.tokens[i, : int(rollouts.response_lens[i])].tolist(),
+                   rollouts.logprobs[i, : int(rollouts.response_lens[i])].tolist(), rewards[i], float(advantages[i]))
+            for i, prompt in enumerate(prompts)
+        ]
+        batch = self._pack(samples)
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_logits = self.reference(batch.tokens, document_ids=batch.document_ids)
+            from titan_cotrain.rl.grpo import token_logprobs
+
+            batch.ref_logprobs = F.pad(token_logprobs(ref_logits, batch.tokens), (1, 0))
+
+        t0 = time.perf_counter()
+        loss_fn = ppo_loss(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high, cfg.rl.kl_coef)
+        metrics = self._update(batch, loss_fn, train_draft=self.draft is not None and not cfg.draft.freeze_after_sft)
+        t_train = time.perf_counter() - t0
+
+        stats = torch.tensor([rewards_t.sum(), (rewards_t ** 2).sum(), float(len(rewards)),
+                              rollouts.stats.acceptance_length, rollouts.stats.tokens_per_s, 1.0])
+        if dist.is_initialized():
+            dist.all_reduce(stats)
+        mean = stats[0] / stats[2]
+        metrics |= {
+            "reward/mean": float(mean),
+            "reward/std": float((stats[1] / stats[2] - mean ** 2).clamp(min=0).sqrt()),
+            "rollout/acceptance_length": float(stats[3] / stats[5]),
+            "rollout/tokens_per_s": float(stats[4]),
+            "rollout/response_len": float(rollouts.response_lens.float().mean()),
+            "time/rollout_s": t_rollout, "time/train_s": t_train, "time/refresh_s": t_refresh,
+        }
+        metrics |= {k: v for k, v in rollouts.stats.metrics().items() if "acceptance_rate" in k}
+        return metrics
+
+    # ------------------------------------------------------------------ run
+    def _log(self, step: int, phase: str, metrics: dict[str, float]) -> None:
+        """Rank 0: TensorBoard, one JSON line in ``<dump_folder>/metrics.jsonl``, one console line."""
+        if self.rank != 0:
+            return
+        if self.tb is not None:
+            self.tb.log(metrics, step)
+        with open(os.path.join(self.config.job.dump_folder, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps({"step": step, "phase": phase.strip(), **metrics}) + "\n")
+        line = f"{phase} step {step:4d}/{self.total_steps}  loss {metrics['loss/policy']:.4f}"
+        if "reward/mean" in metrics:
+            line += (f"  reward {metrics['reward/mean']:.3f}  accept_len {metrics['rollout/acceptance_length']:.2f}"
+                     f"  tok/s {metrics['rollout/tokens_per_s']:.0f}")
+        if "draft/tau" in metrics:
+            line += f"  draft {metrics['loss/draft']:.3f}  acc1 {metrics['draft/acc_pass1']:.2f}  tau {metrics['draft/tau']:.2f}"
+        line += f"  {metrics['time/step_s']:.2f}s"
+        print(line, flush=True)
+
+    def run(self) -> None:
+        cfg = self.config
+        self.checkpointer.load(step=cfg.checkpoint.load_step)
+        if self.rank == 0 and self.state.step:
+            print(f"resumed from step {self.state.step}", flush=True)
+        while self.state.step < self.total_steps:
+            step = self.state.step + 1
+            t0 = time.perf_counter()
+            sft = step <= cfg.task.sft_steps
+            metrics = self.sft_step(step) if sft else self.rl_step(step)
+            metrics["lr/policy"] = self.policy_lr.schedulers[0].get_last_lr()[0]
+            self.policy_lr.step()
+            if self.draft_lr is not None:
+                metrics["lr/draft"] = self.draft_lr.schedulers[0].get_last_lr()[0]
+                self.draft_lr.step()
+            metrics["time/step_s"] = time.perf_counter() - t0
+            metrics |= titan.device_memory_stats()
+            self.state.step = step
+            self._log(step, "sft" if sft else "rl ", metrics)
+            self.checkpointer.save(step, last_step=step == self.total_steps)
+        self.checkpointer.close()
+        if self.tb is not None:
+            self.tb.close()

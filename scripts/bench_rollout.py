@@ -48,7 +48,7 @@ from titan_cotrain.rl.rollout import RolloutEngine
 from titan_cotrain.rl.sampling import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_branch_memory import BLACK, BLUE, GREY, GRID, RED, Canvas  # noqa: E402  (the scripts' PNG writer)
+from pngplot import BLACK, BLUE, GREY, GRID, RED, Canvas  # noqa: E402  (the scripts' PNG writer)
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCHES, KS = (1, 8, 32), (2, 4, 6)

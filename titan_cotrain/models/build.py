@@ -26,7 +26,8 @@ def build_target(config, device: torch.device | str = "cpu") -> Transformer:
 
 def build_draft(config, target: Transformer, token_counts: torch.Tensor | None = None,
                 device: torch.device | str = "cpu") -> Draft | None:
-    """The EAGLE-3 draft for ``target`` (None when ``[draft] enable = false``).
+    """The EAGLE-3 draft for ``target`` (None when ``[draft] enable = false``), loaded from
+    ``[draft] init_path`` (an EAGLE-3 folder) or freshly initialised.
 
     A reduced vocabulary (``[draft] vocab_size`` below the target's) keeps the most
     frequent tokens of ``token_counts [V]``, which the caller counts on its corpus.
@@ -34,6 +35,18 @@ def build_draft(config, target: Transformer, token_counts: torch.Tensor | None =
     d = config.draft
     if not d.enable:
         return None
+    if d.init_path:
+        from titan_cotrain.models.eagle3 import load_eagle3
+
+        draft, taps = load_eagle3(d.init_path, device=device, tap_layers=target.tap_layers)
+        if tuple(taps) != tuple(target.tap_layers) or draft.args.target_dim != target.args.dim:
+            raise ValueError(f"draft.init_path {d.init_path!r} taps layers {list(taps)} of a width-"
+                             f"{draft.args.target_dim} target; the policy taps {list(target.tap_layers)} at width "
+                             f"{target.args.dim}")
+        if draft.args.vocab_size != target.args.vocab_size:
+            raise ValueError(f"draft.init_path {d.init_path!r} was trained for a {draft.args.vocab_size}-token "
+                             f"vocabulary; the policy has {target.args.vocab_size}")
+        return draft
     args = DraftArgs.from_target(
         target.args, n_taps=len(target.tap_layers), draft_vocab_size=d.vocab_size, dim=d.hidden_size,
         n_heads=d.num_heads, n_kv_heads=d.num_kv_heads, ffn_dim=d.intermediate_size,

@@ -123,15 +123,13 @@ class CPShard:
     For the model: ``cu_seqlens`` (int32, the local documents over the flattened
     ``B * local_len`` tokens; identical on every rank), ``positions`` (int64 ``[B,
     local_len]``, global in-document), ``valid`` (bool ``[B, local_len]``, False on
-    padding), ``group`` and ``layout`` (for the ring). Build it with ``shard_packed_rows``.
+    padding), ``group`` and ``layout`` (for the ring). Build it with ``shard_packed_rows``;
+    the constructor takes the plan (``plan_padded_rows``) and rank ``rank`` of ``world``.
     """
 
-    def __init__(self, padded: list[list[int]], doc_lengths: list[list[int]], seq_len: int, row_len: int,
-                 group, layout: str, device: torch.device) -> None:
-        self.group = group
-        single = group is None and not dist.is_initialized()
-        self.rank = 0 if single else dist.get_rank(group)
-        self.world = 1 if single else dist.get_world_size(group)
+    def __init__(self, doc_lengths: list[list[int]], padded: list[list[int]], seq_len: int, row_len: int, *,
+                 group, rank: int, world: int, layout: str = "zigzag", device: torch.device | str = "cpu") -> None:
+        self.group, self.rank, self.world = group, rank, world
         self.layout, self.seq_len, self.row_len = layout, seq_len, row_len
         self.batch = len(doc_lengths)
         self.local_len = row_len // self.world
@@ -331,39 +329,57 @@ def shard_packed_rows(
     default group, or no CP without an initialised process group). See ``plan_padded_rows``
     for ``row_len``. Every rank of the group must hold the same batch."""
     group = _group_of(group)
-    world = 1 if group is None and not dist.is_initialized() else dist.get_world_size(group)
+    single = group is None and not dist.is_initialized()
+    rank, world = (0, 1) if single else (dist.get_rank(group), dist.get_world_size(group))
     b, s = document_ids.shape
     cu = layout_from_document_ids(document_ids).cu_seqlens.to(torch.int64).cpu()
     ends = [[int(e) - row * s for e in cu[1:] if row * s < int(e) <= (row + 1) * s] for row in range(b)]
     doc_lengths = [[e - p for p, e in zip([0, *row_ends[:-1]], row_ends)] for row_ends in ends]
     padded, row_len = plan_padded_rows(doc_lengths, world, row_len, layout)
-    return CPShard(padded, doc_lengths, s, row_len, group, layout, document_ids.device)
+    return CPShard(doc_lengths, padded, s, row_len, group=group, rank=rank, world=world, layout=layout,
+                   device=document_ids.device)
 
 
 @dataclass
 class CPBatch:
-    """One CP rank's share of a ``PackedBatch``, all ``[B, local_len]``: ``tokens``;
-    ``loss_mask`` (False on padding); ``next_tokens``, the token at ``i + 1`` of the same
-    document (0 past the end), and ``next_token_mask``, True where ``next_tokens`` is a
-    training target (inside the document and in the loss mask), both shifted before
-    sharding, so a next-token loss needs no communication."""
+    """One CP rank's share of a ``PackedBatch``, every field ``[B, local_len]``.
+
+    ``tokens`` (the model input) and ``loss_mask`` (False on padding) are token-aligned.
+    The ``next_*`` fields are label-aligned, shifted by one inside each document *before*
+    sharding, so a next-token loss at local token ``i`` needs no communication:
+    ``next_tokens`` (token ``i + 1``, 0 past the document's end), ``next_token_mask``
+    (token ``i + 1`` exists and is in the loss mask), and the batch's ``advantages``,
+    ``old_logprobs``, ``ref_logprobs`` at ``i + 1`` (None when the batch has none). These
+    replace the ``[:, 1:]`` / ``[:, :-1]`` slicing of the unsharded losses.
+    """
 
     tokens: torch.Tensor
     loss_mask: torch.Tensor
     next_tokens: torch.Tensor
     next_token_mask: torch.Tensor
+    next_advantages: torch.Tensor | None = None
+    next_old_logprobs: torch.Tensor | None = None
+    next_ref_logprobs: torch.Tensor | None = None
 
 
 def shard_batch_for_cp(batch, group=None, *, row_len: int | None = None) -> tuple[CPBatch, CPShard]:
-    """Zigzag-shard a packed batch (``tokens, document_ids, loss_mask [B, S]``) for this CP
-    rank. Run the policy as ``policy(cp_batch.tokens, cp=shard, return_taps=True)`` and the
-    draft as ``ttt_unroll(..., cp=shard)`` on the local results; other per-token tensors
-    (advantages, behaviour logprobs) go through ``shard.shard`` / ``shard.shard_shifted``."""
+    """Zigzag-shard a ``PackedBatch`` (``[B, S]`` fields, the same on every rank of the CP
+    ``group``) for this rank. Run the policy as ``policy(cp_batch.tokens, cp=shard,
+    return_taps=True)`` and the draft as ``ttt_unroll(..., cp=shard)`` with
+    ``positions=shard.positions``, ``cu_seqlens=shard.cu_seqlens`` and the local outputs;
+    normalise losses by counts summed over the CP (x data-parallel) group."""
     shard = shard_packed_rows(batch.document_ids, group, row_len=row_len)
+
+    def next_of(x):
+        return None if x is None else shard.shard_shifted(x, 1)
+
     cp_batch = CPBatch(
         tokens=shard.shard(batch.tokens),
         loss_mask=shard.shard(batch.loss_mask, fill=False),
         next_tokens=shard.shard_shifted(batch.tokens, 1),
         next_token_mask=shard.shard_shifted(batch.loss_mask, 1, fill=False),
+        next_advantages=next_of(getattr(batch, "advantages", None)),
+        next_old_logprobs=next_of(getattr(batch, "old_logprobs", None)),
+        next_ref_logprobs=next_of(getattr(batch, "ref_logprobs", None)),
     )
     return cp_batch, shard

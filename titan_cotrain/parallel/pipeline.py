@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -146,6 +147,8 @@ def plan_pipeline(
         raise ValueError(f"schedule {schedule} runs one stage per rank, but the split has {v} per rank")
     if not single and v < 2:
         raise ValueError(f"schedule {schedule} needs at least 2 stages per rank, the split has {v}")
+    if 0 in counts[1:-1]:
+        raise ValueError(f"layers per stage {counts}: a middle stage must hold at least one layer")
     starts = [sum(counts[:i]) for i in range(len(counts))]
     ranges = tuple(range(s, s + n) for s, n in zip(starts, counts))
     v_shape = schedule_cls in (ScheduleZBVZeroBubble, ScheduleDualPipeV)
@@ -182,13 +185,14 @@ class TransformerStage(nn.Module):
     on the first stage and the final norm, head and draft on the last.
 
     ``forward(x, *, document_ids, rows)``: ``x`` is ``tokens: int64 [mb, S]`` on the first
-    stage, the hidden stream ``[mb, S, H]`` elsewhere; ``document_ids [mb, S]`` give the
-    packing; ``rows [mb]`` are the microbatch's row indices in the batch (their first
-    entry names the microbatch). Returns the hidden stream, or ``logits [mb, S, V]`` (fp32)
-    on the last stage. The ops and their order are exactly ``Transformer.forward``'s, so
-    hidden states and taps are bitwise the single-device ones. With a ``channel``, the
-    detached output of every tapped layer it holds (and the embedding output) is sent the
-    moment it is computed.
+    stage, the packed hidden stream ``[mb * S, H]`` elsewhere (the layers' own layout, so a
+    stage's output is a fresh tensor and never a view, which zero-bubble schedules detach
+    in place); ``document_ids [mb, S]`` give the packing; ``rows [mb]`` are the
+    microbatch's row indices in the batch (their first entry names the microbatch).
+    Returns the hidden stream, or ``logits [mb, S, V]`` (fp32) on the last stage. The ops
+    are ``Transformer.forward``'s, so hidden states and taps are bitwise the single-device
+    ones. With a ``channel``, the detached ``[mb, S, H]`` output of every tapped layer it
+    holds (and the embedding output) is sent the moment it is computed.
     """
 
     def __init__(
@@ -212,25 +216,24 @@ class TransformerStage(nn.Module):
         sources = ({EMBEDDINGS} if first else set()) | (set(layers) & set(policy.tap_layers))
         self.tap_sources = frozenset(sources) if channel is not None else frozenset()
 
-    def tap(self, microbatch: int, source: int, x: torch.Tensor, shape: torch.Size) -> None:
-        if source in self.tap_sources:
-            self.channel.send(microbatch, source, x.detach().view(shape))
-
     def forward(self, x: torch.Tensor, *, document_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         b, s = document_ids.shape
         microbatch = int(rows[0]) // rows.numel()
         layout = layout_from_document_ids(document_ids)
         if self.embed_tokens is not None:
-            x = self.embed_tokens(x)
-            self.tap(microbatch, EMBEDDINGS, x, x.shape)
+            x = self.embed_tokens(x.reshape(-1))
+            self._tap(microbatch, EMBEDDINGS, x, b, s)
         cos, sin = rope_cos_sin(self.rope_inv_freq, layout.positions.reshape(-1), x.dtype)
-        h = x.reshape(b * s, -1)
         for name, layer in self.layers.items():
-            h = layer(h, cos, sin, layout.cu_seqlens)
-            self.tap(microbatch, int(name), h, x.shape)
+            x = layer(x, cos, sin, layout.cu_seqlens)
+            self._tap(microbatch, int(name), x, b, s)
         if self.lm_head is None:
-            return h.view(b, s, -1)
-        return self.lm_head(self.norm(h.view(b, s, -1))).float()
+            return x
+        return self.lm_head(self.norm(x.view(b, s, -1))).float()
+
+    def _tap(self, microbatch: int, source: int, x: torch.Tensor, b: int, s: int) -> None:
+        if source in self.tap_sources:
+            self.channel.send(microbatch, source, x.detach().view(b, s, -1))
 
 
 # -- the last stage's loss ---------------------------------------------------------------
@@ -403,6 +406,7 @@ def make_pipeline(
     draft_loss_on: str = "response",
     loss_group: dist.ProcessGroup | None = None,
     tap_prefetch: int = 2,
+    tap_timeout: timedelta | None = None,
 ) -> Pipeline:
     """Split ``policy`` (built whole on every PP rank) into this rank's stages as ``plan``
     says, put ``draft`` on the last stage, and build the TapChannel and the schedule.
@@ -411,7 +415,8 @@ def make_pipeline(
     ``[n_microbatches * microbatch_size, seq_len]``. ``loss_group``: the data-parallel
     ranks (dp x cp) that share the global token counts (None: no data parallelism). The
     stage modules reference the policy's modules (no copy); the layers of other stages
-    are not referenced and go away with the caller's ``policy``.
+    are not referenced and go away with the caller's ``policy``. ``tap_prefetch`` and
+    ``tap_timeout``: the TapChannel's receives posted ahead and bound on every wait.
     """
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
     pp_ranks = pp_mesh.mesh.flatten().tolist()
@@ -420,12 +425,13 @@ def make_pipeline(
         raise ValueError(f"the plan is for {plan.pp} PP ranks, the mesh has {pp}")
     param = policy.embed_tokens.weight
     device, dtype = param.device, param.dtype
-    hidden_shape = (microbatch_size, seq_len, policy.args.dim)
+    hidden_shape = (microbatch_size * seq_len, policy.args.dim)
     channel = None
     if draft is not None:
         channel = TapChannel(pp_ranks=pp_ranks, pp_rank=pp_rank, consumer=plan.stage_ranks[-1],
-                             owners=plan.tap_owners(policy.tap_layers), shape=hidden_shape, dtype=dtype,
-                             device=device, prefetch=tap_prefetch)
+                             owners=plan.tap_owners(policy.tap_layers),
+                             shape=(microbatch_size, seq_len, policy.args.dim), dtype=dtype,
+                             device=device, prefetch=tap_prefetch, timeout=tap_timeout)
     loss = CotrainLoss(policy_loss_fn, draft if pp_rank == plan.stage_ranks[-1] else None, channel,
                        policy.tap_layers, ttt_steps=ttt_steps, pass_decay=pass_decay, draft_loss_on=draft_loss_on)
     stages, parts = [], []
@@ -463,7 +469,8 @@ def build_pipeline(
     """``make_pipeline`` from a job config: ``[parallelism] pipeline_parallel_schedule``,
     ``pipeline_parallel_microbatch_size``, ``module_fqns_per_model_part`` (explicit split,
     our module names) or ``pipeline_parallel_layers_per_stage``, the first/last stage
-    weights; ``[training] local_batch_size, seq_len``; ``[draft]`` TTT settings."""
+    weights; ``[training] local_batch_size, seq_len``; ``[draft]`` TTT settings;
+    ``[comm] train_timeout_seconds`` bounds the TapChannel's waits."""
     p, t, d = config.parallelism, config.training, config.draft
     if p.pipeline_parallel_schedule_csv:
         raise NotImplementedError("parallelism.pipeline_parallel_schedule_csv is not supported")
@@ -488,6 +495,7 @@ def build_pipeline(
         policy, draft, pp_mesh, plan, microbatch_size=mb, n_microbatches=t.local_batch_size // mb,
         seq_len=t.seq_len // p.context_parallel_degree, policy_loss_fn=policy_loss_fn, ttt_steps=d.ttt_steps,
         pass_decay=d.pass_decay, draft_loss_weight=d.loss_weight, draft_loss_on=d.loss_on, loss_group=loss_group,
+        tap_timeout=timedelta(seconds=config.comm.train_timeout_seconds),
     )
 
 

@@ -98,6 +98,7 @@ class TapChannel:
             self._warm_up()
         self._slots: list[dict[int, torch.Tensor]] = []
         self._n_microbatches = 0
+        self._reset(0)
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -127,20 +128,23 @@ class TapChannel:
         """Reset for a step of ``n_microbatches``; the consumer posts its first receives."""
         if self._n_microbatches:
             raise RuntimeError("TapChannel.begin_step: the previous step was not finished (call finish_step)")
-        self._n_microbatches = n_microbatches
-        self._next_produced = {s: 0 for s in self.local_sources}
-        self._queued: dict[tuple[int, int], torch.Tensor] = {}
-        self._send_cursor = 0  # index into this rank's (microbatch, source) send order
-        self._in_flight: list[tuple[dist.Work, torch.Tensor]] = []
-        self._local: dict[tuple[int, int], torch.Tensor] = {}
-        self._recv_works: dict[int, list[dist.Work]] = {}
-        self._next_consumed = 0
+        self._reset(n_microbatches)
         if self.is_consumer and self.remote_sources:
             while len(self._slots) < min(self.prefetch, n_microbatches):
                 self._slots.append({s: torch.empty(self.shape, dtype=self.dtype, device=self.device)
                                     for s in self.remote_sources})
             for m in range(min(self.prefetch, n_microbatches)):
                 self._post_receives(m)
+
+    def _reset(self, n_microbatches: int) -> None:
+        self._n_microbatches = n_microbatches
+        self._next_produced = {s: 0 for s in self.local_sources}
+        self._queued: dict[tuple[int, int], torch.Tensor] = {}
+        self.sent = 0  # taps this rank sent over the group this step (also its send-order cursor)
+        self._in_flight: list[tuple[dist.Work, torch.Tensor]] = []
+        self._local: dict[tuple[int, int], torch.Tensor] = {}
+        self._recv_works: dict[int, list[dist.Work]] = {}
+        self._next_consumed = 0
 
     def send(self, microbatch: int, source: int, tap: torch.Tensor) -> None:
         """Hand over the detached tap ``source`` of ``microbatch`` (called by the stage that
@@ -171,13 +175,13 @@ class TapChannel:
         """Send every queued tap whose turn has come; drop the sends that completed."""
         n_local = len(self.local_sources)
         while True:
-            m, j = divmod(self._send_cursor, n_local)
+            m, j = divmod(self.sent, n_local)
             tap = self._queued.pop((m, self.local_sources[j]), None)
             if tap is None:
                 break
             work = dist.isend(tap, group=self.group, group_dst=self.consumer, tag=_TAG)
             self._in_flight.append((work, tap))  # the tensor must outlive its send
-            self._send_cursor += 1
+            self.sent += 1
         self._in_flight = [(w, t) for w, t in self._in_flight if not w.is_completed()]
 
     def _post_receives(self, microbatch: int) -> None:

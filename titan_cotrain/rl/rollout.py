@@ -43,7 +43,14 @@ from torch.distributed.tensor import DTensor
 from titan_cotrain.models.draft import Draft, DraftKVCache
 from titan_cotrain.models.kv_cache import KVCache
 from titan_cotrain.models.transformer import Transformer
-from titan_cotrain.rl.sampling import SamplingParams, processed_logits, sample, sampling_probs, speculative_accept
+from titan_cotrain.rl.sampling import (
+    SamplingParams,
+    draw,
+    greedy_accept,
+    processed_logits,
+    sample,
+    speculative_accept,
+)
 
 __all__ = ["RolloutEngine", "RolloutStats", "Rollouts"]
 
@@ -128,14 +135,28 @@ class _Sequences:
 
 @dataclass
 class _Counters:
-    """Acceptance counts kept on the device (no host sync per round)."""
+    """Per-round ``n_accepted`` and ``active`` ([B] each), kept on the device and reduced once
+    at the end (no host sync per round), and the time split."""
 
-    rounds: int = 0
-    rows: torch.Tensor | int = 0
-    committed: torch.Tensor | int = 0
-    reached: torch.Tensor | int = 0
-    accepted: torch.Tensor | int = 0
+    n_accepted: list[torch.Tensor] = field(default_factory=list)
+    active: list[torch.Tensor] = field(default_factory=list)
     times: dict[str, float] = field(default_factory=lambda: {"prefill": 0.0, "draft": 0.0, "verify": 0.0})
+
+    def record(self, n_accepted: torch.Tensor, active: torch.Tensor) -> None:
+        self.n_accepted.append(n_accepted)
+        self.active.append(active.clone())
+
+    def acceptance(self, k: int) -> tuple[float, list[float]]:
+        """Mean tokens per (sequence, round) and the per-position acceptance rates."""
+        if not self.active:
+            return 0.0, []
+        n, active = torch.stack(self.n_accepted), torch.stack(self.active)  # [rounds, B]
+        length = float(((n + 1) * active).sum() / active.sum())
+        depth = torch.arange(k, device=n.device)
+        reached = (n.unsqueeze(-1) >= depth) & active.unsqueeze(-1)  # drafted token d + 1 was judged
+        accepted = reached & (n.unsqueeze(-1) > depth)
+        rates = accepted.flatten(0, 1).sum(0) / reached.flatten(0, 1).sum(0).clamp(min=1)
+        return length, rates.tolist()
 
 
 class _Timer:
@@ -262,6 +283,8 @@ class RolloutEngine:
         target_cache = copy.copy(self.target_cache)
         target_cache.k, target_cache.v = self.target_cache.k[:, :b], self.target_cache.v[:, :b]
         draft_cache = self.draft_cache.rows(b) if k else None
+        draft_to_target = (torch.arange(self.draft.args.draft_vocab_size, device=self.device) + self.draft.d2t
+                           if k else None)
 
         start = time.perf_counter()
         counters = _Counters()
@@ -277,19 +300,19 @@ class RolloutEngine:
             self._prefill(seqs, prompt, prompt_lens, params, generator, target_cache, draft_cache)
         while bool(seqs.active.any()):
             if k:
-                self._speculative_round(seqs, k, params, generator, target_cache, draft_cache, counters, timer)
+                self._speculative_round(seqs, k, params, generator, target_cache, draft_cache, draft_to_target,
+                                        counters, timer)
             else:
                 with timer("verify"):
                     self._decode_one_token(seqs, params, generator, target_cache, counters)
 
         mask = torch.arange(params.max_new_tokens, device=self.device) < seqs.response_len.unsqueeze(1)
-        rows = counters.rows if counters.rounds else torch.zeros(())
+        acceptance_length, acceptance_rate = counters.acceptance(k)
         stats = RolloutStats(
             new_tokens=int(seqs.response_len.sum()),
-            target_forwards=counters.rounds,
-            acceptance_length=float(counters.committed / rows) if counters.rounds else 0.0,
-            acceptance_rate=(counters.accepted / torch.as_tensor(counters.reached).clamp(min=1)).tolist()
-            if k and counters.rounds else [],
+            target_forwards=len(counters.active),
+            acceptance_length=acceptance_length,
+            acceptance_rate=acceptance_rate,
             prefill_s=counters.times["prefill"], draft_s=counters.times["draft"], verify_s=counters.times["verify"],
             total_s=time.perf_counter() - start,
         )
@@ -306,13 +329,12 @@ class RolloutEngine:
                  generator, target_cache: KVCache, draft_cache: DraftKVCache | None) -> None:
         """Target forward over the (right-padded) prompts, the first response token, and,
         when drafting, TTT pass 1 over the prompt positions."""
-        b = prompt.shape[0]
-        rows = torch.arange(b, device=prompt.device)
+        rows = torch.arange(prompt.shape[0], device=prompt.device)
         last = prompt_lens - 1
         out = self.policy.forward_cached(prompt, target_cache, torch.zeros_like(prompt_lens),
                                          return_taps=draft_cache is not None)
         logits = processed_logits((out.logits if draft_cache is not None else out)[rows, last], params)
-        token = sample(sampling_probs(logits, params), generator)
+        token = draw(logits, params, generator)
         logprob = logits.log_softmax(-1).gather(-1, token.unsqueeze(-1))
         self._commit(seqs, token.unsqueeze(-1), logprob, torch.ones_like(token), params)
         if draft_cache is not None:
@@ -328,17 +350,17 @@ class RolloutEngine:
         """Plain decoding: feed ``x_{n-1}`` to the target and sample ``x_n``."""
         logits = self._target_step(seqs.last_token.unsqueeze(1), target_cache, seqs.length - 1)
         logits = processed_logits(logits[:, 0], params)
-        token = sample(sampling_probs(logits, params), generator)
+        token = draw(logits, params, generator)
         logprob = logits.log_softmax(-1).gather(-1, token.unsqueeze(-1))
-        self._count(counters, seqs.active, torch.zeros_like(token), 0)
+        counters.record(torch.zeros_like(token), seqs.active)
         self._commit(seqs, token.unsqueeze(-1), logprob, torch.ones_like(token), params)
 
     def _speculative_round(self, seqs: _Sequences, k: int, params: SamplingParams, generator,
-                           target_cache: KVCache, draft_cache: DraftKVCache, counters: _Counters, timer: _Timer) -> None:
+                           target_cache: KVCache, draft_cache: DraftKVCache, draft_to_target: torch.Tensor,
+                           counters: _Counters, timer: _Timer) -> None:
         """Draft ``k`` tokens, verify them in one target forward, commit ``a + 1``, catch up."""
         b = seqs.length.shape[0]
         rows = torch.arange(b, device=seqs.length.device)
-        draft_to_target = torch.arange(self.draft.args.draft_vocab_size, device=self.device) + self.draft.d2t
         anchor = seqs.length - 2
         with timer("draft"):
             hidden, drafted, draft_probs = seqs.draft_hidden, [], []
@@ -346,23 +368,29 @@ class RolloutEngine:
                 if depth > 1:
                     embeds = self._draft_embed(draft_to_target[drafted[-1]])
                     hidden = self._draft_chain_step(embeds, hidden, anchor, depth, draft_cache)
-                probs = sampling_probs(processed_logits(self.draft.logits(hidden), params), params)
-                drafted.append(sample(probs, generator))
-                draft_probs.append(probs)
-            drafted, draft_probs = torch.stack(drafted, 1), torch.stack(draft_probs, 1)
+                logits = processed_logits(self.draft.logits(hidden), params)
+                if params.greedy:
+                    drafted.append(logits.argmax(-1))
+                else:
+                    draft_probs.append(logits.softmax(-1))
+                    drafted.append(sample(draft_probs[-1], generator))
+            drafted = torch.stack(drafted, 1)  # [B, k] draft-vocabulary ids
         with timer("verify"):
             verify_tokens = torch.cat([seqs.last_token.unsqueeze(1), draft_to_target[drafted]], dim=1)
             start = seqs.length - 1
             out = self._target_step(verify_tokens, target_cache, start, return_taps=True)
             logits = processed_logits(out.logits, params)
-            n_accepted, next_token = speculative_accept(
-                drafted, draft_probs, draft_to_target, sampling_probs(logits, params), generator
-            )
+            if params.greedy:
+                n_accepted, next_token = greedy_accept(verify_tokens[:, 1:], logits)
+            else:
+                n_accepted, next_token = speculative_accept(
+                    drafted, torch.stack(draft_probs, 1), draft_to_target, logits.softmax(-1), generator
+                )
             # Candidate j is the token at position n + j: drafted ones, then the drawn one at a.
             candidates = torch.cat([verify_tokens[:, 1:], verify_tokens.new_zeros(b, 1)], dim=1)
             candidates[rows, n_accepted] = next_token
             logprobs = logits.log_softmax(-1).gather(-1, candidates.unsqueeze(-1)).squeeze(-1)
-            self._count(counters, seqs.active, n_accepted, k)
+            counters.record(n_accepted, seqs.active)
             self._commit(seqs, candidates, logprobs, n_accepted + 1, params)
         with timer("draft"):
             hidden = self._draft_extend(torch.cat(out.taps, -1), self._draft_embed(candidates), start, draft_cache)
@@ -371,17 +399,6 @@ class RolloutEngine:
     def _draft_embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The draft's input embeddings of target ids: the current policy's table."""
         return self.draft.embed(tokens, self.policy.embed_tokens(tokens))
-
-    @staticmethod
-    def _count(counters: _Counters, active: torch.Tensor, n_accepted: torch.Tensor, k: int) -> None:
-        counters.rounds += 1
-        counters.rows = counters.rows + active.sum()
-        counters.committed = counters.committed + ((n_accepted + 1) * active).sum()
-        if k:
-            depth = torch.arange(k, device=active.device)
-            reached = (n_accepted.unsqueeze(1) >= depth) & active.unsqueeze(1)  # drafted token d+1 was judged
-            counters.reached = counters.reached + reached.sum(0)
-            counters.accepted = counters.accepted + (reached & (n_accepted.unsqueeze(1) > depth)).sum(0)
 
     @staticmethod
     def _commit(seqs: _Sequences, candidates: torch.Tensor, logprobs: torch.Tensor, n_new: torch.Tensor,

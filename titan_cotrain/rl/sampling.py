@@ -5,9 +5,10 @@ in place: callers keep the *processed* logits (after temperature and filtering) 
 behaviour log-probabilities are those of the distribution actually sampled from.
 
 Greedy decoding (``temperature == 0``) is the one-hot distribution on the argmax. With
-one-hots the speculative rule below accepts a drafted token iff it is the target's
-argmax and otherwise emits the target's argmax: greedy speculative decoding is exactly
-greedy decoding, with no separate code path.
+one-hots, ``speculative_accept`` accepts a drafted token iff it is the target's argmax and
+otherwise emits the target's argmax, so greedy speculative decoding is exactly greedy
+decoding; ``greedy_accept`` is that limit written out with argmaxes (a few ops instead of
+a few dozen, which matters when decoding is launch-bound), and ``draw`` likewise.
 """
 
 from __future__ import annotations
@@ -17,7 +18,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["SamplingParams", "processed_logits", "sample", "sampling_probs", "speculative_accept"]
+__all__ = [
+    "SamplingParams",
+    "draw",
+    "greedy_accept",
+    "processed_logits",
+    "sample",
+    "sampling_probs",
+    "speculative_accept",
+]
 
 
 @dataclass(frozen=True)
@@ -93,6 +102,13 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(-1)
 
 
+def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row from ``processed_logits`` output ``[..., V]``: the argmax when greedy."""
+    if params.greedy:
+        return logits.argmax(-1)
+    return sample(logits.softmax(-1), generator)
+
+
 def speculative_accept(
     draft_tokens: torch.Tensor,
     draft_probs: torch.Tensor,
@@ -128,3 +144,16 @@ def speculative_accept(
     # p == q up to rounding can leave a zero residual on a rejection of probability ~0: use p.
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
     return n_accepted, sample(residual, generator)
+
+
+def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``speculative_accept`` with one-hot ``p`` and ``q``: keep drafted tokens while they are
+    the target's argmax, then emit the target's argmax.
+
+    ``draft_tokens: int64 [B, k]`` (target ids), ``target_logits [B, k + 1, V]``. Returns
+    ``n_accepted [B]`` and ``next_token [B]``, as ``speculative_accept``.
+    """
+    k = draft_tokens.shape[1]
+    best = target_logits.argmax(-1)  # [B, k + 1]
+    n_accepted = (draft_tokens == best[:, :k]).long().cumprod(-1).sum(-1)
+    return n_accepted, best.gather(1, n_accepted.unsqueeze(1)).squeeze(1)

@@ -3,10 +3,10 @@
 A task turns a seeded ``random.Random`` into problems, writes a demonstration response for
 each (the SFT warm start's data) and scores any response with code, never a model.
 
-* ``arithmetic``: add four to six digits, e.g. ``7+3+8+5=``. The response shows its working
-  one running sum at a time, ``7+3=10;10+8=18;18+5=23;#23`` (a few dozen tokens, so
+* ``arithmetic``: add three to five digits (1-5), e.g. ``4+3+5+2=``. The response shows its working
+  one running sum at a time, ``4+3=7;7+5=12;12+2=14;#14`` (a few dozen tokens, so
   generation dominates a step, as in real RL). Each step may be written either way round
-  (``10+8=18`` or ``8+10=18``); demonstrations pick each at random, and the reward pays
+  (``7+5=12`` or ``5+7=12``); demonstrations pick each at random, and the reward pays
   for the correct answer and, on top, for writing the running sum first. RL therefore moves
   the policy away from its warm-start mixture towards one style: the drift that makes a
   frozen draft fall behind.
@@ -48,7 +48,7 @@ def _final_answer(response: str) -> str | None:
 class Arithmetic:
     name = "arithmetic"
 
-    def __init__(self, min_terms: int = 4, max_terms: int = 6, max_value: int = 9) -> None:
+    def __init__(self, min_terms: int = 3, max_terms: int = 5, max_value: int = 5) -> None:
         self.min_terms, self.max_terms, self.max_value = min_terms, max_terms, max_value
 
     def sample(self, rng: random.Random) -> Problem:

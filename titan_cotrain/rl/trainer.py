@@ -276,5 +276,22 @@ class Trainer:
             self._log(step, "sft" if sft else "rl ", metrics)
             self.checkpointer.save(step, last_step=step == self.total_steps)
         self.checkpointer.close()
+        self.export()
         if self.tb is not None:
             self.tb.close()
+
+    def export(self) -> None:
+        """Write the final policy (Hugging Face folder) and draft (EAGLE-3 folder) to
+        ``<dump_folder>/export``; all ranks gather the shards, rank 0 writes."""
+        from titan_cotrain.models.eagle3 import save_eagle3
+        from titan_cotrain.models.hf import save_hf
+
+        self.engine.load_weights(self.policy.state_dict(), self.draft.state_dict() if self.draft is not None else None)
+        if self.rank != 0:
+            return
+        folder = os.path.join(self.config.job.dump_folder, "export")
+        save_hf(self.engine.policy, os.path.join(folder, "policy"))
+        if self.draft is not None and len(self.policy.tap_layers) == 3:
+            save_eagle3(self.engine.draft, os.path.join(folder, "draft"), self.policy.tap_layers,
+                        target_max_position_embeddings=self.policy.args.max_seq_len)
+        print(f"exported the policy and the draft to {folder}", flush=True)

@@ -1,0 +1,564 @@
+"""Context-parallel draft attention: per-rank memory, time and work balance, zigzag ring vs gathered K/V.
+
+What runs: one TTT pass of the draft's attention, ``ring_branch_attention`` (the trunk over the
+pass-1 K/V of the whole row plus ``P = D - 1 = 6`` branch key sets at every anchor: the last,
+largest pass of a D = 7 unroll), forward + backward, fp32, ``Hq = 2``, ``Hkv = 1``, ``Dh = 16``,
+on one packed row of ``S`` tokens holding uneven documents (``DOC_FRACTIONS`` of the row).
+
+Implementations (branch attention rank-local in both):
+* ``ring``: ``titan_cotrain.ops.ring_attention.ring_branch_attention``, K/V one hop per step;
+* ``gather``: the prior-work baseline below: all-gather every rank's K/V into the global row
+  (written straight into document order, no reorder copy), attend the local queries to their
+  documents' prefixes, and in backward re-gather, accumulate a full-row dK/dV and
+  reduce-scatter it. Nothing of the gathered row is kept between forward and backward.
+
+Ranks are simulated one at a time in this process: W = 8 processes on a 2-core machine would
+measure contention, not the design. A ``SimulatedRing`` hands rank r, at step i, the real K/V
+shard of rank r - i in a freshly allocated buffer (as ``irecv`` would); the partial dK/dV that
+would arrive from rank r - 1 is a fresh zero buffer (other ranks' sums change neither time nor
+memory). The gather baseline's all-gather returns a fresh full-row buffer, its reduce-scatter a
+fresh local one. So ``seconds`` is one rank's compute plus the local copies standing in for
+messages, without network time.
+
+Memory: ``peak_bytes_per_rank`` is the peak, over one rank's forward + backward, of the bytes of
+live tensor storages that rank holds: its inputs (q, k, v, the branch K/V and grad_out shards)
+and everything created during the call (saved activations, receive buffers, gathered rows,
+gradients). A ``TorchDispatchMode`` sees every tensor an op creates and a weakref finaliser on
+its storage sees it die: the CPU analogue of ``torch.cuda.max_memory_allocated``. Not counted:
+kernel-internal scratch (the CPU flash kernel's per-thread blocks, independent of S) and
+allocator slack. Zigzag ranks do the same work; their temporaries differ with the kind of step
+(rank 0 only meets later ranks' K/V, rank W - 1 only earlier ones', the others both), so the
+first and the last rank are simulated and the record keeps the larger numbers. For contiguous
+sharding only rank W - 1, the busiest, is simulated. W = 1 is the ring of one rank; the
+single-device op itself (``branch_attention``) is measured too, and is the reference of the
+``single / W`` comparison.
+
+Work balance (``work_max_over_mean``): query-key pairs per rank, from the block schedule the ring
+executes (padding included), max over mean. Also reported (``work_balance``): the contiguous cut
+of the whole row into W pieces, ignoring documents, the plain CP sharding (analytic only).
+
+Correctness first: on 4 real gloo ranks (CP groups of 4 and of 2), ring and gather forward and
+all five input gradients must match single-device ``branch_attention`` within 1e-5 on a small
+uneven packed row, and the simulated ring's forward must match the single-device op at the
+smallest benchmark size on every rank; otherwise the script exits 1 before measuring anything.
+It also exits 1 when the zigzag schedule's work is imbalanced beyond 1.05.
+
+    PYTHONPATH=. .venv/bin/python scripts/bench_cp.py      # ~4 min on 1-2 free cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+import weakref
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from titan_cotrain.ops import branch_attention
+from titan_cotrain.ops.attention import lse_dtype, merge_attention
+from titan_cotrain.ops.ring_attention import RingComm, chunks_per_document, local_chunks, ring_branch_attention
+from titan_cotrain.parallel.context_parallel import CPShard, plan_padded_rows, shard_packed_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from pngplot import BLUE, GREY, RED, Canvas  # noqa: E402  (the project's small PNG writer)
+
+N_HEADS, N_KV_HEADS, HEAD_DIM, BRANCH_SETS = 2, 1, 16, 6
+SCALE = HEAD_DIM**-0.5
+DOC_FRACTIONS = (0.37, 0.23, 0.16, 0.11, 0.07, 0.04, 0.02)  # of the row; the rest is one more document
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+# ---- inputs ------------------------------------------------------------------------------------
+
+def doc_lengths(seq_len: int) -> list[int]:
+    lengths = [max(1, int(f * seq_len)) for f in DOC_FRACTIONS]
+    return lengths + [seq_len - sum(lengths)]
+
+
+def full_inputs(seq_len: int, seed: int = 0) -> list[torch.Tensor]:
+    """q [S, Hq, Dh], k, v [S, Hkv, Dh], branch_k, branch_v [P, S, Hkv, Dh], grad_out [S, Hq, Dh]."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(seq_len, N_HEADS, HEAD_DIM), (seq_len, N_KV_HEADS, HEAD_DIM), (seq_len, N_KV_HEADS, HEAD_DIM),
+              (BRANCH_SETS, seq_len, N_KV_HEADS, HEAD_DIM), (BRANCH_SETS, seq_len, N_KV_HEADS, HEAD_DIM),
+              (seq_len, N_HEADS, HEAD_DIM)]
+    return [torch.randn(s, generator=g) for s in shapes]
+
+
+def document_ids(seq_len: int) -> torch.Tensor:
+    return torch.tensor([[i for i, n in enumerate(doc_lengths(seq_len)) for _ in range(n)]])
+
+
+def shard_inputs(shard, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """This rank's shards of ``full_inputs`` (grad_out zero on padding: padding feeds no loss)."""
+    q, k, v, bk, bv, go = tensors
+    local = [shard.shard(x[None])[0] for x in (q, k, v)]
+    local += [torch.stack([shard.shard(xp[None])[0] for xp in x]) for x in (bk, bv)]
+    local.append(shard.shard(go[None])[0] * shard.valid[0][:, None, None])
+    return local
+
+
+# ---- the gather baseline -------------------------------------------------------------------------
+
+def _bhsd(x):
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def _expand(x, n_rep):
+    return x.repeat_interleave(n_rep, dim=1) if n_rep > 1 else x
+
+
+def _reduce(g, n_rep):
+    return g.unflatten(1, (-1, n_rep)).sum(2) if n_rep > 1 else g
+
+
+class GatherBranchAttention(torch.autograd.Function):
+    """Prior work: every rank holds the whole row's K/V. ``comm.gather(kv [2, T, Hkv, Dh])``
+    returns the row's ``[2, S_row, Hkv, Dh]`` in document order, ``comm.reduce_scatter`` the
+    local rows of a full-row gradient. Queries of local chunk ``j`` of a document attend to
+    chunks ``0..j-1`` fully and to chunk ``j`` causally (``plan`` lists those blocks)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, branch_k, branch_v, plan, comm):
+        from titan_cotrain.ops.branch_attention import branch_forward
+
+        out, lse = branch_forward(q, branch_k, branch_v, SCALE)
+        out, lse = out.to(lse_dtype(q.dtype)), lse.clone()
+        kv = comm.gather(torch.stack([k, v]))
+        n_rep = q.shape[1] // k.shape[1]
+        for q0, q1, k0, k1, causal in plan:
+            o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                _bhsd(q[q0:q1]), _bhsd(_expand(kv[0, k0:k1], n_rep)), _bhsd(_expand(kv[1, k0:k1], n_rep)),
+                0.0, causal, scale=SCALE)
+            merged = merge_attention(out[q0:q1], lse[q0:q1], o[0].transpose(0, 1), l[0].transpose(0, 1))
+            out[q0:q1], lse[q0:q1] = merged
+        del kv
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, branch_k, branch_v, out, lse)
+        ctx.plan, ctx.comm = plan, comm
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from titan_cotrain.ops.branch_attention import branch_backward
+
+        q, k, v, branch_k, branch_v, out, lse = ctx.saved_tensors
+        dq, dbranch_k, dbranch_v = branch_backward(grad_out, q, branch_k, branch_v, out, lse, SCALE)
+        dq = dq.to(lse.dtype)
+        kv = ctx.comm.gather(torch.stack([k, v]))
+        dkv = torch.zeros(kv.shape, dtype=lse.dtype)
+        n_rep = q.shape[1] // k.shape[1]
+        for q0, q1, k0, k1, causal in ctx.plan:
+            gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                _bhsd(grad_out[q0:q1]), _bhsd(q[q0:q1]), _bhsd(_expand(kv[0, k0:k1], n_rep)),
+                _bhsd(_expand(kv[1, k0:k1], n_rep)), _bhsd(out[q0:q1]),
+                lse[q0:q1].transpose(0, 1).unsqueeze(0).contiguous(), 0.0, causal, scale=SCALE)
+            dq[q0:q1] += gq[0].transpose(0, 1)
+            dkv[0, k0:k1] += _reduce(gk[0].transpose(0, 1), n_rep)
+            dkv[1, k0:k1] += _reduce(gv[0].transpose(0, 1), n_rep)
+        del kv
+        dk, dv = ctx.comm.reduce_scatter(dkv)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbranch_k, dbranch_v, None, None
+
+
+def gather_plan(shard, rank: int) -> tuple[list[tuple[int, int, int, int, bool]], torch.Tensor]:
+    """The baseline's blocks ``(q0, q1, k0, k1, causal)`` (local query rows, row key rows) and
+    ``row_index``: for each row position, its (rank, local row) as ``rank * T + row``."""
+    world, n_chunks = shard.world, chunks_per_document(shard.layout, shard.world)
+    chunks = [local_chunks(shard.layout, r, world) for r in range(world)]
+    n_slots = len(chunks[0])
+    local_total = shard.local_len
+    cu = shard.cu_seqlens.tolist()
+    plan, row_index, row_start = [], [], 0
+    for start, end in zip(cu[:-1], cu[1:]):
+        c = (end - start) // n_slots
+        for slot, chunk in enumerate(chunks[rank]):
+            q0 = start + slot * c
+            if chunk:
+                plan.append((q0, q0 + c, row_start, row_start + chunk * c, False))
+            plan.append((q0, q0 + c, row_start + chunk * c, row_start + (chunk + 1) * c, True))
+        for chunk in range(n_chunks):
+            owner = next(r for r in range(world) if chunk in chunks[r])
+            slot = chunks[owner].index(chunk)
+            row_index.append(torch.arange(c) + owner * local_total + start + slot * c)
+        row_start += n_chunks * c
+    return plan, torch.cat(row_index)
+
+
+# ---- simulated communication ---------------------------------------------------------------------
+
+class SimulatedRing(RingComm):
+    """Rank ``rank`` of a ring whose other ranks' K/V shards are given (see the module docstring)."""
+
+    def __init__(self, rank: int, world: int, kv_shards: list[torch.Tensor]) -> None:
+        self.group, self.rank, self.world = None, rank, world
+        self._kv_shards, self._kv_hops = kv_shards, 0
+
+    def send_recv(self, tensor, tag):
+        from titan_cotrain.ops.ring_attention import _KV_TAG, _InFlight
+
+        received = torch.empty_like(tensor)
+        if tag == _KV_TAG:  # forward and backward each take W - 1 K/V hops
+            source = (self.rank - 1 - self._kv_hops % (self.world - 1)) % self.world
+            received.copy_(self._kv_shards[source])
+            self._kv_hops += 1
+        else:
+            received.zero_()
+        return _InFlight([], tensor, received)
+
+
+class SimulatedGather:
+    """Rank ``rank``'s all-gather and reduce-scatter, the other ranks' shards given."""
+
+    def __init__(self, rank: int, kv_shards: list[torch.Tensor], row_index: torch.Tensor) -> None:
+        self.rank, self._row_index = rank, row_index
+        self._local = kv_shards[rank].shape[1]
+        self._everyone = torch.cat(kv_shards, dim=1)  # the other ranks' memory: made before tracking starts
+
+    def gather(self, kv_local):
+        return self._everyone[:, self._row_index]  # one fresh full-row buffer, as all-gather fills
+
+    def reduce_scatter(self, dkv_row):
+        local = self._local
+        mine = (self._row_index >= self.rank * local) & (self._row_index < (self.rank + 1) * local)
+        out = torch.empty(2, local, *dkv_row.shape[2:], dtype=dkv_row.dtype)
+        out[:, self._row_index[mine] - self.rank * local] = dkv_row[:, mine]
+        return out[0], out[1]
+
+
+class DistributedGather:
+    """The baseline's collectives on a real process group (correctness only)."""
+
+    def __init__(self, group, row_index: torch.Tensor) -> None:
+        self.group, self._row_index = group, row_index
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+
+    def gather(self, kv_local):
+        parts = [torch.empty_like(kv_local) for _ in range(self.world)]
+        dist.all_gather(parts, kv_local.contiguous(), group=self.group)
+        return torch.cat(parts, dim=1)[:, self._row_index]
+
+    def reduce_scatter(self, dkv_row):
+        local = dkv_row.shape[1] // self.world
+        flat = dkv_row.new_zeros(2, self.world * local, *dkv_row.shape[2:])
+        flat[:, self._row_index] = dkv_row
+        dist.all_reduce(flat, group=self.group)
+        mine = flat[:, self.rank * local:(self.rank + 1) * local]
+        return mine[0], mine[1]
+
+
+# ---- memory ----------------------------------------------------------------------------------------
+
+class PeakLiveBytes(TorchDispatchMode):
+    """Peak bytes of live tensor storages: adopted inputs plus every storage an op creates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._alive: dict[int, int] = {}
+
+    def adopt(self, tensors) -> None:
+        for t in tensors:
+            self._track(t)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        return out
+
+    def _track(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key, size = storage.data_ptr(), storage.nbytes()
+        if size == 0 or key in self._alive:
+            return
+        self._alive[key] = size
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.live -= self._alive.pop(key, 0)
+
+
+# ---- one simulated rank ------------------------------------------------------------------------------
+
+def run_rank(impl: str, layout: str, world: int, seq_len: int, rank: int, tensors) -> dict:
+    """One rank's forward + backward on the real shards; returns its peak bytes, time and output."""
+    lengths = [doc_lengths(seq_len)]
+    padded, row_len = plan_padded_rows(lengths, world, layout=layout)
+    shards = [CPShard(lengths, padded, seq_len, row_len, group=None, rank=r, world=world, layout=layout)
+              for r in range(world)]
+    shard = shards[rank]
+    local_inputs = [shard_inputs(s, tensors) for s in shards]
+    kv_shards = [torch.stack([x[1], x[2]]) for x in local_inputs]
+    q, k, v, bk, bv, grad_out = local_inputs[rank]
+    del local_inputs
+    inputs = [x.clone().requires_grad_() for x in (q, k, v, bk, bv)]
+    grad_out = grad_out.clone()
+    if impl == "ring":
+        comm = SimulatedRing(rank, world, kv_shards) if world > 1 else RingComm(None)
+        run = lambda: ring_branch_attention(*inputs, shard.cu_seqlens, comm, SCALE, layout=layout)  # noqa: E731
+    else:
+        plan, row_index = gather_plan(shard, rank)
+        comm = SimulatedGather(rank, kv_shards, row_index)
+        run = lambda: GatherBranchAttention.apply(*inputs, plan, comm)  # noqa: E731
+    tracker = PeakLiveBytes()
+    tracker.adopt([*inputs, grad_out])
+    start = time.perf_counter()
+    with tracker:
+        out = run()
+        out.backward(grad_out)
+    seconds = time.perf_counter() - start
+    return {"peak_bytes": tracker.peak, "seconds": seconds, "out": out.detach(), "shard": shard}
+
+
+# ---- work balance ------------------------------------------------------------------------------------
+
+def schedule_work(layout: str, world: int, seq_len: int) -> list[int]:
+    """Query-key pairs each rank computes under the ring's block schedule (padding included)."""
+    n_chunks = chunks_per_document(layout, world)
+    work = [0] * world
+    for n in doc_lengths(seq_len):
+        c = math.ceil(n / n_chunks)
+        for rank in range(world):
+            mine = local_chunks(layout, rank, world)
+            local = len(mine) * c
+            work[rank] += local * (local + 1) // 2  # step 0: causal over the local document
+            for source in range(world):
+                if source != rank:
+                    theirs = local_chunks(layout, source, world)
+                    work[rank] += sum(c * c for a in mine for b in theirs if b < a)
+    return work
+
+
+def row_contiguous_work(world: int, seq_len: int) -> list[int]:
+    """Query-key pairs per rank when the row is cut in W contiguous pieces (documents ignored)."""
+    work, start = [0] * world, 0
+    piece = seq_len // world
+    for n in doc_lengths(seq_len):
+        for i in range(n):
+            work[min((start + i) // piece, world - 1)] += i + 1
+        start += n
+    return work
+
+
+def max_over_mean(work: list[int]) -> float:
+    return max(work) / (sum(work) / len(work))
+
+
+# ---- correctness ---------------------------------------------------------------------------------------
+
+def _check_rank(rank: int, world_size: int) -> None:
+    torch.set_num_threads(1)
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    seq_len = 90
+    tensors = full_inputs(seq_len, seed=1)
+    cu = torch.tensor([0, *torch.tensor(doc_lengths(seq_len)).cumsum(0).tolist()], dtype=torch.int32)
+    full = [x.clone().requires_grad_() for x in tensors[:5]]
+    ref = branch_attention(*full, cu, SCALE)
+    ref.backward(tensors[5])
+    for group in (dist.group.WORLD, pairs[rank // 2]):
+        shard = shard_packed_rows(document_ids(seq_len), group)
+        q, k, v, bk, bv, grad_out = shard_inputs(shard, tensors)
+        valid = shard.valid[0][:, None, None]
+        want = [shard.shard(ref.detach()[None])[0]]
+        want += [shard.shard(x.grad[None])[0] for x in full[:3]]
+        want += [torch.stack([shard.shard(g[None])[0] for g in x.grad]) for x in full[3:]]
+        for impl in ("ring", "gather"):
+            inputs = [x.clone().requires_grad_() for x in (q, k, v, bk, bv)]
+            if impl == "ring":
+                out = ring_branch_attention(*inputs, shard.cu_seqlens, group, SCALE)
+            else:
+                plan, row_index = gather_plan(shard, dist.get_rank(group))
+                out = GatherBranchAttention.apply(*inputs, plan, DistributedGather(group, row_index))
+            out.backward(grad_out)
+            got = [out.detach() * valid] + [x.grad for x in inputs]
+            for name, a, b in zip(["out", "dq", "dk", "dv", "dbranch_k", "dbranch_v"], got, want):
+                torch.testing.assert_close(a, b, **TOL, msg=f"{impl}, W = {dist.get_world_size(group)}: {name}")
+
+
+def check_correctness(seq_len: int) -> list[str]:
+    sys.path.insert(0, str(ROOT))
+    from tests.multiprocess import run_on_ranks
+
+    failures = []
+    try:
+        run_on_ranks(_check_rank, 4)
+    except AssertionError as e:
+        failures.append(f"ring/gather vs single-device branch_attention on gloo: {e}")
+    tensors = full_inputs(seq_len)
+    cu = torch.tensor([0, *torch.tensor(doc_lengths(seq_len)).cumsum(0).tolist()], dtype=torch.int32)
+    with torch.no_grad():
+        ref = branch_attention(*tensors[:5], cu, SCALE)
+    for world in (2, 8):
+        for rank in range(world):
+            r = run_rank("ring", "zigzag", world, seq_len, rank, tensors)
+            want = r["shard"].shard(ref[None])[0]
+            if not torch.allclose(r["out"] * r["shard"].valid[0][:, None, None], want, **TOL):
+                failures.append(f"simulated ring, W = {world}, rank {rank}: forward differs from single device")
+    return failures
+
+
+# ---- main ---------------------------------------------------------------------------------------------
+
+def measure(impl: str, layout: str, world: int, seq_len: int, tensors) -> dict:
+    if world == 1:
+        ranks = [0]
+    elif layout == "contiguous":
+        ranks = [world - 1]
+    else:
+        ranks = [0, world - 1]
+    runs = [run_rank(impl, layout, world, seq_len, rank, tensors) for rank in ranks]
+    work = schedule_work(layout, world, seq_len)
+    return {
+        "impl": impl, "sharding": layout, "world": world, "seq_len": seq_len,
+        "peak_bytes_per_rank": max(r["peak_bytes"] for r in runs),
+        "seconds": round(max(r["seconds"] for r in runs), 3),
+        "work_max_over_mean": round(max_over_mean(work), 4),
+        "simulated_ranks": ranks,
+        "peak_bytes_by_rank": [r["peak_bytes"] for r in runs],
+        "seconds_by_rank": [round(r["seconds"], 3) for r in runs],
+        "row_len": runs[0]["shard"].row_len,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", type=Path, default=ROOT / "assets" / "bench_cp.json")
+    parser.add_argument("--png", type=Path, default=ROOT / "assets" / "bench_cp.png")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+
+    failures = check_correctness(min(args.seq_lens))
+    if failures:
+        for failure in failures:
+            print(f"FAIL: {failure}", file=sys.stderr)
+        return 1
+    print(f"correctness checks passed ({time.perf_counter() - start:.0f} s)")
+
+    records, balance = [], []
+    for seq_len in args.seq_lens:
+        tensors = full_inputs(seq_len)
+        for world in args.worlds:
+            configs = [("ring", "zigzag")] + ([("gather", "zigzag"), ("ring", "contiguous")] if world > 1 else [])
+            for impl, layout in configs:
+                records.append(measure(impl, layout, world, seq_len, tensors))
+                r = records[-1]
+                print(f"{impl:>6} {layout:>10}  W={world}  S={seq_len:>6}  peak/rank {r['peak_bytes_per_rank'] / 2**20:8.1f} MiB"
+                      f"  {r['seconds']:7.2f} s  work max/mean {r['work_max_over_mean']:.3f}", flush=True)
+            if world > 1:
+                balance.append({"world": world, "seq_len": seq_len,
+                                "zigzag": round(max_over_mean(schedule_work("zigzag", world, seq_len)), 4),
+                                "contiguous_per_document": round(max_over_mean(schedule_work("contiguous", world, seq_len)), 4),
+                                "contiguous_row": round(max_over_mean(row_contiguous_work(world, seq_len)), 4)})
+
+    summary, failures = summarize(records)
+    result = {
+        "description": __doc__.split("\n\n")[1].replace("\n", " "),
+        "config": {"n_heads": N_HEADS, "n_kv_heads": N_KV_HEADS, "head_dim": HEAD_DIM, "branch_sets": BRANCH_SETS,
+                   "dtype": "float32", "doc_fractions": list(DOC_FRACTIONS), "threads": args.threads,
+                   "torch": torch.__version__},
+        "method": __doc__.split("\n\n")[4].replace("\n", " ") + " " + __doc__.split("\n\n")[5].replace("\n", " "),
+        "records": records,
+        "work_balance": balance,
+        "summary": summary,
+        "checks": {"passed": not failures, "failures": failures},
+        "runtime_seconds": round(time.perf_counter() - start, 1),
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    plot(records, summary).save(args.png)
+    print(json.dumps(summary, indent=2))
+    for failure in failures:
+        print(f"FAIL: {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+def summarize(records: list[dict]) -> tuple[dict, list[str]]:
+    """The issue's three goals, per S: ring vs single/W, ring vs gather at the largest W, balance."""
+    failures, rows = [], []
+    by_key = {(r["impl"], r["sharding"], r["world"], r["seq_len"]): r for r in records}
+    worlds = sorted({r["world"] for r in records})
+    for seq_len in sorted({r["seq_len"] for r in records}):
+        single = by_key.get(("ring", "zigzag", 1, seq_len))
+        for world in worlds:
+            ring = by_key.get(("ring", "zigzag", world, seq_len))
+            gather = by_key.get(("gather", "zigzag", world, seq_len))
+            if ring is None or world == 1:
+                continue
+            row = {"seq_len": seq_len, "world": world,
+                   "ring_over_single_div_w": round(ring["peak_bytes_per_rank"] / (single["peak_bytes_per_rank"] / world), 3),
+                   "ring_minus_single_div_w_bytes": ring["peak_bytes_per_rank"] - single["peak_bytes_per_rank"] // world,
+                   "gather_over_ring": round(gather["peak_bytes_per_rank"] / ring["peak_bytes_per_rank"], 3),
+                   "zigzag_work_max_over_mean": ring["work_max_over_mean"],
+                   "contiguous_work_max_over_mean": by_key[("ring", "contiguous", world, seq_len)]["work_max_over_mean"]}
+            rows.append(row)
+            if ring["work_max_over_mean"] > 1.05:
+                failures.append(f"zigzag work max/mean {ring['work_max_over_mean']} > 1.05 at W = {world}, S = {seq_len}")
+    return {"per_size": rows}, failures
+
+
+# ---- plot ---------------------------------------------------------------------------------------------
+
+def plot(records: list[dict], summary: dict) -> Canvas:
+    """Peak bytes per rank against S (log-log): ring at every W, gather at every W > 1."""
+    colors = {1: (0, 0, 0), 2: (40, 140, 60), 4: BLUE, 8: RED}
+    series = {}
+    for r in records:
+        if r["sharding"] == "zigzag":
+            series.setdefault((r["impl"], r["world"]), []).append((r["seq_len"], r["peak_bytes_per_rank"]))
+    sizes = sorted({s for pts in series.values() for s, _ in pts})
+    values = [p for pts in series.values() for _, p in pts]
+    y_lo, y_hi = math.floor(math.log2(min(values))), math.ceil(math.log2(max(values)))
+    canvas = Canvas(900, 620)
+    left, right, top, bottom = 110, 880, 70, 520
+    x_lo, x_hi = math.log2(sizes[0]) - 0.3, math.log2(sizes[-1]) + 0.3
+
+    def xy(s, p):
+        return (left + (math.log2(s) - x_lo) / (x_hi - x_lo) * (right - left),
+                bottom - (math.log2(p) - y_lo) / (y_hi - y_lo) * (bottom - top))
+
+    for s in sizes:
+        x, _ = xy(s, 2**y_lo)
+        canvas.line(x, top, x, bottom, (225, 225, 225))
+        label = f"{s // 1024}K"
+        canvas.text(round(x - canvas.text_width(label) / 2), bottom + 12, label)
+    for e in range(y_lo, y_hi + 1):
+        _, y = xy(sizes[0], 2**e)
+        canvas.line(left, y, right, y, (225, 225, 225))
+        label = f"{2**e / 2**20:g}M" if 2**e >= 2**20 else f"{2**e / 2**10:g}K"
+        canvas.text(left - 12 - canvas.text_width(label), round(y - 7), label)
+    canvas.line(left, top, left, bottom, (0, 0, 0), 2)
+    canvas.line(left, bottom, right, bottom, (0, 0, 0), 2)
+    for (impl, world), pts in sorted(series.items()):
+        pixels = [xy(s, p) for s, p in sorted(pts)]
+        for (x0, y0), (x1, y1) in zip(pixels, pixels[1:]):
+            canvas.line(x0, y0, x1, y1, colors.get(world, GREY), 3, dash=0 if impl == "ring" else 8)
+        for x, y in pixels:
+            canvas.rect(round(x) - 4, round(y) - 4, 9, 9, colors.get(world, GREY))
+    title = "PEAK BYTES PER RANK, ONE DRAFT ATTENTION PASS FWD+BWD (P=6, CPU FP32)"
+    canvas.text((canvas.width - canvas.text_width(title)) // 2, 20, title)
+    canvas.text((left + right - canvas.text_width("TOKENS PER ROW, S")) // 2, bottom + 45, "TOKENS PER ROW, S")
+    legend = [(colors[w], 0, f"RING W={w}") for w in (1, 2, 4, 8)] + [(GREY, 8, "DASHED: GATHER K/V, SAME COLOUR = SAME W")]
+    for i, (color, dash, label) in enumerate(legend):
+        y = top + 14 + 24 * i
+        canvas.line(left + 20, y, left + 60, y, color, 3, dash)
+        canvas.text(left + 72, y - 7, label)
+    return canvas
+
+
+if __name__ == "__main__":
+    sys.exit(main())

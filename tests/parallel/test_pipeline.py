@@ -1,0 +1,277 @@
+"""Pipeline parallelism on 2 gloo ranks reproduces the single-device co-training step.
+
+For every torch schedule (single-stage, looped with 2 virtual stages per rank, zero-bubble,
+V-shaped): the policy loss and its metrics, the draft loss and its per-pass metrics, and
+the gradient of every policy and draft parameter match ``forward_backward`` on the whole
+batch within 1e-5 (fp32, 4 microbatches, second step on the same pipeline); the taps the
+draft consumes are bitwise the single-device taps; every step finishes within a bound (a
+watchdog kills a hung rank and dumps its stacks).
+"""
+
+import contextlib
+import faulthandler
+import functools
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.batches import synthetic_packed_batch
+from tests.multiprocess import run_on_ranks
+from titan_cotrain.cotrain.step import PackedBatch, forward_backward
+from titan_cotrain.models.args import ModelArgs
+from titan_cotrain.models.draft import Draft, DraftArgs
+from titan_cotrain.models.transformer import Transformer
+from titan_cotrain.parallel.pipeline import layers_per_stage_from_fqns, plan_pipeline
+from titan_cotrain.parallel.tap_channel import EMBEDDINGS, TapChannel
+from titan_cotrain.rl.grpo import ppo_loss
+
+ARGS = ModelArgs(dim=32, n_layers=8, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64, vocab_size=128)
+STEP = dict(ttt_steps=3, pass_decay=0.8, draft_loss_weight=0.5)
+ROWS, SEQ = 4, 16  # 4 microbatches of one row
+POLICY_LOSS = ppo_loss(0.2, 0.2)
+STEP_BOUND_S = 60.0  # a step takes well under a second here; a deadlock takes forever
+
+# Splits chosen so the taps (layers 1, 3, 4 and the embedding) land everywhere: all on
+# other ranks (GPipe), mixed (1F1B), in looped virtual stages, and on the consumer's own
+# rank (V schedules put stage 0 and the last stage on rank 0).
+SCHEDULES = {
+    "GPipe": [5, 3],
+    "1F1B": [3, 5],
+    "Interleaved1F1B": [2, 2, 2, 2],
+    "LoopedBFS": [1, 3, 2, 2],
+    "InterleavedZeroBubble": [2, 2, 2, 2],
+    "ZBVZeroBubble": [2, 2, 2, 2],
+    "DualPipeV": [1, 3, 3, 1],
+}
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """One intra-op thread: tiny kernels on a few shared cores drown in OpenMP contention."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _models(args: ModelArgs = ARGS) -> tuple[Transformer, Draft]:
+    policy = Transformer(args)
+    policy.init_weights(std=0.1, generator=torch.Generator().manual_seed(0))
+    draft = Draft(DraftArgs.from_target(args, n_taps=3))
+    draft.init_weights(std=0.1, generator=torch.Generator().manual_seed(1))
+    return policy, draft
+
+
+def _batch(vocab: int = ARGS.vocab_size, rows: int = ROWS, seq: int = SEQ) -> PackedBatch:
+    g = torch.Generator().manual_seed(3)
+    b = synthetic_packed_batch(rows, seq, vocab, g)
+    prompt = torch.arange(seq) < seq // 4  # an RL-like loss region: no loss on the first quarter
+    return PackedBatch(b.tokens, b.document_ids, ~prompt.expand(rows, seq).clone(),
+                       advantages=torch.randn(rows, seq, generator=g), old_logprobs=-4 - torch.rand(rows, seq, generator=g))
+
+
+def _reference(policy: Transformer, draft: Draft, batch: PackedBatch):
+    """Single-device metrics, gradients (keyed ``policy.*`` / ``draft.*``) and taps."""
+    metrics = forward_backward(policy, draft, batch, POLICY_LOSS, **STEP)
+    grads = {f"{prefix}.{n}": p.grad.clone() for prefix, m in (("policy", policy), ("draft", draft))
+             for n, p in m.named_parameters()}
+    with torch.no_grad():
+        out = policy(batch.tokens, document_ids=batch.document_ids, return_taps=True)
+    taps = dict(zip(policy.tap_layers, out.taps)) | {EMBEDDINGS: out.embeddings}
+    policy.zero_grad()
+    draft.zero_grad()
+    return metrics, grads, taps
+
+
+def _reference_name(name: str, tied: bool) -> str:
+    if name.startswith("draft."):
+        return name
+    if tied and name == "lm_head.weight":
+        name = "embed_tokens.weight"
+    return f"policy.{name}"
+
+
+def _spy_on_receives(channel: TapChannel) -> dict[int, dict[int, torch.Tensor]]:
+    received = {}
+    receive = channel.receive
+
+    def spy(microbatch):
+        taps = receive(microbatch)
+        received[microbatch] = {source: t.clone() for source, t in taps.items()}
+        return taps
+
+    channel.receive = spy
+    return received
+
+
+def _bounded_step(pipe, batch):
+    from titan_cotrain.parallel.pipeline import pipeline_step
+
+    faulthandler.dump_traceback_later(STEP_BOUND_S, exit=True)
+    start = time.perf_counter()
+    try:
+        metrics = pipeline_step(pipe, batch)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    elapsed = time.perf_counter() - start
+    assert elapsed < STEP_BOUND_S, f"step took {elapsed:.1f}s"
+    return metrics
+
+
+def _check_step(pipe, metrics, ref_metrics, ref_grads, ref_taps, received, tied=False):
+    """This rank's share of the comparison, plus the coverage of every parameter across ranks."""
+    assert metrics.keys() == ref_metrics.keys()
+    for key, value in ref_metrics.items():
+        torch.testing.assert_close(metrics[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+    names = []
+    for part in pipe.model_parts:
+        for name, param in part.named_parameters():
+            names.append(_reference_name(name, tied))
+            torch.testing.assert_close(param.grad, ref_grads[names[-1]], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{name}: {m}")
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, names)
+    covered = [n for rank_names in everyone for n in rank_names]
+    assert sorted(set(covered)) == sorted(ref_grads)
+    assert len(covered) == len(ref_grads) + tied  # each parameter on one rank; a tied one on two
+    for m, taps in received.items():
+        rows = slice(m * pipe.microbatch_size, (m + 1) * pipe.microbatch_size)
+        assert taps.keys() == ref_taps.keys()
+        for source, tap in taps.items():
+            assert torch.equal(tap, ref_taps[source][rows]), f"tap {source} of microbatch {m} differs"
+    assert len(received) == (pipe.n_microbatches if pipe.channel.is_consumer else 0)
+
+
+def _schedules_rank(rank, world_size, reference):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titan_cotrain.parallel.pipeline import make_pipeline
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("pp",))
+    ref_metrics, ref_grads, ref_taps = reference
+    for schedule, split in SCHEDULES.items():
+        policy, draft = _models()
+        plan = plan_pipeline(ARGS.n_layers, world_size, schedule, layers_per_stage=split)
+        pipe = make_pipeline(policy, draft, mesh, plan, microbatch_size=1, n_microbatches=ROWS, seq_len=SEQ,
+                             policy_loss_fn=POLICY_LOSS, tap_timeout=timedelta(seconds=STEP_BOUND_S), **STEP)
+        received = _spy_on_receives(pipe.channel)
+        # Two steps on one pipeline: the second runs on reused landing slots and channel state.
+        _bounded_step(pipe, _batch())
+        for part in pipe.model_parts:
+            part.zero_grad()
+        received.clear()
+        metrics = _bounded_step(pipe, _batch())
+        try:
+            _check_step(pipe, metrics, ref_metrics, ref_grads, ref_taps, received)
+        except AssertionError as e:
+            raise AssertionError(f"schedule {schedule}: {e}") from e
+
+
+def test_every_schedule_matches_single_device():
+    policy, draft = _models()
+    with _one_thread():
+        reference = _reference(policy, draft, _batch())
+    assert all(g.abs().sum() > 0 for g in reference[1].values())
+    run_on_ranks(_schedules_rank, 2, reference)
+
+
+def _config_models():
+    """A tied-embedding Qwen-3 policy and its draft, from the main job's config path."""
+    from titan_cotrain.config import load_job_config
+    from titan_cotrain.models.build import build_draft, build_target
+
+    config = load_job_config([
+        "--model.name", "qwen3", "--parallelism.pipeline_parallel_degree", "2",
+        "--parallelism.pipeline_parallel_schedule", "1F1B", "--parallelism.pipeline_parallel_microbatch_size", "1",
+        "--training.local_batch_size", str(ROWS), "--training.seq_len", str(SEQ), "--rollout.max_new_tokens", "4",
+        "--draft.ttt_steps", str(STEP["ttt_steps"]), "--draft.pass_decay", str(STEP["pass_decay"]),
+        "--draft.loss_weight", str(STEP["draft_loss_weight"]),
+    ], world_size=2)
+    policy = build_target(config)
+    return config, policy, build_draft(config, policy)
+
+
+def _config_rank(rank, world_size, reference):
+    """The main job's path, with every stage forward activation-checkpointed (the recompute
+    re-runs the tap sends)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.utils.checkpoint import checkpoint
+
+    from titan_cotrain.parallel.pipeline import build_pipeline
+
+    torch.set_num_threads(1)
+    config, policy, draft = _config_models()
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("pp",))
+    pipe = build_pipeline(policy, draft, config, mesh, policy_loss_fn=POLICY_LOSS)
+    assert [len(r) for r in pipe.plan.layer_ranges] == [4, 4]  # torchtitan's default split
+    sends = []
+    send = pipe.channel.send
+    pipe.channel.send = lambda *a: (sends.append(a[:2]), send(*a))
+    for part in pipe.model_parts:
+        part.forward = functools.partial(checkpoint, part.forward, use_reentrant=False)
+    received = _spy_on_receives(pipe.channel)
+    metrics = _bounded_step(pipe, _batch(vocab=policy.args.vocab_size))
+    _check_step(pipe, metrics, *reference, received, tied=True)
+    if rank == 0:  # the producer: taps recomputed (up to the last one a backward needs), sent once
+        n_taps = len(pipe.channel.local_sources)
+        counts = (n_taps, len(sends), pipe.channel.sent)
+        assert n_taps == 3 and len(sends) > ROWS * n_taps and pipe.channel.sent == ROWS * n_taps, counts
+
+
+def test_config_built_pipeline_with_tied_embeddings_and_activation_checkpointing():
+    _, policy, draft = _config_models()
+    assert policy.lm_head.weight is policy.embed_tokens.weight
+    with _one_thread():
+        reference = _reference(policy, draft, _batch(vocab=policy.args.vocab_size))
+    run_on_ranks(_config_rank, 2, reference)
+
+
+def test_plan_places_stages_and_taps():
+    plan = plan_pipeline(8, 2, "ZBVZeroBubble", layers_per_stage=[2, 2, 2, 2])
+    assert plan.stage_ranks == (0, 1, 1, 0)
+    assert plan.tap_owners((1, 3, 4)) == {EMBEDDINGS: 0, 1: 0, 3: 1, 4: 1}
+    plan = plan_pipeline(8, 2, "Interleaved1F1B", layers_per_stage=[2, 2, 2, 2])
+    assert plan.stage_ranks == (0, 1, 0, 1) and plan.stages_of(1) == [1, 3]
+    assert plan_pipeline(12, 4, "DualPipeV", layers_per_stage=[2, 1, 1, 1, 1, 2, 2, 2]).stage_ranks == (
+        0, 1, 2, 3, 3, 2, 1, 0)
+    with pytest.raises(ValueError, match="one stage per rank"):
+        plan_pipeline(8, 2, "1F1B", layers_per_stage=[2, 2, 2, 2])
+    with pytest.raises(ValueError, match="at least 2 stages per rank"):
+        plan_pipeline(8, 2, "Interleaved1F1B", layers_per_stage=[4, 4])
+    with pytest.raises(ValueError, match="add up"):
+        plan_pipeline(8, 2, "GPipe", layers_per_stage=[4, 5])
+    with pytest.raises(ValueError, match="middle stage"):
+        plan_pipeline(8, 2, "Interleaved1F1B", layers_per_stage=[4, 0, 2, 2])
+    fqns = [["embed_tokens", "layers.0", "layers.1"], [f"layers.{i}" for i in range(2, 8)] + ["norm", "lm_head"]]
+    assert layers_per_stage_from_fqns(fqns, 8) == [2, 6]
+    with pytest.raises(ValueError, match="each once, in order"):
+        layers_per_stage_from_fqns([["embed_tokens", "layers.1"], ["layers.0", "norm", "lm_head"]], 2)
+
+
+def test_tap_channel_asserts_the_order_it_relies_on():
+    """The channel's checks on one rank that holds every stage (every tap bypasses the group)."""
+    channel = TapChannel(pp_ranks=[0], pp_rank=0, consumer=0, owners={EMBEDDINGS: 0, 2: 0}, shape=(1, 4, 8),
+                         dtype=torch.float32, device="cpu")
+    assert channel.group is None
+    tap = torch.zeros(1, 4, 8)
+    channel.begin_step(2)
+    with pytest.raises(RuntimeError, match="expected 0"):
+        channel.send(1, 2, tap)  # a schedule that runs microbatch 1 first fails loudly
+    channel.send(0, EMBEDDINGS, tap)
+    channel.send(0, 2, tap)
+    channel.send(0, 2, tap + 1)  # an activation-checkpoint recompute: ignored
+    with pytest.raises(RuntimeError, match="built for detached"):
+        channel.send(1, 2, torch.zeros(1, 4, 9))
+    with pytest.raises(RuntimeError, match="expected 0"):
+        channel.receive(1)
+    taps = channel.receive(0)
+    assert taps.keys() == {EMBEDDINGS, 2} and taps[2] is tap
+    channel.release(0)
+    with pytest.raises(RuntimeError, match="not produced or not sent"):
+        channel.finish_step()

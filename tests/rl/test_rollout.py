@@ -1,0 +1,275 @@
+"""The rollout engine: drafting matches TTT, greedy speculative == greedy plain, lossless
+sampling (with a broken rule that must fail the same test), behaviour logprobs, filters,
+weight refresh (also from FSDP shards)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.multiprocess import run_on_ranks
+from titan_cotrain.models.args import model_args_for
+from titan_cotrain.models.draft import Draft, DraftArgs, draft_vocab_from_counts
+from titan_cotrain.models.transformer import Transformer
+from titan_cotrain.rl import rollout
+from titan_cotrain.rl.rollout import RolloutEngine
+from titan_cotrain.rl.sampling import SamplingParams, greedy_accept, processed_logits, speculative_accept
+
+
+def _models(vocab: int = 0, draft_vocab: int = 0, seed: int = 0) -> tuple[Transformer, Draft]:
+    """The llama3 debug model (optionally with a smaller vocabulary) and a draft for it,
+    random weights, a reduced draft vocabulary when ``draft_vocab`` is given."""
+    args = model_args_for("llama3", "debugmodel")
+    target = Transformer(args.replace(vocab_size=vocab) if vocab else args)
+    target.init_weights(std=0.3, generator=torch.Generator().manual_seed(seed))
+    draft_args = DraftArgs.from_target(target.args, n_taps=3, draft_vocab_size=draft_vocab)
+    maps = (None, None)
+    if draft_vocab:
+        maps = draft_vocab_from_counts(torch.arange(target.args.vocab_size).float(), draft_vocab)  # keeps high ids
+    draft = Draft(draft_args, *maps)
+    draft.init_weights(std=0.1, generator=torch.Generator().manual_seed(seed + 1))
+    return target, draft
+
+
+def _prompts(lengths, vocab, seed=0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
+
+
+def _teacher_forced_logprobs(target: Transformer, prompts, out, params: SamplingParams) -> torch.Tensor:
+    """``[B, N]`` log-probabilities of the generated tokens under one training forward per sequence."""
+    result = torch.zeros_like(out.logprobs)
+    for b, prompt in enumerate(prompts):
+        n = int(out.response_lens[b])
+        seq = torch.cat([prompt, out.tokens[b, :n]]).unsqueeze(0)
+        with torch.no_grad():
+            logits = processed_logits(target(seq)[0, len(prompt) - 1: -1], params)
+        result[b, :n] = logits.log_softmax(-1).gather(-1, out.tokens[b, :n, None]).squeeze(-1)
+    return result
+
+
+def _eos_for_some_rows(tokens: torch.Tensor) -> int:
+    """A token that occurs in some rows of ``tokens [B, N]`` (after their first 2 tokens) but not in all."""
+    rows_with = F.one_hot(tokens[:, 2:], int(tokens.max()) + 1).any(1).sum(0)
+    candidates = ((rows_with > 0) & (rows_with < tokens.shape[0])).nonzero().flatten()
+    assert candidates.numel(), "no token splits the batch; pick other prompts"
+    return int(candidates[rows_with[candidates].argmax()])
+
+
+def test_drafting_computes_the_ttt_passes():
+    """Draft.extend + chain_step at anchor i == the TTT unroll's pass d at anchor i (d = 1..D),
+    for two sequences at different anchors sharing one extend call (ragged offsets)."""
+    target, draft = _models(draft_vocab=200)
+    tokens = torch.stack(_prompts([14, 14], 256, seed=3))
+    with torch.no_grad():
+        out = target(tokens, return_taps=True)
+        taps, embeds = torch.cat(out.taps, -1), out.embeddings
+        depth = 4
+        select = torch.ones(depth, tokens.numel(), dtype=torch.bool)
+        cu = torch.tensor([0, 14, 28], dtype=torch.int32)
+        ttt = draft(taps.flatten(0, 1), embeds.flatten(0, 1), tokens.flatten(), torch.arange(14).repeat(2), cu, select)
+
+        anchors = torch.tensor([6, 9])
+        cache = draft.new_kv_cache(2, 32, chain_len=depth - 1)
+        width = int(anchors.max()) + 1  # row 0 writes stale slots past its anchor, which it must not see
+        hidden = draft.extend(taps[:, :width], embeds[:, 1:width + 1], torch.zeros(2, dtype=torch.int64), cache)
+        rows = torch.arange(2)
+        hidden = hidden[rows, anchors]
+        for d in range(1, depth + 1):
+            if d > 1:
+                hidden = draft.chain_step(embeds[rows, anchors + d], hidden, anchors, d, cache)
+            expected = ttt[d - 1].view(2, 14, -1)[rows, anchors]
+            torch.testing.assert_close(draft.logits(hidden), expected, rtol=1e-4, atol=1e-4, msg=f"pass {d}")
+
+
+def _constant_draft(target: Transformer, token: int, draft_vocab: int) -> Draft:
+    """A draft that always proposes target token ``token``: a zero final norm makes its logits
+    all zero, so the argmax is draft id 0, which ``d2t`` maps to ``token``."""
+    vocab = target.args.vocab_size
+    others = [t for t in range(vocab) if t != token][: draft_vocab - 1]
+    target_ids = torch.tensor([token, *others])
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[target_ids] = True
+    draft = Draft(DraftArgs.from_target(target.args, n_taps=3, draft_vocab_size=draft_vocab),
+                  target_ids - torch.arange(draft_vocab), t2d)
+    draft.init_weights(generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        draft.norm.weight.zero_()
+    return draft
+
+
+@pytest.mark.parametrize("vocab, draft_vocab, k", [(256, 200, 3), (6, 5, 3)])
+def test_greedy_speculative_equals_greedy_plain(vocab, draft_vocab, k):
+    """Token for token, ragged prompts, an EOS that stops some rows mid-batch. With 256
+    tokens the random draft is rarely right; with 6, a draft that always proposes the
+    target's most frequent token makes ragged multi-token acceptances common."""
+    target, draft = _models(vocab, draft_vocab)
+    prompts = _prompts([3, 9, 5, 1, 7, 4], vocab)
+    engine = RolloutEngine(target, draft, max_batch_size=8, max_seq_len=40, max_draft_tokens=k)
+    plain = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=24), draft_tokens=0)
+    if vocab == 6:
+        draft = _constant_draft(target, int(plain.tokens.flatten().mode().values), draft_vocab)
+        engine = RolloutEngine(target, draft, max_batch_size=8, max_seq_len=40, max_draft_tokens=k)
+    params = SamplingParams(temperature=0, max_new_tokens=24, eos_token_id=_eos_for_some_rows(plain.tokens))
+    plain = engine.generate(prompts, params, draft_tokens=0)
+    spec = engine.generate(prompts, params, draft_tokens=k)
+    assert plain.finished.any() and not plain.finished.all(), "EOS should stop some rows, not all"
+    assert torch.equal(spec.tokens, plain.tokens)
+    assert torch.equal(spec.response_lens, plain.response_lens)
+    assert torch.equal(spec.finished, plain.finished)
+    torch.testing.assert_close(spec.logprobs, plain.logprobs, rtol=1e-4, atol=1e-4)
+    if vocab == 6:
+        assert spec.stats.acceptance_length > 1.2
+        assert spec.stats.acceptance_rate[1] > 0  # some rounds accepted two drafted tokens or more
+        assert spec.stats.target_forwards < plain.stats.target_forwards
+
+
+def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's test of ``counts [C]`` against ``probs [C]``; cells expecting fewer than 5
+    draws are pooled. P-value by the Wilson-Hilferty normal approximation (df >> 1 here)."""
+    n = counts.sum()
+    expected = probs.double() * n
+    small = expected < 5
+    observed = torch.cat([counts[~small].double(), counts[small].double().sum().view(1)])
+    expected = torch.cat([expected[~small], expected[small].sum().view(1)])
+    stat = float(((observed - expected) ** 2 / expected.clamp(min=1e-12)).sum())
+    df = observed.numel() - 1
+    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def _first_tokens_test(params: SamplingParams, k: int, n_samples: int) -> float:
+    """P-value of "the first ``1 + (k + 1)`` response tokens of speculative sampling follow the
+    target's exact joint distribution", on a 6-token vocabulary with a 5-token draft
+    vocabulary (token 0 can only come from a residual or a bonus draw)."""
+    vocab, m = 6, k + 2
+    target, draft = _models(vocab, draft_vocab=5, seed=4)
+    prompt = torch.tensor([3, 1, 4])
+    # Exact joint of the first m tokens: teacher-force every one of the vocab^m continuations.
+    grid = torch.cartesian_prod(*[torch.arange(vocab)] * m)  # [vocab^m, m], first token slowest
+    with torch.no_grad():
+        logits = target(torch.cat([prompt.expand(len(grid), -1), grid], 1))[:, len(prompt) - 1: -1]
+    logp = processed_logits(logits, params).log_softmax(-1).gather(-1, grid.unsqueeze(-1)).squeeze(-1)
+    exact = logp.sum(-1).exp()
+
+    engine = RolloutEngine(target, draft, max_batch_size=n_samples, max_seq_len=len(prompt) + m, max_draft_tokens=k)
+    params = SamplingParams(params.temperature, params.top_k, params.top_p, max_new_tokens=m)
+    out = engine.generate([prompt] * n_samples, params, generator=torch.Generator().manual_seed(0))
+    assert out.stats.acceptance_rate[0] > 0.1  # the draft is right often enough for the rule to matter
+    cell = (out.tokens * vocab ** torch.arange(m - 1, -1, -1)).sum(-1)
+    return _chi_square_p_value(torch.bincount(cell, minlength=vocab**m), exact)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9)],
+                         ids=["t1", "t0.8-top_p0.9"])
+def test_speculative_sampling_is_lossless(params):
+    assert _first_tokens_test(params, k=2, n_samples=12000) > 1e-3
+
+
+def test_a_broken_acceptance_rule_fails_the_lossless_test(monkeypatch):
+    def always_accept(draft_tokens, draft_probs, draft_to_target, target_probs, generator):
+        b, k = draft_tokens.shape
+        return torch.full((b,), k), rollout.sample(target_probs[:, k], generator)
+
+    monkeypatch.setattr(rollout, "speculative_accept", always_accept)
+    assert _first_tokens_test(SamplingParams(temperature=1.0), k=2, n_samples=12000) < 1e-6
+
+
+def test_greedy_accept_is_the_one_hot_limit_of_speculative_accept():
+    g = torch.Generator().manual_seed(0)
+    b, k, vocab = 64, 4, 5
+    target_logits = torch.randn(b, k + 1, vocab, generator=g)
+    draft_tokens = torch.randint(0, vocab, (b, k), generator=g)
+    draft_tokens[: b // 2] = target_logits[: b // 2, :k].argmax(-1)  # half start with accepted drafts
+    draft_tokens[: b // 2, 2] = torch.randint(0, vocab, (b // 2,), generator=g)
+    one_hot_p = F.one_hot(target_logits.argmax(-1), vocab).float()
+    one_hot_q = F.one_hot(draft_tokens, vocab).float()
+    expected = greedy_accept(draft_tokens, target_logits)
+    got = speculative_accept(draft_tokens, one_hot_q, torch.arange(vocab), one_hot_p, g)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert set(expected[0].tolist()) >= {0, 2, k}
+
+
+@pytest.mark.parametrize("draft_tokens", [0, 3])
+def test_behaviour_logprobs_equal_a_teacher_forced_forward(draft_tokens):
+    target, draft = _models(vocab=6, draft_vocab=5)
+    engine = RolloutEngine(target, draft, max_batch_size=6, max_seq_len=30, max_draft_tokens=3)
+    prompts = _prompts([2, 8, 5, 1, 6, 3], 6, seed=1)
+    params = SamplingParams(temperature=0.7, max_new_tokens=20, eos_token_id=5)
+    out = engine.generate(prompts, params, draft_tokens=draft_tokens, generator=torch.Generator().manual_seed(0))
+    mask = out.response_mask()
+    assert mask.any(1).all() and out.finished.any()
+    torch.testing.assert_close(out.logprobs, _teacher_forced_logprobs(target, prompts, out, params),
+                               rtol=1e-4, atol=1e-4)
+    assert (out.logprobs[~mask] == 0).all() and (out.tokens[~mask] == 0).all()
+    if draft_tokens:
+        assert out.stats.acceptance_length > 1.2
+
+
+def test_top_k_and_top_p_filters():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+    kept = lambda **kw: torch.isfinite(processed_logits(logits, SamplingParams(**kw)))[0].tolist()  # noqa: E731
+    assert kept(top_k=2) == [True, True, False, False, False]
+    probs = logits.softmax(-1)[0]  # 0.52, 0.19, 0.12, 0.07, 0.03
+    assert kept(top_p=float(probs[0]) - 0.01) == [True, False, False, False, False]
+    assert kept(top_p=float(probs[0] + probs[1]) - 0.01) == [True, True, False, False, False]
+    assert kept(top_p=0.999) == [True] * 5
+
+
+@pytest.mark.parametrize("params", [SamplingParams(top_k=3, max_new_tokens=12),
+                                    SamplingParams(temperature=1.3, top_p=0.5, max_new_tokens=12)],
+                         ids=["top_k3", "top_p0.5"])
+def test_filtered_sampling_only_emits_allowed_tokens(params):
+    target, draft = _models(draft_vocab=200)
+    engine = RolloutEngine(target, draft, max_batch_size=8, max_seq_len=24, max_draft_tokens=3)
+    prompts = _prompts([4, 7, 2, 9, 5, 3, 8, 6], 256, seed=2)
+    for k in (0, 3):
+        out = engine.generate(prompts, params, draft_tokens=k, generator=torch.Generator().manual_seed(k))
+        for b, prompt in enumerate(prompts):
+            seq = torch.cat([prompt, out.tokens[b]]).unsqueeze(0)
+            with torch.no_grad():
+                allowed = torch.isfinite(processed_logits(target(seq)[0, len(prompt) - 1: -1], params))
+            assert allowed.gather(-1, out.tokens[b, :, None]).all(), f"k={k}, row {b}"
+            if params.top_k:
+                assert (allowed.sum(-1) == params.top_k).all()
+
+
+def test_load_weights_refreshes_in_place():
+    old_target, old_draft = _models(vocab=6, draft_vocab=5, seed=0)
+    new_target, new_draft = _models(vocab=6, draft_vocab=5, seed=10)
+    engine = RolloutEngine(old_target, old_draft, max_batch_size=4, max_seq_len=24, max_draft_tokens=2)
+    caches = (engine.target_cache.k.data_ptr(), engine.draft_cache.k.data_ptr())
+    prompts = _prompts([3, 5, 2], 6)
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+    before = engine.generate(prompts, params)
+    engine.load_weights(new_target.state_dict(), new_draft.state_dict())
+    after = engine.generate(prompts, params)
+    fresh = RolloutEngine(new_target, new_draft, max_batch_size=4, max_seq_len=24, max_draft_tokens=2)
+    assert torch.equal(after.tokens, fresh.generate(prompts, params).tokens)
+    assert not torch.equal(after.tokens, before.tokens)
+    assert (engine.target_cache.k.data_ptr(), engine.draft_cache.k.data_ptr()) == caches
+    with pytest.raises(KeyError, match="missing"):
+        engine.load_weights({k: v for k, v in new_target.state_dict().items() if "layers.0." not in k})
+
+
+def _load_sharded_rank(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    trained, trained_draft = _models(vocab=6, draft_vocab=5, seed=10)
+    expected = {k: v.clone() for k, v in trained.state_dict().items()}
+    mesh = init_device_mesh("cpu", (world_size,))
+    for module in (trained, trained_draft):
+        for layer in getattr(module, "layers", ()):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(module, mesh=mesh)
+    engine = RolloutEngine(*_models(vocab=6, draft_vocab=5, seed=0), max_batch_size=2, max_seq_len=16,
+                           max_draft_tokens=2)
+    engine.load_weights(trained.state_dict(), trained_draft.state_dict())
+    for name, tensor in engine.policy.state_dict().items():
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=name)
+
+
+def test_load_weights_gathers_fsdp_shards():
+    run_on_ranks(_load_sharded_rank, 2)

@@ -52,7 +52,6 @@ from pngplot import BLACK, BLUE, GREY, GRID, RED, Canvas  # noqa: E402  (the scr
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCHES, KS = (1, 8, 32), (2, 4, 6)
-MODEL = ("llama3", "debugmodel")
 TRAIN_NEW_TOKENS = 112  # response tokens of the draft's training rows
 
 
@@ -80,8 +79,9 @@ class PhraseLanguage:
 def fit_target(target: Transformer, language: PhraseLanguage, steps: int, g: torch.Generator) -> float:
     """Next-token training on the language; returns the last loss."""
     opt = torch.optim.AdamW(target.parameters(), lr=3e-3)
+    device = target.embed_tokens.weight.device
     for _ in range(steps):
-        x = torch.stack([language.document(128, g) for _ in range(16)])
+        x = torch.stack([language.document(128, g) for _ in range(16)]).to(device)
         loss = F.cross_entropy(target(x)[:, :-1].flatten(0, 1), x[:, 1:].flatten())
         opt.zero_grad()
         loss.backward()
@@ -93,22 +93,22 @@ def fit_draft(draft: Draft, target: Transformer, engine: RolloutEngine, language
               ttt_steps: int, g: torch.Generator) -> list[float]:
     """TTT on the target's own continuations (half sampled at T = 1, half greedy) of language
     prefixes; the loss covers the responses. Returns the last step's per-pass top-1 accuracy."""
+    device = engine.device
     rows = []
     for temperature in (1.0, 0.0):
         prompts = language.prompts(32, g, lengths=(16, 16))
         params = SamplingParams(temperature=temperature, max_new_tokens=TRAIN_NEW_TOKENS)
-        out = engine.generate(prompts, params, draft_tokens=0,
-                              generator=g)
-        rows.append(torch.cat([torch.stack(prompts), out.tokens], dim=1))
+        out = engine.generate(prompts, params, draft_tokens=0, generator=torch.Generator(device).manual_seed(len(rows)))
+        rows.append(torch.cat([torch.stack(prompts).to(device), out.tokens], dim=1))
     tokens = torch.cat(rows)
     n, s = tokens.shape
     with torch.no_grad():
         target_out = target(tokens, return_taps=True)
     taps = torch.cat(target_out.taps, -1)
-    region = torch.zeros(n, s, dtype=torch.bool)
+    region = torch.zeros(n, s, dtype=torch.bool, device=device)
     region[:, 16:] = True
     micro = 16
-    layout = layout_one_doc_per_row(micro, s)
+    layout = layout_one_doc_per_row(micro, s, device)
     weights = pass_weights(ttt_steps, 0.8)
     opt = torch.optim.AdamW(draft.parameters(), lr=3e-3)
     for _ in range(steps):
@@ -124,7 +124,7 @@ def fit_draft(draft: Draft, target: Transformer, engine: RolloutEngine, language
 
 
 def check_greedy(engine: RolloutEngine, prompts: list[torch.Tensor], new_tokens: int) -> list[str]:
-    """Speculative greedy == plain greedy, token for token, with an EOS that stops some rows early."""
+    """Speculative greedy == plain greedy, token for token, ragged prompts, with an EOS."""
     plain = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=new_tokens), draft_tokens=0)
     eos = int(plain.tokens[0, new_tokens // 3])
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, eos_token_id=eos)
@@ -141,7 +141,8 @@ def check_greedy(engine: RolloutEngine, prompts: list[torch.Tensor], new_tokens:
 def measure(engine: RolloutEngine, prompts, params: SamplingParams, k: int, repeats: int, seed: int):
     best = None
     for _ in range(repeats):
-        stats = engine.generate(prompts, params, draft_tokens=k, generator=torch.Generator().manual_seed(seed)).stats
+        generator = torch.Generator(engine.device).manual_seed(seed)
+        stats = engine.generate(prompts, params, draft_tokens=k, generator=generator).stats
         if best is None or stats.total_s < best.total_s:
             best = stats
     return best
@@ -153,6 +154,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2, help="runs per point; the fastest counts")
     parser.add_argument("--target-steps", type=int, default=120, help="steps fitting the target to the language")
     parser.add_argument("--draft-steps", type=int, default=150, help="TTT steps fitting the trained draft")
+    parser.add_argument("--model", default="llama3/debugmodel", help="architecture/flavor of the target, e.g. qwen3/1.7B")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (the GPU path is not yet run)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the engine's decode/verify/draft steps")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the cores here are shared)")
     parser.add_argument("--min-speedup", type=float, default=0.0,
                         help="fail unless batch 1 with the trained draft reaches this speedup (0: report only)")
@@ -160,20 +164,24 @@ def main() -> int:
     parser.add_argument("--png", type=Path, default=ROOT / "assets" / "bench_rollout.png")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    device = f"cpu ({args.threads} thread{'s' if args.threads > 1 else ''})"
+    if args.device == "cpu":
+        device_name = f"cpu ({args.threads} thread{'s' if args.threads > 1 else ''})"
+    else:
+        device_name = torch.cuda.get_device_name(args.device)
     g = torch.Generator().manual_seed(0)
     t0 = time.perf_counter()
 
-    target = Transformer(model_args_for(*MODEL))
-    target.init_weights(generator=torch.Generator().manual_seed(0))
+    with torch.device(args.device):
+        target = Transformer(model_args_for(*args.model.split("/")))
+        untrained = Draft(DraftArgs.from_target(target.args, n_taps=len(target.tap_layers)))
+    target.init_weights(generator=torch.Generator(args.device).manual_seed(0))
+    untrained.init_weights(generator=torch.Generator(args.device).manual_seed(1))
     language = PhraseLanguage(target.args.vocab_size, n_phrases=24, seed=0)
     target_loss = fit_target(target, language, args.target_steps, g)
-    untrained = Draft(DraftArgs.from_target(target.args, n_taps=len(target.tap_layers)))
-    untrained.init_weights(generator=torch.Generator().manual_seed(1))
     trained = copy.deepcopy(untrained)
     max_len = 16 + max(args.new_tokens, TRAIN_NEW_TOKENS)
-    engine = RolloutEngine(target, copy.deepcopy(untrained), max_batch_size=max(BATCHES), max_seq_len=max_len,
-                           max_draft_tokens=max(KS))
+    engine = RolloutEngine(copy.deepcopy(target), copy.deepcopy(untrained), max_batch_size=max(BATCHES),
+                           max_seq_len=max_len, max_draft_tokens=max(KS), compile=args.compile)
     accuracy = fit_draft(trained, target, engine, language, args.draft_steps, max(KS), g)
     print(f"fit: target loss {target_loss:.3f}, trained draft top-1 per pass "
           f"{[round(a, 3) for a in accuracy]} ({time.perf_counter() - t0:.0f}s)", flush=True)
@@ -197,7 +205,7 @@ def main() -> int:
         prompts = language.prompts(batch, g)
         plain = measure(engine, prompts, params, 0, args.repeats, seed=batch)
         step_s = plain.verify_s / plain.target_forwards
-        records.append(dict(device=device, model="/".join(MODEL), batch=batch, k=0, draft="none",
+        records.append(dict(device=device_name, model=args.model, batch=batch, k=0, draft="none",
                             tokens_per_s=plain.tokens_per_s, acceptance_length=1.0, temperature=0.0))
         print(f"batch {batch:2d}  plain             {plain.tokens_per_s:8.0f} tok/s  step {step_s * 1e3:.2f} ms")
         for name, state in drafts.items():
@@ -207,7 +215,7 @@ def main() -> int:
                 c = s.draft_s / (s.target_forwards * k) / step_s
                 v = s.verify_s / s.target_forwards / step_s
                 speedup = s.tokens_per_s / plain.tokens_per_s
-                records.append(dict(device=device, model="/".join(MODEL), batch=batch, k=k, draft=name,
+                records.append(dict(device=device_name, model=args.model, batch=batch, k=k, draft=name,
                                     tokens_per_s=s.tokens_per_s, acceptance_length=s.acceptance_length,
                                     temperature=0.0, speedup=speedup,
                                     acceptance_rate=[round(r, 4) for r in s.acceptance_rate]))
@@ -217,6 +225,21 @@ def main() -> int:
                       f"tau {s.acceptance_length:.2f}  c {c:.3f}  v {v:.2f}  bound x{bounds[-1]['bound']:.2f}  "
                       f"tau allows x{bounds[-1]['allowed_by_tau']:.2f}", flush=True)
 
+    # RL samples at temperature 1: the same engine, plain vs the trained draft at k = 4.
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)
+    engine.load_weights(policy_state, drafts["trained"])
+    for batch in BATCHES:
+        prompts = language.prompts(batch, g)
+        plain = measure(engine, prompts, sampled, 0, args.repeats, seed=batch)
+        spec = measure(engine, prompts, sampled, 4, args.repeats, seed=batch)
+        for k, name, s in ((0, "none", plain), (4, "trained", spec)):
+            records.append(dict(device=device_name, model=args.model, batch=batch, k=k, draft=name,
+                                tokens_per_s=s.tokens_per_s, acceptance_length=s.acceptance_length,
+                                temperature=1.0, speedup=s.tokens_per_s / plain.tokens_per_s,
+                                acceptance_rate=[round(r, 4) for r in s.acceptance_rate]))
+        print(f"batch {batch:2d}  T=1 trained k=4  {spec.tokens_per_s:8.0f} tok/s  "
+              f"x{spec.tokens_per_s / plain.tokens_per_s:.2f}  tau {spec.acceptance_length:.2f}", flush=True)
+
     best_b1 = max(b["speedup"] for b in bounds if b["batch"] == 1 and b["draft"] == "trained")
     summary = dict(
         target_fit_loss=target_loss, trained_draft_top1_per_pass=accuracy, new_tokens=args.new_tokens,
@@ -225,7 +248,7 @@ def main() -> int:
     )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(dict(records=records, bounds=bounds, summary=summary), indent=1) + "\n")
-    plot(records, device).save(args.png)
+    plot(records, device_name, args.model).save(args.png)
     print(f"best batch-1 speedup with the trained draft: x{best_b1:.2f} (goal x2.0); "
           f"{summary['runtime_s']:.0f}s; wrote {args.json} and {args.png}")
     if args.min_speedup and best_b1 < args.min_speedup:
@@ -234,7 +257,7 @@ def main() -> int:
     return 0
 
 
-def plot(records: list[dict], device: str) -> Canvas:
+def plot(records: list[dict], device: str, model: str) -> Canvas:
     """Speedup over plain decoding per batch size: bars for k = 2, 4, 6, untrained and trained draft."""
     canvas = Canvas(900, 520)
     left, right, top, bottom = 90, 880, 80, 440
@@ -254,7 +277,8 @@ def plot(records: list[dict], device: str) -> Canvas:
         x0 = left + i * group_w + 40
         for j, k in enumerate(KS):
             for m, (name, color) in enumerate((("untrained", GREY), ("trained", BLUE))):
-                r = next(r for r in records if r["batch"] == batch and r["k"] == k and r["draft"] == name)
+                r = next(r for r in records if r["batch"] == batch and r["k"] == k and r["draft"] == name
+                         and r["temperature"] == 0)
                 x = x0 + j * (2 * bar_w + 14) + m * bar_w
                 canvas.rect(x, y_of(r["speedup"]), bar_w - 2, bottom - y_of(r["speedup"]), color)
             label = f"K={k}"
@@ -263,7 +287,7 @@ def plot(records: list[dict], device: str) -> Canvas:
         canvas.text(left + i * group_w + (group_w - canvas.text_width(label)) // 2, bottom + 40, label)
     canvas.line(left, top, left, bottom, BLACK, 2)
     canvas.line(left, bottom, right, bottom, BLACK, 2)
-    title = f"SPECULATIVE / PLAIN TOKENS PER S, GREEDY, LLAMA3 DEBUGMODEL, {device.upper()}"
+    title = f"SPECULATIVE / PLAIN TOKENS PER S, GREEDY, {model.upper()}, {device.upper()}"
     canvas.text((canvas.width - canvas.text_width(title)) // 2, 20, title)
     for i, (color, label) in enumerate(((BLUE, "TRAINED DRAFT"), (GREY, "UNTRAINED DRAFT"))):
         canvas.rect(left + 20 + 260 * i, 50, 16, 16, color)

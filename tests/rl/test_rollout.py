@@ -17,6 +17,19 @@ from titan_cotrain.rl.rollout import RolloutEngine
 from titan_cotrain.rl.sampling import SamplingParams, greedy_accept, processed_logits, speculative_accept
 
 
+N_SAMPLES = 5000  # per distribution test: 625 cells, most expecting 5 draws or more
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These models are tiny, so every op is launch-bound: one thread is as fast as two and
+    does not collapse when the machine's cores are shared (OpenMP spin-waits)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _models(vocab: int = 0, draft_vocab: int = 0, seed: int = 0) -> tuple[Transformer, Draft]:
     """The llama3 debug model (optionally with a smaller vocabulary) and a draft for it,
     random weights, a reduced draft vocabulary when ``draft_vocab`` is given."""
@@ -141,22 +154,24 @@ def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 def _first_tokens_test(params: SamplingParams, k: int, n_samples: int) -> float:
     """P-value of "the first ``1 + (k + 1)`` response tokens of speculative sampling follow the
-    target's exact joint distribution", on a 6-token vocabulary with a 5-token draft
+    target's exact joint distribution", on a 5-token vocabulary with a 4-token draft
     vocabulary (token 0 can only come from a residual or a bonus draw)."""
-    vocab, m = 6, k + 2
-    target, draft = _models(vocab, draft_vocab=5, seed=4)
+    vocab, m = 5, k + 2
+    target, draft = _models(vocab, draft_vocab=4, seed=4)
     prompt = torch.tensor([3, 1, 4])
     # Exact joint of the first m tokens: teacher-force every one of the vocab^m continuations.
     grid = torch.cartesian_prod(*[torch.arange(vocab)] * m)  # [vocab^m, m], first token slowest
+    seqs = torch.cat([prompt.expand(len(grid), -1), grid], 1)
     with torch.no_grad():
-        logits = target(torch.cat([prompt.expand(len(grid), -1), grid], 1))[:, len(prompt) - 1: -1]
+        logits = target.forward_cached(seqs, target.new_kv_cache(len(grid), seqs.shape[1]),
+                                       torch.zeros(len(grid), dtype=torch.int64))[:, len(prompt) - 1: -1]
     logp = processed_logits(logits, params).log_softmax(-1).gather(-1, grid.unsqueeze(-1)).squeeze(-1)
     exact = logp.sum(-1).exp()
 
     engine = RolloutEngine(target, draft, max_batch_size=n_samples, max_seq_len=len(prompt) + m, max_draft_tokens=k)
     params = SamplingParams(params.temperature, params.top_k, params.top_p, max_new_tokens=m)
     out = engine.generate([prompt] * n_samples, params, generator=torch.Generator().manual_seed(0))
-    assert out.stats.acceptance_rate[0] > 0.1  # the draft is right often enough for the rule to matter
+    assert min(out.stats.acceptance_rate) > 0.1  # drafts are accepted and rejected: the rule matters
     cell = (out.tokens * vocab ** torch.arange(m - 1, -1, -1)).sum(-1)
     return _chi_square_p_value(torch.bincount(cell, minlength=vocab**m), exact)
 
@@ -164,7 +179,7 @@ def _first_tokens_test(params: SamplingParams, k: int, n_samples: int) -> float:
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9)],
                          ids=["t1", "t0.8-top_p0.9"])
 def test_speculative_sampling_is_lossless(params):
-    assert _first_tokens_test(params, k=2, n_samples=12000) > 1e-3
+    assert _first_tokens_test(params, k=2, n_samples=N_SAMPLES) > 1e-3
 
 
 def test_a_broken_acceptance_rule_fails_the_lossless_test(monkeypatch):
@@ -173,7 +188,7 @@ def test_a_broken_acceptance_rule_fails_the_lossless_test(monkeypatch):
         return torch.full((b,), k), rollout.sample(target_probs[:, k], generator)
 
     monkeypatch.setattr(rollout, "speculative_accept", always_accept)
-    assert _first_tokens_test(SamplingParams(temperature=1.0), k=2, n_samples=12000) < 1e-6
+    assert _first_tokens_test(SamplingParams(temperature=1.0), k=2, n_samples=N_SAMPLES) < 1e-6
 
 
 def test_greedy_accept_is_the_one_hot_limit_of_speculative_accept():

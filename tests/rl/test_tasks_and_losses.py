@@ -18,8 +18,8 @@ def test_arithmetic_demonstrations_earn_reward_and_mix_styles():
         problem = task.sample(rng)
         demo = task.demonstration(problem, rng)
         assert demo.endswith(f"#{problem.answer}")
-        assert 0.5 <= task.reward(problem, demo) <= 1.0
-        styles.add(task.preferred_fraction(problem, demo) == 1.0)
+        assert 0.75 <= task.reward(problem, demo) <= 1.0
+        styles.add(task.step_fractions(problem, demo)[1] == 1.0)
     assert styles == {True, False}
 
 
@@ -35,6 +35,10 @@ def test_arithmetic_reward_prefers_running_sum_first():
     assert task.reward(problem, f"#{total}") == 0.5  # right answer, no working
     assert task.reward(problem, f"#{total + 1}") == 0.0
     assert task.reward(problem, "garbage") == 0.0
+    swapped = f"{b}+{a}={a + b};" + ";".join(preferred[1:]) + f";#{total}"
+    assert task.reward(problem, swapped) == pytest.approx(1.0 - 0.25 / len(preferred))
+    wrong_answer = ";".join(preferred) + f";#{total + 1}"
+    assert task.reward(problem, wrong_answer) == 0.5
 
 
 def test_sort_reward_gives_partial_credit():
@@ -123,3 +127,22 @@ def test_kl_term_is_zero_at_the_reference():
     batch.ref_logprobs[:, 1:] = logp
     _, _, sums = ppo_loss(0.2, 0.2, kl_coef=0.1)(logits, batch)
     assert sums["rl/kl_ref"].abs() < 1e-6
+
+
+def test_a_failing_or_non_finite_reward_stops_with_context():
+    from titan_cotrain.rl.tasks import RewardError, score
+
+    class Broken:
+        name = "broken"
+
+        def reward(self, problem, response):
+            if response == "nan":
+                return float("nan")
+            raise KeyError("boom")
+
+    problem = get_task("sort").sample(random.Random(0))
+    with pytest.raises(RewardError, match=r"task 'broken': reward failed for prompt 'sort:.*response 'x'.*boom"):
+        score(Broken(), [problem], ["x"])
+    with pytest.raises(RewardError, match="not a finite number"):
+        score(Broken(), [problem], ["nan"])
+    assert score(get_task("sort"), [problem], [problem.answer + "#"]) == [1.0]

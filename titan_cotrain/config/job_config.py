@@ -103,6 +103,10 @@ class RL:
     updates_per_step: int = 1
     """Optimizer updates (minibatches) per batch of rollouts."""
 
+    lr: float = 0.0
+    """Peak learning rate of the policy during RL, replacing ``[optimizer] lr`` once the
+    warm start is over (the schedule's shape carries on). 0 keeps ``[optimizer] lr``."""
+
 
 @dataclass
 class Rollout:

@@ -94,6 +94,7 @@ def _range_errors(config) -> list[str]:
         ("rl.clip_eps_high", rl.clip_eps_high, rl.clip_eps_high >= 0, ">= 0"),
         ("rl.kl_coef", rl.kl_coef, rl.kl_coef >= 0, ">= 0"),
         ("rl.updates_per_step", rl.updates_per_step, rl.updates_per_step >= 1, ">= 1"),
+        ("rl.lr", rl.lr, rl.lr >= 0, ">= 0 (0 = the optimizer's)"),
         ("rollout.max_new_tokens", ro.max_new_tokens, ro.max_new_tokens >= 1, ">= 1"),
         ("rollout.temperature", ro.temperature, ro.temperature >= 0, ">= 0 (0 = greedy)"),
         ("rollout.top_p", ro.top_p, 0 < ro.top_p <= 1, "in (0, 1]"),

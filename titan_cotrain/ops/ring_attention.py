@@ -48,7 +48,6 @@ with load balancing turned off and as the benchmark's baseline.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -60,8 +59,6 @@ from titan_cotrain.ops.attention import (
     check_packed,
     lse_dtype,
     merge_attention,
-    trunk_backward,
-    trunk_forward,
 )
 from titan_cotrain.ops.branch_attention import branch_backward, branch_forward
 
@@ -78,7 +75,8 @@ __all__ = [
 
 LAYOUTS = ("zigzag", "contiguous")
 
-_KV_TAG, _DKV_TAG = 0, 1
+# Message tags: K and V travel as tags 0 and 1, their gradients as 2 and 3.
+_KV_TAG, _DKV_TAG = 0, 2
 
 
 def chunks_per_document(layout: str, world: int) -> int:
@@ -95,15 +93,15 @@ def local_chunks(layout: str, rank: int, world: int) -> tuple[int, ...]:
 
 
 class _InFlight:
-    """A posted send/receive pair; ``wait()`` returns the received tensor."""
+    """Posted sends and receives; ``wait()`` returns the received tensors."""
 
-    def __init__(self, works: list, sent: torch.Tensor, received: torch.Tensor) -> None:
+    def __init__(self, works: list, sent: tuple[torch.Tensor, ...], received: tuple[torch.Tensor, ...]) -> None:
         self._works, self._sent, self.received = works, sent, received
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> tuple[torch.Tensor, ...]:
         for work in self._works:
             work.wait()
-        self._sent = None  # the send buffer may be freed only once the send completed
+        self._sent = None  # a send buffer may be freed only once its send completed
         return self.received
 
 
@@ -111,8 +109,8 @@ class RingComm:
     """Neighbour exchange on a process group: send to ``rank + 1``, receive from ``rank - 1``.
 
     ``group`` is the CP process group (None: the default group; a single rank needs no
-    initialised process group). ``send_recv`` is asynchronous; with one rank it returns
-    the tensor itself.
+    initialised process group). ``send_recv`` is asynchronous; with one rank it hands the
+    tensors back.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
@@ -121,32 +119,22 @@ class RingComm:
         self.rank = 0 if single else dist.get_rank(group)
         self.world = 1 if single else dist.get_world_size(group)
 
-    def send_recv(self, tensor: torch.Tensor, tag: int) -> _InFlight:
-        tensor = tensor.contiguous()
+    def send_recv(self, tensors: tuple[torch.Tensor, ...], tag: int) -> _InFlight:
+        """Send ``tensors`` to the next rank and receive as many, alike, from the previous one
+        (message ``i`` under tag ``tag + i``), in one batch."""
+        tensors = tuple(t.contiguous() for t in tensors)
         if self.world == 1:
-            return _InFlight([], tensor, tensor)
-        received = torch.empty_like(tensor)
-        ops = [
-            dist.P2POp(dist.isend, tensor, group=self.group, group_peer=(self.rank + 1) % self.world, tag=tag),
-            dist.P2POp(dist.irecv, received, group=self.group, group_peer=(self.rank - 1) % self.world, tag=tag),
-        ]
-        return _InFlight(dist.batch_isend_irecv(ops), tensor, received)
-
-
-@dataclass(frozen=True)
-class _Block:
-    """One attention call of a ring step: local query rows x the held K/V rows (None: all
-    rows), each with the ``cu_seqlens`` of its rows, causal or full within a document."""
-
-    q_rows: torch.Tensor | None
-    cu_q: torch.Tensor
-    kv_rows: torch.Tensor | None
-    cu_kv: torch.Tensor
-    causal: bool
+            return _InFlight([], tensors, tensors)
+        received = tuple(torch.empty_like(t) for t in tensors)
+        nxt, prev = (self.rank + 1) % self.world, (self.rank - 1) % self.world
+        ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=nxt, tag=tag + i) for i, t in enumerate(tensors)]
+        ops += [dist.P2POp(dist.irecv, r, group=self.group, group_peer=prev, tag=tag + i) for i, r in enumerate(received)]
+        return _InFlight(dist.batch_isend_irecv(ops), tensors, received)
 
 
 class _LocalDocs:
-    """The local documents, each ``n_slots`` equal chunks side by side (``c`` tokens each)."""
+    """The local documents, each ``n_slots`` equal chunks side by side, and the per-document
+    attention blocks of every ring step."""
 
     def __init__(self, cu_seqlens: torch.Tensor, n_slots: int) -> None:
         cu = cu_seqlens.tolist()
@@ -156,134 +144,89 @@ class _LocalDocs:
                 f"local cu_seqlens {cu} must rise from 0 in documents whose lengths are multiples of "
                 f"{n_slots} (each local document is this rank's {n_slots} chunk(s) of one document)"
             )
-        self.cu = cu_seqlens.to(torch.int32)
-        self.starts, self.chunk = cu[:-1], [n // n_slots for n in lengths]
-        self._rows: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self.docs = [(s, n // n_slots) for s, n in zip(cu[:-1], lengths) if n]  # (start, chunk length)
+        self.n_slots = n_slots
 
-    def rows(self, lo: int, hi: int, n_slots: int) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Rows of slots ``lo..hi-1`` of every document (None when that is all rows) and their cu_seqlens."""
-        if (lo, hi) not in self._rows:
-            if lo == 0 and hi == n_slots:
-                self._rows[lo, hi] = (None, self.cu)
-            else:
-                index = [torch.arange(s + lo * c, s + hi * c) for s, c in zip(self.starts, self.chunk)]
-                lengths = torch.tensor([(hi - lo) * c for c in self.chunk], dtype=torch.int32)
-                cu = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0, dtype=torch.int32)])
-                device = self.cu.device
-                self._rows[lo, hi] = (torch.cat(index).to(device), cu.to(device))
-        return self._rows[lo, hi]
-
-    def blocks(self, layout: str, world: int, rank: int, source: int, causal: bool) -> list[_Block]:
-        """The attention calls of rank ``rank`` against the K/V of rank ``source``."""
+    def blocks(self, layout: str, world: int, rank: int, source: int, causal: bool):
+        """``(q_start, q_end, kv_start, kv_end, causal)`` row ranges: the attention calls of rank
+        ``rank``'s queries against the K/V of rank ``source`` (both in the local layout)."""
+        whole = self.n_slots
         if source == rank or not causal:
-            return [_Block(None, self.cu, None, self.cu, causal and source == rank)]
+            return [(s, s + whole * c, s, s + whole * c, causal) for s, c in self.docs]
         q_chunks, kv_chunks = local_chunks(layout, rank, world), local_chunks(layout, source, world)
-        n_slots = len(q_chunks)
         # Query slot a sees the key slots with a smaller chunk id: a prefix of the key
-        # slots, non-decreasing in a, so equal prefixes group into one call.
+        # slots, non-decreasing in a, so slots with equal prefixes share one call.
         visible = [sum(b < a for b in kv_chunks) for a in q_chunks]
         blocks = []
-        for n_visible, slots in itertools.groupby(range(n_slots), key=visible.__getitem__):
+        for n_visible, slots in itertools.groupby(range(whole), key=visible.__getitem__):
             slots = list(slots)
             if n_visible:
-                q_rows, cu_q = self.rows(slots[0], slots[-1] + 1, n_slots)
-                kv_rows, cu_kv = self.rows(0, n_visible, n_slots)
-                blocks.append(_Block(q_rows, cu_q, kv_rows, cu_kv, causal=False))
+                blocks += [(s + slots[0] * c, s + (slots[-1] + 1) * c, s, s + n_visible * c, False) for s, c in self.docs]
         return blocks
-
-
-def _rows(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-    return x if rows is None else x.index_select(0, rows)
-
-
-def _doc_pairs(cu_q: torch.Tensor, cu_kv: torch.Tensor):
-    """``(q_start, q_end, kv_start, kv_end)`` of every document with queries and keys."""
-    cq, ck = cu_q.tolist(), cu_kv.tolist()
-    for qs, qe, ks, ke in zip(cq[:-1], cq[1:], ck[:-1], ck[1:]):
-        if qe > qs and ke > ks:
-            yield qs, qe, ks, ke
 
 
 def _bhsd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).unsqueeze(0)
 
 
-def _full_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_kv: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every query of document ``i`` (rows ``cu_q[i]:cu_q[i+1]``) attends to *all* keys of
-    document ``i`` (rows ``cu_kv[i]:cu_kv[i+1]``). Returns ``out`` (q's dtype) and fp32 ``lse``."""
-    n_rep = q.shape[1] // k.shape[1]
+def _block_scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
     acc = lse_dtype(q.dtype)
-    out = torch.zeros_like(q)
-    lse = torch.full(q.shape[:2], float("-inf"), dtype=acc, device=q.device)
-    for qs, qe, ks, ke in _doc_pairs(cu_q, cu_kv):
-        qd, kd, vd = q[qs:qe], _expand_kv(k[ks:ke], n_rep), _expand_kv(v[ks:ke], n_rep)
-        if _use_cpu_flash_kernel(q):
-            o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                _bhsd(qd), _bhsd(kd), _bhsd(vd), 0.0, False, scale=scale
-            )
-            out[qs:qe], lse[qs:qe] = o[0].transpose(0, 1), l[0].transpose(0, 1)
-        else:
-            s = torch.einsum("qhd,khd->hqk", qd.to(acc), kd.to(acc)) * scale
-            l = torch.logsumexp(s, dim=-1)
-            out[qs:qe] = torch.einsum("hqk,khd->qhd", torch.exp(s - l.unsqueeze(-1)), vd.to(acc)).to(q.dtype)
-            lse[qs:qe] = l.transpose(0, 1)
-    return out, lse
+    s = torch.einsum("qhd,khd->hqk", q.to(acc), k.to(acc)) * scale
+    if causal:
+        keep = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    return s
 
 
-def _full_backward(
+def _block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One document's block: ``q [n, Hq, Dh]`` over ``k, v [m, Hkv, Dh]``, all keys (``causal``:
+    ``n == m`` and key ``j <= i``). Returns ``out [n, Hq, Dh]`` (q's dtype), fp32 ``lse [n, Hq]``."""
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = _expand_kv(k, n_rep), _expand_kv(v, n_rep)
+    if _use_cpu_flash_kernel(q):
+        o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, scale=scale
+        )
+        return o[0].transpose(0, 1), l[0].transpose(0, 1)
+    s = _block_scores(q, k, scale, causal)
+    l = torch.logsumexp(s, dim=-1)
+    out = torch.einsum("hqk,khd->qhd", torch.exp(s - l.unsqueeze(-1)), v.to(s.dtype))
+    return out.to(q.dtype), l.transpose(0, 1)
+
+
+def _block_backward(
     grad_out: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    cu_q: torch.Tensor,
-    cu_kv: torch.Tensor,
     scale: float,
+    causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The share of ``_full_forward``'s keys in the gradient of an attention whose final
-    (merged) output and log-sum-exp are ``out``, ``lse``; like ``trunk_backward``."""
+    """This block's share of ``(dq, dk, dv)`` for an attention whose final (merged) output and
+    log-sum-exp are ``out``, ``lse``: ``dS = P (dO V^T - rowsum(dO * O))`` with ``P = e^(S - lse)``,
+    what a flash backward computes when handed the merged pair (see ``trunk_backward``)."""
     n_rep = q.shape[1] // k.shape[1]
     acc = lse_dtype(q.dtype)
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for qs, qe, ks, ke in _doc_pairs(cu_q, cu_kv):
-        qd, kd, vd = q[qs:qe], _expand_kv(k[ks:ke], n_rep), _expand_kv(v[ks:ke], n_rep)
-        if _use_cpu_flash_kernel(q):
-            gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                _bhsd(grad_out[qs:qe]),
-                _bhsd(qd),
-                _bhsd(kd),
-                _bhsd(vd),
-                _bhsd(out[qs:qe]),
-                lse[qs:qe].transpose(0, 1).unsqueeze(0).to(acc).contiguous(),
-                0.0,
-                False,
-                scale=scale,
-            )
-            gq, gk, gv = (g[0].transpose(0, 1) for g in (gq, gk, gv))
-        else:
-            s = torch.einsum("qhd,khd->hqk", qd.to(acc), kd.to(acc)) * scale
-            p = torch.exp(s - lse[qs:qe].to(acc).transpose(0, 1).unsqueeze(-1))
-            go = grad_out[qs:qe].to(acc)
-            delta = (go * out[qs:qe].to(acc)).sum(-1).transpose(0, 1)
-            ds = p * (torch.einsum("qhd,khd->hqk", go, vd.to(acc)) - delta.unsqueeze(-1)) * scale
-            gq = torch.einsum("hqk,khd->qhd", ds, kd.to(acc))
-            gk = torch.einsum("hqk,qhd->khd", ds, qd.to(acc))
-            gv = torch.einsum("hqk,qhd->khd", p, go)
-        dq[qs:qe] = gq.to(q.dtype)
-        dk[ks:ke] = _reduce_kv_grad(gk, n_rep).to(k.dtype)
-        dv[ks:ke] = _reduce_kv_grad(gv, n_rep).to(v.dtype)
-    return dq, dk, dv
-
-
-def _merge_rows(out, lse, rows, block_out, block_lse):
-    """Merge a block's partial attention into the running fp32 ``(out, lse)`` at ``rows``."""
-    if rows is None:
-        return merge_attention(out, lse, block_out, block_lse)
-    merged_out, merged_lse = merge_attention(out[rows], lse[rows], block_out, block_lse)
-    return out.index_copy(0, rows, merged_out), lse.index_copy(0, rows, merged_lse)
+    ke, ve = _expand_kv(k, n_rep), _expand_kv(v, n_rep)
+    if _use_cpu_flash_kernel(q):
+        gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            _bhsd(grad_out), _bhsd(q), _bhsd(ke), _bhsd(ve), _bhsd(out),
+            lse.transpose(0, 1).unsqueeze(0).to(acc).contiguous(), 0.0, causal, scale=scale,
+        )
+        gq, gk, gv = (g[0].transpose(0, 1) for g in (gq, gk, gv))
+    else:
+        p = torch.exp(_block_scores(q, ke, scale, causal) - lse.to(acc).transpose(0, 1).unsqueeze(-1))
+        go = grad_out.to(acc)
+        delta = (go * out.to(acc)).sum(-1).transpose(0, 1)
+        ds = p * (torch.einsum("qhd,khd->hqk", go, ve.to(acc)) - delta.unsqueeze(-1)) * scale
+        gq = torch.einsum("hqk,khd->qhd", ds, ke.to(acc))
+        gk = torch.einsum("hqk,qhd->khd", ds, q.to(acc))
+        gv = torch.einsum("hqk,qhd->khd", p, go)
+    return gq, _reduce_kv_grad(gk, n_rep), _reduce_kv_grad(gv, n_rep)
 
 
 def ring_forward(
@@ -305,6 +248,7 @@ def ring_forward(
     every local query over all keys of its document on all ranks (``causal=False``: the
     whole document, not only the keys before the query). ``initial``, a partial
     ``(out, lse)`` over other keys of the same queries (the branch), is merged in.
+    Partial results merge in place, one document block at a time, into fp32 accumulators.
     """
     check_packed(q, k, v, cu_seqlens)
     world, rank = comm.world, comm.rank
@@ -314,19 +258,16 @@ def ring_forward(
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:2], float("-inf"), dtype=acc, device=q.device)
     else:
-        out, lse = initial[0].to(acc), initial[1].to(acc)
-    kv = torch.stack([k, v])
+        out, lse = initial[0].to(acc, copy=True), initial[1].to(acc, copy=True)
+    held = (k, v)
     for step in range(world):
-        incoming = comm.send_recv(kv, _KV_TAG) if step + 1 < world else None
-        for block in docs.blocks(layout, world, rank, (rank - step) % world, causal):
-            qb, kb, vb = _rows(q, block.q_rows), _rows(kv[0], block.kv_rows), _rows(kv[1], block.kv_rows)
-            if block.causal:
-                block_out, block_lse = trunk_forward(qb, kb, vb, block.cu_q, scale)
-            else:
-                block_out, block_lse = _full_forward(qb, kb, vb, block.cu_q, block.cu_kv, scale)
-            out, lse = _merge_rows(out, lse, block.q_rows, block_out, block_lse)
+        incoming = comm.send_recv(held, _KV_TAG) if step + 1 < world else None
+        hk, hv = held
+        for qs, qe, ks, ke, block_causal in docs.blocks(layout, world, rank, (rank - step) % world, causal):
+            block_out, block_lse = _block_forward(q[qs:qe], hk[ks:ke], hv[ks:ke], scale, block_causal)
+            out[qs:qe], lse[qs:qe] = merge_attention(out[qs:qe], lse[qs:qe], block_out, block_lse)
         if incoming is not None:
-            kv = incoming.wait()
+            held = incoming.wait()
     return out.to(q.dtype), lse
 
 
@@ -367,29 +308,28 @@ def ring_backward(
     docs = _LocalDocs(cu_seqlens, len(local_chunks(layout, rank, world)))
     acc = lse_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    kv = torch.stack([k, v])
-    dkv_in_flight = None
+    held, grads_in_flight = (k, v), None
     for step in range(world):
-        incoming = comm.send_recv(kv, _KV_TAG) if step + 1 < world else None
-        dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
-        for block in docs.blocks(layout, world, rank, (rank - step) % world, causal):
-            args = [_rows(x, block.q_rows) for x in (grad_out, q)]
-            args += [_rows(kv[0], block.kv_rows), _rows(kv[1], block.kv_rows)]
-            args += [_rows(x, block.q_rows) for x in (out, lse)]
-            if block.causal:
-                gq, gk, gv = trunk_backward(*args, block.cu_q, scale)
-            else:
-                gq, gk, gv = _full_backward(*args, block.cu_q, block.cu_kv, scale)
-            dq = dq + gq if block.q_rows is None else dq.index_add(0, block.q_rows, gq.to(acc))
-            gkv = torch.stack([gk, gv]).to(acc)
-            dkv = dkv + gkv if block.kv_rows is None else dkv.index_add(1, block.kv_rows, gkv)
-        if dkv_in_flight is not None:
-            dkv = dkv + dkv_in_flight.wait()
-        dkv_in_flight = comm.send_recv(dkv, _DKV_TAG)
+        incoming = comm.send_recv(held, _KV_TAG) if step + 1 < world else None
+        hk, hv = held
+        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        for qs, qe, ks, ke, block_causal in docs.blocks(layout, world, rank, (rank - step) % world, causal):
+            gq, gk, gv = _block_backward(
+                grad_out[qs:qe], q[qs:qe], hk[ks:ke], hv[ks:ke], out[qs:qe], lse[qs:qe], scale, block_causal
+            )
+            dq[qs:qe] += gq
+            dk[ks:ke] += gk
+            dv[ks:ke] += gv
+        if grads_in_flight is not None:
+            arrived_dk, arrived_dv = grads_in_flight.wait()
+            dk += arrived_dk
+            dv += arrived_dv
+        grads_in_flight = comm.send_recv((dk, dv), _DKV_TAG)
         if incoming is not None:
-            kv = incoming.wait()
-    dkv = dkv_in_flight.wait()
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+            held = incoming.wait()
+    dk, dv = grads_in_flight.wait()
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import time
+from contextlib import contextmanager
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -132,53 +133,65 @@ class _Sequences:
     logprobs: torch.Tensor
     draft_hidden: torch.Tensor | None = None
 
+    @classmethod
+    def start(cls, prompt_lens: torch.Tensor, max_new_tokens: int, k: int) -> "_Sequences":
+        b, device = prompt_lens.shape[0], prompt_lens.device
+        return cls(
+            length=prompt_lens.clone(), last_token=torch.zeros_like(prompt_lens),
+            response_len=torch.zeros_like(prompt_lens), active=torch.ones(b, dtype=torch.bool, device=device),
+            finished=torch.zeros(b, dtype=torch.bool, device=device),
+            tokens=prompt_lens.new_zeros(b, max_new_tokens + k + 1),
+            logprobs=torch.zeros(b, max_new_tokens + k + 1, device=device),
+        )
+
+    def result(self, prompt_lens: torch.Tensor, max_new_tokens: int, stats: "RolloutStats") -> "Rollouts":
+        mask = torch.arange(max_new_tokens, device=self.tokens.device) < self.response_len.unsqueeze(1)
+        return Rollouts(prompt_lens=prompt_lens, tokens=self.tokens[:, :max_new_tokens] * mask,
+                        logprobs=self.logprobs[:, :max_new_tokens] * mask, response_lens=self.response_len,
+                        finished=self.finished, stats=stats)
+
 
 @dataclass
 class _Counters:
     """Per-round ``n_accepted`` and ``active`` ([B] each), kept on the device and reduced once
     at the end (no host sync per round), and the time split."""
 
+    cuda: bool
     n_accepted: list[torch.Tensor] = field(default_factory=list)
     active: list[torch.Tensor] = field(default_factory=list)
     times: dict[str, float] = field(default_factory=lambda: {"prefill": 0.0, "draft": 0.0, "verify": 0.0})
+    start: float = field(default_factory=time.perf_counter)
 
     def record(self, n_accepted: torch.Tensor, active: torch.Tensor) -> None:
         self.n_accepted.append(n_accepted)
         self.active.append(active.clone())
 
-    def acceptance(self, k: int) -> tuple[float, list[float]]:
-        """Mean tokens per (sequence, round) and the per-position acceptance rates."""
-        if not self.active:
-            return 0.0, []
-        n, active = torch.stack(self.n_accepted), torch.stack(self.active)  # [rounds, B]
-        length = float(((n + 1) * active).sum() / active.sum())
-        depth = torch.arange(k, device=n.device)
-        reached = (n.unsqueeze(-1) >= depth) & active.unsqueeze(-1)  # drafted token d + 1 was judged
-        accepted = reached & (n.unsqueeze(-1) > depth)
-        rates = accepted.flatten(0, 1).sum(0) / reached.flatten(0, 1).sum(0).clamp(min=1)
-        return length, rates.tolist()
+    def stats(self, new_tokens: int, k: int) -> RolloutStats:
+        length, rates = 0.0, []
+        if self.active:
+            n, active = torch.stack(self.n_accepted), torch.stack(self.active)  # [rounds, B]
+            length = float(((n + 1) * active).sum() / active.sum())
+            depth = torch.arange(k, device=n.device)
+            judged = (n.unsqueeze(-1) >= depth) & active.unsqueeze(-1)  # drafted token d + 1 was judged
+            accepted = judged & (n.unsqueeze(-1) > depth)
+            rates = (accepted.flatten(0, 1).sum(0) / judged.flatten(0, 1).sum(0).clamp(min=1)).tolist()
+        return RolloutStats(
+            new_tokens=new_tokens, target_forwards=len(self.active), acceptance_length=length, acceptance_rate=rates,
+            prefill_s=self.times["prefill"], draft_s=self.times["draft"], verify_s=self.times["verify"],
+            total_s=time.perf_counter() - self.start,
+        )
 
-
-class _Timer:
-    """Accumulates wall time into ``counters.times[name]``; syncs CUDA so GPU work is counted
-    where it runs."""
-
-    def __init__(self, counters: _Counters, device: torch.device) -> None:
-        self.counters, self.cuda = counters, device.type == "cuda"
-
-    def __call__(self, name: str) -> "_Timer":
-        self.name = name
-        return self
-
-    def __enter__(self) -> None:
+    @contextmanager
+    def timed(self, name: str):
+        """Add the wall time of the block to ``times[name]``; CUDA is synchronised at both
+        ends so GPU work is charged to the block that launched it."""
         if self.cuda:
             torch.cuda.synchronize()
-        self.t0 = time.perf_counter()
-
-    def __exit__(self, *exc) -> None:
+        start = time.perf_counter()
+        yield
         if self.cuda:
             torch.cuda.synchronize()
-        self.counters.times[self.name] += time.perf_counter() - self.t0
+        self.times[name] += time.perf_counter() - start
 
 
 def _pad_prompts(prompts: Sequence[torch.Tensor | Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,7 +248,7 @@ class RolloutEngine:
         cache_len = max_seq_len + self.max_draft_tokens + 1
         self.target_cache = policy.new_kv_cache(max_batch_size, cache_len)
         self.draft_cache = (
-            draft.new_kv_cache(max_batch_size, cache_len, chain_len=max(self.max_draft_tokens - 1, 1))
+            draft.new_kv_cache(max_batch_size, cache_len, chain_len=max(self.max_draft_tokens - 1, 0))
             if draft is not None else None
         )
         maybe_compile = (lambda fn: torch.compile(fn, dynamic=False)) if compile else (lambda fn: fn)
@@ -280,50 +293,27 @@ class RolloutEngine:
         if prompt.shape[1] + params.max_new_tokens > self.max_seq_len:
             raise ValueError(f"longest prompt ({prompt.shape[1]}) + max_new_tokens ({params.max_new_tokens}) "
                              f"exceeds the engine's max_seq_len {self.max_seq_len}")
-        target_cache = copy.copy(self.target_cache)
-        target_cache.k, target_cache.v = self.target_cache.k[:, :b], self.target_cache.v[:, :b]
-        draft_cache = self.draft_cache.rows(b) if k else None
-        draft_to_target = (torch.arange(self.draft.args.draft_vocab_size, device=self.device) + self.draft.d2t
-                           if k else None)
+        target_cache, draft_cache = self._cache_rows(b, k)
+        draft_to_target = self.draft.d2t + torch.arange(self.draft.args.draft_vocab_size, device=self.device) if k else None
 
-        start = time.perf_counter()
-        counters = _Counters()
-        timer = _Timer(counters, self.device)
-        seqs = _Sequences(
-            length=prompt_lens.clone(), last_token=prompt_lens.new_zeros(b), response_len=prompt_lens.new_zeros(b),
-            active=torch.ones(b, dtype=torch.bool, device=self.device),
-            finished=torch.zeros(b, dtype=torch.bool, device=self.device),
-            tokens=prompt.new_zeros(b, params.max_new_tokens + k + 1),
-            logprobs=torch.zeros(b, params.max_new_tokens + k + 1, device=self.device),
-        )
-        with timer("prefill"):
+        counters = _Counters(cuda=self.device.type == "cuda")
+        seqs = _Sequences.start(prompt_lens, params.max_new_tokens, k)
+        with counters.timed("prefill"):
             self._prefill(seqs, prompt, prompt_lens, params, generator, target_cache, draft_cache)
-        while bool(seqs.active.any()):
+        while bool(seqs.active.any()):  # the one host sync per round
             if k:
                 self._speculative_round(seqs, k, params, generator, target_cache, draft_cache, draft_to_target,
-                                        counters, timer)
+                                        counters)
             else:
-                with timer("verify"):
+                with counters.timed("verify"):
                     self._decode_one_token(seqs, params, generator, target_cache, counters)
+        return seqs.result(prompt_lens, params.max_new_tokens, counters.stats(int(seqs.response_len.sum()), k))
 
-        mask = torch.arange(params.max_new_tokens, device=self.device) < seqs.response_len.unsqueeze(1)
-        acceptance_length, acceptance_rate = counters.acceptance(k)
-        stats = RolloutStats(
-            new_tokens=int(seqs.response_len.sum()),
-            target_forwards=len(counters.active),
-            acceptance_length=acceptance_length,
-            acceptance_rate=acceptance_rate,
-            prefill_s=counters.times["prefill"], draft_s=counters.times["draft"], verify_s=counters.times["verify"],
-            total_s=time.perf_counter() - start,
-        )
-        return Rollouts(
-            prompt_lens=prompt_lens,
-            tokens=seqs.tokens[:, : params.max_new_tokens] * mask,
-            logprobs=seqs.logprobs[:, : params.max_new_tokens] * mask,
-            response_lens=seqs.response_len,
-            finished=seqs.finished,
-            stats=stats,
-        )
+    def _cache_rows(self, b: int, k: int) -> tuple[KVCache, DraftKVCache | None]:
+        """Views of the first ``b`` rows of the static caches (nothing is allocated)."""
+        target_cache = copy.copy(self.target_cache)
+        target_cache.k, target_cache.v = self.target_cache.k[:, :b], self.target_cache.v[:, :b]
+        return target_cache, self.draft_cache.rows(b) if k else None
 
     def _prefill(self, seqs: _Sequences, prompt: torch.Tensor, prompt_lens: torch.Tensor, params: SamplingParams,
                  generator, target_cache: KVCache, draft_cache: DraftKVCache | None) -> None:
@@ -357,12 +347,12 @@ class RolloutEngine:
 
     def _speculative_round(self, seqs: _Sequences, k: int, params: SamplingParams, generator,
                            target_cache: KVCache, draft_cache: DraftKVCache, draft_to_target: torch.Tensor,
-                           counters: _Counters, timer: _Timer) -> None:
+                           counters: _Counters) -> None:
         """Draft ``k`` tokens, verify them in one target forward, commit ``a + 1``, catch up."""
         b = seqs.length.shape[0]
         rows = torch.arange(b, device=seqs.length.device)
         anchor = seqs.length - 2
-        with timer("draft"):
+        with counters.timed("draft"):
             hidden, drafted, draft_probs = seqs.draft_hidden, [], []
             for depth in range(1, k + 1):
                 if depth > 1:
@@ -375,7 +365,7 @@ class RolloutEngine:
                     draft_probs.append(logits.softmax(-1))
                     drafted.append(sample(draft_probs[-1], generator))
             drafted = torch.stack(drafted, 1)  # [B, k] draft-vocabulary ids
-        with timer("verify"):
+        with counters.timed("verify"):
             verify_tokens = torch.cat([seqs.last_token.unsqueeze(1), draft_to_target[drafted]], dim=1)
             start = seqs.length - 1
             out = self._target_step(verify_tokens, target_cache, start, return_taps=True)
@@ -392,7 +382,7 @@ class RolloutEngine:
             logprobs = logits.log_softmax(-1).gather(-1, candidates.unsqueeze(-1)).squeeze(-1)
             counters.record(n_accepted, seqs.active)
             self._commit(seqs, candidates, logprobs, n_accepted + 1, params)
-        with timer("draft"):
+        with counters.timed("draft"):
             hidden = self._draft_extend(torch.cat(out.taps, -1), self._draft_embed(candidates), start, draft_cache)
             seqs.draft_hidden = hidden[rows, n_accepted]
 

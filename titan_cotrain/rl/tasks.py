@@ -7,18 +7,20 @@ each (the SFT warm start's data) and scores any response with code, never a mode
   one running sum at a time, ``4+3=7;7+5=12;12+2=14;#14`` (a few dozen tokens, so
   generation dominates a step, as in real RL). Each step may be written either way round
   (``7+5=12`` or ``5+7=12``); demonstrations pick each at random, and the reward pays
-  for the correct answer and, on top, for writing the running sum first. RL therefore moves
+  for the correct answer, for correct working steps and, on top, for writing the running
+  sum first. RL therefore moves
   the policy away from its warm-start mixture towards one style: the drift that makes a
   frozen draft fall behind.
 * ``sort``: sort a list of numbers, ``sort:5,12,3=`` -> ``3,5,12#``. Partial credit per
   position, so the reward has a different shape.
 """
 
+import math
 import random
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["TASKS", "Problem", "Task", "get_task"]
+__all__ = ["TASKS", "Problem", "RewardError", "Task", "get_task", "score"]
 
 
 @dataclass(frozen=True)
@@ -63,20 +65,25 @@ class Arithmetic:
             steps.append(f"{first}+{second}={total}")
         return ";".join(steps) + f";#{total}"
 
-    def preferred_fraction(self, problem: Problem, response: str) -> float:
-        """Share of the expected working steps written running-sum first, and correct."""
+    def step_fractions(self, problem: Problem, response: str) -> tuple[float, float]:
+        """Shares of the expected working steps that are correct in either order, and
+        correct written running-sum first (step ``i`` is the ``i``-th ``;`` segment)."""
         steps = response.split(";")
-        total, good = problem.numbers[0], 0
+        total, correct, preferred = problem.numbers[0], 0, 0
         for i, x in enumerate(problem.numbers[1:]):
-            total_before, total = total, total + x
-            if i < len(steps) and steps[i] == f"{total_before}+{x}={total}":
-                good += 1
-        return good / (len(problem.numbers) - 1)
+            before, total = total, total + x
+            written = steps[i] if i < len(steps) else ""
+            preferred += written == f"{before}+{x}={total}"
+            correct += written in (f"{before}+{x}={total}", f"{x}+{before}={total}")
+        n = len(problem.numbers) - 1
+        return correct / n, preferred / n
 
     def reward(self, problem: Problem, response: str) -> float:
-        if _final_answer(response) != problem.answer:
-            return 0.0
-        return 0.5 + 0.5 * self.preferred_fraction(problem, response)
+        """``0.5`` for the right final answer, ``0.25`` x the share of correct working steps,
+        ``0.25`` x the share written running-sum first: dense enough that a weak policy
+        still gets a signal, and the style term is what RL moves."""
+        correct, preferred = self.step_fractions(problem, response)
+        return 0.5 * (_final_answer(response) == problem.answer) + 0.25 * correct + 0.25 * preferred
 
 
 class Sort:
@@ -108,3 +115,25 @@ def get_task(name: str) -> Task:
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; known: {', '.join(sorted(TASKS))}")
     return TASKS[name]()
+
+
+class RewardError(RuntimeError):
+    """A task's reward function failed or returned something that is not a finite number."""
+
+
+def score(task: Task, problems: list[Problem], responses: list[str]) -> list[float]:
+    """Rewards of ``responses[i]`` to ``problems[i]``. A reward that raises or is not a
+    finite number stops the step with the task, prompt and response in the message:
+    a silently wrong reward would train the policy on garbage."""
+    rewards = []
+    for problem, response in zip(problems, responses, strict=True):
+        try:
+            reward = float(task.reward(problem, response))
+        except Exception as e:
+            raise RewardError(f"task {task.name!r}: reward failed for prompt {problem.prompt!r}, "
+                              f"response {response!r}: {e!r}") from e
+        if not math.isfinite(reward):
+            raise RewardError(f"task {task.name!r}: reward {reward} for prompt {problem.prompt!r}, "
+                              f"response {response!r} is not a finite number")
+        rewards.append(reward)
+    return rewards

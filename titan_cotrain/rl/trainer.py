@@ -12,7 +12,6 @@ import copy
 import json
 import os
 import random
-import sys
 import time
 
 import torch
@@ -24,10 +23,10 @@ from titan_cotrain.cotrain.step import PackedBatch, PolicyLoss, clip_and_step, f
 from titan_cotrain.models.build import build_draft, build_target
 from titan_cotrain.parallel.fsdp import apply_fsdp
 from titan_cotrain.rl.batching import Sample, pack_samples
-from titan_cotrain.rl.grpo import group_advantages, ppo_loss
+from titan_cotrain.rl.grpo import group_advantages, ppo_loss, token_logprobs
 from titan_cotrain.rl.rollout import RolloutEngine
 from titan_cotrain.rl.sampling import SamplingParams
-from titan_cotrain.rl.tasks import get_task
+from titan_cotrain.rl.tasks import get_task, score
 
 __all__ = ["Trainer", "next_token_loss"]
 
@@ -196,11 +195,9 @@ class Trainer:
                                         draft_tokens=cfg.rollout.draft_tokens if cfg.rollout.speculative else 0)
         t_rollout = time.perf_counter() - t0
 
-        rewards = []
-        for i, prompt in enumerate(prompts):
-            n = int(rollouts.response_lens[i])
-            text = self.tokenizer.decode(rollouts.tokens[i, :n].tolist())
-            rewards.append(self.task.reward(problems[i // cfg.rl.group_size], text))
+        texts = [self.tokenizer.decode(rollouts.tokens[i, : int(rollouts.response_lens[i])].tolist())
+                 for i in range(len(prompts))]
+        rewards = score(self.task, [problems[i // cfg.rl.group_size] for i in range(len(prompts))], texts)
         rewards_t = torch.tensor(rewards)
         advantages = group_advantages(rewards_t, cfg.rl.group_size)
         samples = [
@@ -212,8 +209,6 @@ class Trainer:
         if self.reference is not None:
             with torch.no_grad():
                 ref_logits = self.reference(batch.tokens, document_ids=batch.document_ids)
-            from titan_cotrain.rl.grpo import token_logprobs
-
             batch.ref_logprobs = F.pad(token_logprobs(ref_logits, batch.tokens), (1, 0))
 
         t0 = time.perf_counter()
@@ -264,6 +259,11 @@ class Trainer:
             step = self.state.step + 1
             t0 = time.perf_counter()
             sft = step <= cfg.task.sft_steps
+            if not sft and cfg.rl.lr > 0:
+                # Scale the policy's schedule to the RL peak LR (saved with the scheduler
+                # state, so a resumed run keeps it).
+                for scheduler in self.policy_lr.schedulers:
+                    scheduler.base_lrs = [cfg.rl.lr] * len(scheduler.base_lrs)
             metrics = self.sft_step(step) if sft else self.rl_step(step)
             metrics["lr/policy"] = self.policy_lr.schedulers[0].get_last_lr()[0]
             self.policy_lr.step()

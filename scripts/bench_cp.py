@@ -20,7 +20,8 @@ shard of rank r - i in a freshly allocated buffer (as ``irecv`` would); the part
 would arrive from rank r - 1 is a fresh zero buffer (other ranks' sums change neither time nor
 memory). The gather baseline's all-gather returns a fresh full-row buffer, its reduce-scatter a
 fresh local one. So ``seconds`` is one rank's compute plus the local copies standing in for
-messages, without network time.
+messages, without network time, after one untimed warm-up run per record (the first calls at
+new shapes run several times slower).
 
 Memory: ``peak_bytes_per_rank`` is the peak, over one rank's forward + backward, of the bytes of
 live tensor storages that rank holds: its inputs (q, k, v, the branch K/V and grad_out shards)
@@ -318,10 +319,11 @@ def _timed_peak(run, held: list[torch.Tensor]) -> tuple[int, float, torch.Tensor
 
 
 def run_single_device(seq_len: int, tensors) -> dict:
-    """The single-device op, ``branch_attention``, on the whole row."""
-    held = [x.clone().requires_grad_() for x in tensors[:5]] + [tensors[5].clone()]
+    """The single-device op, ``branch_attention``, on the whole row (after a warm-up run)."""
     cu = cu_seqlens(seq_len)
-    peak, seconds, _ = _timed_peak(lambda inputs: branch_attention(*inputs, cu, SCALE), held)
+    for _ in range(2):
+        held = [x.clone().requires_grad_() for x in tensors[:5]] + [tensors[5].clone()]
+        peak, seconds, _ = _timed_peak(lambda inputs: branch_attention(*inputs, cu, SCALE), held)
     return {"seq_len": seq_len, "branch_sets": tensors[3].shape[0], "peak_bytes": peak, "seconds": round(seconds, 3)}
 
 
@@ -442,6 +444,7 @@ def measure(impl: str, layout: str, world: int, seq_len: int, tensors) -> dict:
         ranks = [world - 1]
     else:
         ranks = [0, world - 1]
+    run_rank(impl, layout, world, seq_len, ranks[0], tensors)  # warm-up: first calls at new shapes are slow
     runs = [run_rank(impl, layout, world, seq_len, rank, tensors) for rank in ranks]
     work = schedule_work(layout, world, seq_len)
     return {
@@ -525,6 +528,7 @@ def summarize(records: list[dict], singles: list[dict]) -> tuple[dict, list[str]
     failures, rows = [], []
     by_key = {(r["impl"], r["sharding"], r["world"], r["seq_len"], r["branch_sets"]): r for r in records}
     single = {(s["seq_len"], s["branch_sets"]): s["peak_bytes"] for s in singles}
+    single_seconds = {(s["seq_len"], s["branch_sets"]): s["seconds"] for s in singles}
     for (impl, layout, world, seq_len, p), ring in sorted(by_key.items()):
         if impl != "ring" or layout != "zigzag" or world == 1:
             continue
@@ -534,6 +538,10 @@ def summarize(records: list[dict], singles: list[dict]) -> tuple[dict, list[str]
                "ring_over_single_div_w": round(ring["peak_bytes_per_rank"] / per_rank_share, 3),
                "ring_minus_1_2x_single_div_w_bytes": round(ring["peak_bytes_per_rank"] - 1.2 * per_rank_share),
                "gather_over_ring": round(gather["peak_bytes_per_rank"] / ring["peak_bytes_per_rank"], 3),
+               # Gathering the whole sequence (the draft run unsharded on every rank) needs at
+               # least the single-device op's memory on every rank.
+               "single_over_ring": round(single[(seq_len, p)] / ring["peak_bytes_per_rank"], 3),
+               "ring_speedup_over_single": round(single_seconds[(seq_len, p)] / ring["seconds"], 2),
                "zigzag_work_max_over_mean": ring["work_max_over_mean"]}
         contiguous = by_key.get(("ring", "contiguous", world, seq_len, p))
         if contiguous:

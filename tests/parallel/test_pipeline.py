@@ -72,7 +72,8 @@ def _batch(vocab: int = ARGS.vocab_size, rows: int = ROWS, seq: int = SEQ) -> Pa
     b = synthetic_packed_batch(rows, seq, vocab, g)
     prompt = torch.arange(seq) < seq // 4  # an RL-like loss region: no loss on the first quarter
     return PackedBatch(b.tokens, b.document_ids, ~prompt.expand(rows, seq).clone(),
-                       advantages=torch.randn(rows, seq, generator=g), old_logprobs=-4 - torch.rand(rows, seq, generator=g))
+                       advantages=torch.randn(rows, seq, generator=g),
+                       old_logprobs=-4 - torch.rand(rows, seq, generator=g))
 
 
 def _reference(policy: Transformer, draft: Draft, batch: PackedBatch):

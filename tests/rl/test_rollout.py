@@ -182,12 +182,20 @@ def test_speculative_sampling_is_lossless(params):
     assert _first_tokens_test(params, k=2, n_samples=N_SAMPLES) > 1e-3
 
 
-def test_a_broken_acceptance_rule_fails_the_lossless_test(monkeypatch):
-    def always_accept(draft_tokens, draft_probs, draft_to_target, target_probs, generator):
-        b, k = draft_tokens.shape
-        return torch.full((b,), k), rollout.sample(target_probs[:, k], generator)
+def _always_accept(draft_tokens, draft_probs, draft_to_target, target_probs, generator):
+    b, k = draft_tokens.shape
+    return torch.full((b,), k), rollout.sample(target_probs[:, k], generator)
 
-    monkeypatch.setattr(rollout, "speculative_accept", always_accept)
+
+def _resample_from_p(draft_tokens, draft_probs, draft_to_target, target_probs, generator):
+    """The right acceptance test, but a rejection redraws from p instead of norm(max(p - q, 0))."""
+    n_accepted, _ = speculative_accept(draft_tokens, draft_probs, draft_to_target, target_probs, generator)
+    return n_accepted, rollout.sample(target_probs[torch.arange(len(n_accepted)), n_accepted], generator)
+
+
+@pytest.mark.parametrize("broken_rule", [_always_accept, _resample_from_p], ids=["always_accept", "resample_from_p"])
+def test_a_broken_acceptance_rule_fails_the_lossless_test(monkeypatch, broken_rule):
+    monkeypatch.setattr(rollout, "speculative_accept", broken_rule)
     assert _first_tokens_test(SamplingParams(temperature=1.0), k=2, n_samples=N_SAMPLES) < 1e-6
 
 
@@ -272,18 +280,20 @@ def _load_sharded_rank(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    trained, trained_draft = _models(vocab=6, draft_vocab=5, seed=10)
-    expected = {k: v.clone() for k, v in trained.state_dict().items()}
+    torch.set_num_threads(1)
+    trained = _models(vocab=6, draft_vocab=5, seed=10)
+    expected = [{k: v.clone() for k, v in m.state_dict().items()} for m in trained]
     mesh = init_device_mesh("cpu", (world_size,))
-    for module in (trained, trained_draft):
+    for module in trained:
         for layer in getattr(module, "layers", ()):
             fully_shard(layer, mesh=mesh)
         fully_shard(module, mesh=mesh)
     engine = RolloutEngine(*_models(vocab=6, draft_vocab=5, seed=0), max_batch_size=2, max_seq_len=16,
                            max_draft_tokens=2)
-    engine.load_weights(trained.state_dict(), trained_draft.state_dict())
-    for name, tensor in engine.policy.state_dict().items():
-        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=name)
+    engine.load_weights(*(m.state_dict() for m in trained))
+    for module, reference in zip((engine.policy, engine.draft), expected):
+        for name, tensor in module.state_dict().items():
+            torch.testing.assert_close(tensor, reference[name], rtol=0, atol=0, msg=name)
 
 
 def test_load_weights_gathers_fsdp_shards():

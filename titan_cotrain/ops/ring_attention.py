@@ -40,9 +40,9 @@ The draft's branch attention (``branch_attention``) is rank-local: anchor ``t``'
 keys live where ``t`` lives. It is merged into the ring's ``(out, lse)`` before the first
 step and differentiated against the same merged ``(out, lse)``; it never communicates.
 
-The ``contiguous`` layout (rank ``r`` holds chunk ``r`` of ``W``) uses the same rule; it
-is unbalanced (rank ``W-1`` does ``W`` times the work of rank 0) and exists for torch's CP
-with load balancing turned off and as the benchmark's baseline.
+The ``contiguous`` layout (rank ``r`` holds chunk ``r`` of ``W``) follows the same rule; it
+is unbalanced (rank ``W-1`` does ``2W-1`` times the work of rank 0) and exists for torch's
+CP with load balancing turned off and as the benchmark's baseline.
 """
 
 from __future__ import annotations
@@ -83,6 +83,8 @@ def chunks_per_document(layout: str, world: int) -> int:
     """How many chunks every document is cut into: ``2W`` (zigzag) or ``W`` (contiguous)."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown CP layout {layout!r}; expected one of {LAYOUTS}")
+    if world < 1:
+        raise ValueError(f"a CP group has at least one rank, got {world}")
     return 2 * world if layout == "zigzag" else world
 
 

@@ -17,12 +17,15 @@ row. ``CPShard`` is one rank's share: ``cu_seqlens`` and ``positions`` for the m
 masks, advantages, logits).
 
 The TTT halo. Pass ``d`` of the draft reads ``e(x_{i+d})`` and scores against the teacher
-at ``i + d`` (DESIGN.md section 3); for the last ``d`` tokens of a chunk those live in the
-next chunk of the document, on another rank (or this one: chunk ``W-1``'s successor is
-chunk ``W``). ``TTTHalo.exchange`` sends the first ``D + 1`` positions after each local
-chunk's end to the rank that holds the chunk, for any number of per-token tensors at once,
-in one ``all_to_all``; ``TTTHalo.shift`` then reads ``x_{i+d}`` from the local rows or the
-halo, with the single-device semantics of ``shift_in_document``.
+at ``i + d`` (its mask against the loss region at ``i + d + 1``; DESIGN.md section 3); for
+the last tokens of a chunk those live in the next chunk of the document, on another rank
+(or on this one: chunk ``W-1``'s successor is chunk ``W``; with chunks shorter than ``D``,
+on several). For every local chunk, ``TTTHalo.exchange`` fetches the ``D + 1`` positions
+that follow it from wherever they live, for any number of per-token tensors at once (the
+TTT unroll sends token ids, the policy's embeddings, the draft-vocabulary teacher, its
+in-vocabulary flag and the loss region) as raw bytes in one ``all_to_all`` per step;
+``TTTHalo.shift`` then reads ``x_{i+d}`` from the local rows or the halo, with the
+single-device semantics of ``shift_in_document`` (``fill`` past a document's true end).
 """
 
 from __future__ import annotations

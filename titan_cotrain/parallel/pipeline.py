@@ -38,6 +38,11 @@ the two (the draft reads only detached tensors of the policy). The per-microbatc
 the schedule itself records (its ``losses``) are therefore sums; the metrics come from the
 loss's own side channel, reduced over the data-parallel group and broadcast to every PP
 rank (so rank 0, which holds no loss, logs the right numbers).
+
+Tied embeddings (Qwen-3's small sizes): the first and the last stage hold the same weight;
+its two gradient halves are summed over a two-rank group after the step. Not here yet:
+FSDP on the stage modules (the draft's backward runs in the loss, outside the schedule's
+switch of FSDP's gradient sync) and context parallelism inside the stages.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV, ScheduleZBVZeroBubble
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, get_schedule_class
 
 from titan_cotrain.cotrain.step import PackedBatch, PolicyLossFn
 from titan_cotrain.cotrain.ttt import pass_weights, tau, ttt_unroll
@@ -67,6 +72,7 @@ __all__ = [
     "TransformerStage",
     "build_pipeline",
     "build_schedule",
+    "layers_per_stage_from_fqns",
     "make_pipeline",
     "pipeline_step",
     "plan_pipeline",
@@ -152,7 +158,8 @@ def plan_pipeline(
     starts = [sum(counts[:i]) for i in range(len(counts))]
     ranges = tuple(range(s, s + n) for s, n in zip(starts, counts))
     v_shape = schedule_cls in (ScheduleZBVZeroBubble, ScheduleDualPipeV)
-    return PipelinePlan(schedule=schedule, pp=pp, layer_ranges=ranges, stage_ranks=_stage_ranks(len(counts), pp, v_shape))
+    stage_ranks = _stage_ranks(len(counts), pp, v_shape)
+    return PipelinePlan(schedule=schedule, pp=pp, layer_ranges=ranges, stage_ranks=stage_ranks)
 
 
 def layers_per_stage_from_fqns(module_fqns_per_model_part: Sequence[Sequence[str]], n_layers: int) -> list[int]:
@@ -326,7 +333,9 @@ class CotrainLoss:
 # -- schedule and pipeline ---------------------------------------------------------------
 
 
-def build_schedule(schedule: str, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable):
+def build_schedule(
+    schedule: str, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable
+) -> PipelineScheduleSingle | PipelineScheduleMulti:
     """torch's schedule ``schedule`` over this rank's ``stages``, with gradient scaling off
     (``pipeline_step`` normalises by the true token counts instead)."""
     schedule_cls = get_schedule_class(schedule)
@@ -347,7 +356,7 @@ class Pipeline:
     ``channel``: None when the draft is off.
     """
 
-    schedule: object
+    schedule: PipelineScheduleSingle | PipelineScheduleMulti
     stages: list[PipelineStage]
     model_parts: list[TransformerStage]
     loss: CotrainLoss
@@ -423,6 +432,7 @@ def make_pipeline(
     pp_group = pp_mesh.get_group()
     if plan.pp != pp:
         raise ValueError(f"the plan is for {plan.pp} PP ranks, the mesh has {pp}")
+    tied_group = _tied_group(policy, plan, pp_ranks, pp_rank)
     param = policy.embed_tokens.weight
     device, dtype = param.device, param.dtype
     hidden_shape = (microbatch_size * seq_len, policy.args.dim)
@@ -453,8 +463,7 @@ def make_pipeline(
                            f"the plan as {expected}")
     return Pipeline(schedule=sched, stages=stages, model_parts=parts, loss=loss, channel=channel, plan=plan,
                     pp_group=pp_group, microbatch_size=microbatch_size, n_microbatches=n_microbatches,
-                    draft_loss_weight=draft_loss_weight, loss_group=loss_group,
-                    tied_group=_tied_group(policy, plan, pp_ranks, pp_rank))
+                    draft_loss_weight=draft_loss_weight, loss_group=loss_group, tied_group=tied_group)
 
 
 def build_pipeline(

@@ -31,14 +31,19 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return torch.gather(F.log_softmax(logits[:, :-1].float(), dim=-1), 2, tokens[:, 1:, None]).squeeze(-1)
 
 
-def ppo_loss(clip_eps_low: float, clip_eps_high: float, kl_coef: float = 0.0):
+def ppo_loss(clip_eps_low: float, clip_eps_high: float, kl_coef: float = 0.0, temperature: float = 1.0):
     """The policy loss function for ``forward_backward``: PPO-clipped ratio against the
     behaviour log-probs times the token's advantage, summed over response tokens (the
     caller divides by the global token count: token-mean aggregation), plus
-    ``kl_coef * KL(policy || reference)`` by the non-negative k3 estimator when on."""
+    ``kl_coef * KL(policy || reference)`` by the non-negative k3 estimator when on.
+
+    ``temperature`` is the rollouts' sampling temperature: the behaviour log-probs come
+    from ``logits / temperature``, so the ratio's numerator does too (greedy rollouts,
+    temperature 0, are scored at temperature 1)."""
+    scale = 1.0 / temperature if temperature > 0 else 1.0
 
     def loss_fn(logits: torch.Tensor, batch: PackedBatch) -> PolicyLoss:
-        logp = token_logprobs(logits, batch.tokens)
+        logp = token_logprobs(logits * scale, batch.tokens)
         mask = (batch.loss_mask[:, 1:] & (batch.document_ids[:, 1:] == batch.document_ids[:, :-1])).float()
         old = batch.old_logprobs[:, 1:]
         adv = batch.advantages[:, 1:]

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import copy
 import time
-from contextlib import contextmanager
 from collections.abc import Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -134,7 +134,7 @@ class _Sequences:
     draft_hidden: torch.Tensor | None = None
 
     @classmethod
-    def start(cls, prompt_lens: torch.Tensor, max_new_tokens: int, k: int) -> "_Sequences":
+    def start(cls, prompt_lens: torch.Tensor, max_new_tokens: int, k: int) -> _Sequences:
         b, device = prompt_lens.shape[0], prompt_lens.device
         return cls(
             length=prompt_lens.clone(), last_token=torch.zeros_like(prompt_lens),
@@ -144,7 +144,7 @@ class _Sequences:
             logprobs=torch.zeros(b, max_new_tokens + k + 1, device=device),
         )
 
-    def result(self, prompt_lens: torch.Tensor, max_new_tokens: int, stats: "RolloutStats") -> "Rollouts":
+    def result(self, prompt_lens: torch.Tensor, max_new_tokens: int, stats: RolloutStats) -> Rollouts:
         mask = torch.arange(max_new_tokens, device=self.tokens.device) < self.response_len.unsqueeze(1)
         return Rollouts(prompt_lens=prompt_lens, tokens=self.tokens[:, :max_new_tokens] * mask,
                         logprobs=self.logprobs[:, :max_new_tokens] * mask, response_lens=self.response_len,
@@ -264,8 +264,9 @@ class RolloutEngine:
                      draft_state: Mapping[str, torch.Tensor] | None = None) -> None:
         """Copy new weights into the engine's models in place; caches and compiled graphs stay.
 
-        The states are ``state_dict()``s of the trained models; FSDP2-sharded entries
-        (DTensors) are gathered one tensor at a time, which is a collective: every rank of
+        The states are ``state_dict()``s of the trained models (same names; values are cast
+        to the engine's dtype). FSDP2-sharded entries (DTensors) are gathered one tensor at a
+        time, so the peak is one full parameter; the gather is a collective: every rank of
         the training mesh calls this, in the same order, generating or not.
         """
         _copy_state(self.policy, policy_state)

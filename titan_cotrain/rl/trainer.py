@@ -209,10 +209,11 @@ class Trainer:
         if self.reference is not None:
             with torch.no_grad():
                 ref_logits = self.reference(batch.tokens, document_ids=batch.document_ids)
-            batch.ref_logprobs = F.pad(token_logprobs(ref_logits, batch.tokens), (1, 0))
+            temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+            batch.ref_logprobs = F.pad(token_logprobs(ref_logits / temperature, batch.tokens), (1, 0))
 
         t0 = time.perf_counter()
-        loss_fn = ppo_loss(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high, cfg.rl.kl_coef)
+        loss_fn = ppo_loss(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high, cfg.rl.kl_coef, cfg.rollout.temperature)
         metrics = self._update(batch, loss_fn, train_draft=self.draft is not None and not cfg.draft.freeze_after_sft)
         t_train = time.perf_counter() - t0
 

@@ -27,7 +27,14 @@ from torch import nn
 
 from titan_cotrain.data.packing import shift_in_document
 from titan_cotrain.models.args import ModelArgs, RopeScaling
-from titan_cotrain.models.transformer import FeedForward, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from titan_cotrain.models.transformer import (
+    FeedForward,
+    RMSNorm,
+    apply_rope,
+    init_weights_,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 from titan_cotrain.ops import branch_attention
 from titan_cotrain.ops.ring_attention import ring_branch_attention
 
@@ -195,14 +202,8 @@ class Draft(nn.Module):
             "rope_inv_freq", rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling), persistent=False
         )
 
-    @torch.no_grad()
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                module.weight.normal_(0.0, std, generator=generator)
-            elif isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
-        self.rope_inv_freq.copy_(rope_inv_freq(self.args.head_dim, self.args.rope_theta, self.args.rope_scaling))
+        init_weights_(self, std, generator)
 
     def embed(self, tokens: torch.Tensor, target_embeddings: torch.Tensor) -> torch.Tensor:
         """The draft's input embeddings: the policy's (given) or its own table."""

@@ -82,6 +82,19 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     return torch.where(medium, interpolated, scaled)
 
 
+@torch.no_grad()
+def init_weights_(model: nn.Module, std: float, generator: torch.Generator | None) -> None:
+    """Normal(0, std) linears and embeddings, unit norms, fresh RoPE frequencies;
+    deterministic under ``generator``. Shared by the target and the draft."""
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            module.weight.normal_(0.0, std, generator=generator)
+        elif isinstance(module, RMSNorm):
+            module.weight.fill_(1.0)
+    args = model.args
+    model.rope_inv_freq.copy_(rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling))
+
+
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``positions: int [...]`` -> ``cos, sin: [..., head_dim]`` (half-split layout)."""
     freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq.to(positions.device)
@@ -202,15 +215,8 @@ class Transformer(nn.Module):
             "rope_inv_freq", rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling), persistent=False
         )
 
-    @torch.no_grad()
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
-        """Normal(0, std) linears and embeddings, unit norms; deterministic under ``generator``."""
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                module.weight.normal_(0.0, std, generator=generator)
-            elif isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
-        self.rope_inv_freq.copy_(rope_inv_freq(self.args.head_dim, self.args.rope_theta, self.args.rope_scaling))
+        init_weights_(self, std, generator)
 
     def _layout(self, tokens, document_ids, cu_seqlens) -> PackedLayout:
         b, s = tokens.shape

@@ -495,10 +495,12 @@ def main() -> int:
                           f"{r['peak_bytes_per_rank'] / 2**20:8.1f} MiB  {r['seconds']:7.2f} s  "
                           f"work max/mean {r['work_max_over_mean']:.3f}", flush=True)
         for world in args.worlds[1:]:
-            balance.append({"world": world, "seq_len": seq_len,
-                            "zigzag": round(max_over_mean(schedule_work("zigzag", world, seq_len)), 4),
-                            "contiguous_per_document": round(max_over_mean(schedule_work("contiguous", world, seq_len)), 4),
-                            "contiguous_row": round(max_over_mean(row_contiguous_work(world, seq_len)), 4)})
+            balance.append({
+                "world": world, "seq_len": seq_len,
+                "zigzag": round(max_over_mean(schedule_work("zigzag", world, seq_len)), 4),
+                "contiguous_per_document": round(max_over_mean(schedule_work("contiguous", world, seq_len)), 4),
+                "contiguous_row": round(max_over_mean(row_contiguous_work(world, seq_len)), 4),
+            })
 
     summary, failures = summarize(records, singles)
     result = {
@@ -595,7 +597,8 @@ def plot(records: list[dict], summary: dict) -> Canvas:
     title = f"PEAK BYTES PER RANK, ONE DRAFT ATTENTION PASS FWD+BWD (P={p}, CPU FP32)"
     canvas.text((canvas.width - canvas.text_width(title)) // 2, 20, title)
     canvas.text((left + right - canvas.text_width("TOKENS PER ROW, S")) // 2, bottom + 45, "TOKENS PER ROW, S")
-    legend = [(colors[w], 0, f"RING W={w}") for w in (1, 2, 4, 8)] + [(GREY, 8, "DASHED: GATHER K/V, SAME COLOUR = SAME W")]
+    legend = [(colors[w], 0, f"RING W={w}") for w in (1, 2, 4, 8)]
+    legend.append((GREY, 8, "DASHED: GATHER K/V, SAME COLOUR = SAME W"))
     for i, (color, dash, label) in enumerate(legend):
         y = top + 14 + 24 * i
         canvas.line(left + 20, y, left + 60, y, color, 3, dash)

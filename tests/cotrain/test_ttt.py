@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titan_cotrain.cotrain.step import PackedBatch, clip_and_step, forward_backward
+from titan_cotrain.cotrain.step import clip_and_step, forward_backward
 from titan_cotrain.cotrain.ttt import draft_loss, pass_weights, tau, ttt_masks, ttt_unroll
 from titan_cotrain.data.packing import layout_from_document_ids, shift_in_document
 from titan_cotrain.models.args import model_args_for

@@ -22,11 +22,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.multiprocess import run_on_ranks
-from titan_cotrain.cotrain.step import PackedBatch, PolicyLoss, forward_backward
-from titan_cotrain.cotrain.ttt import draft_loss, pass_weights, ttt_unroll
+from titan_cotrain.cotrain.step import PackedBatch, forward_backward
+from titan_cotrain.cotrain.ttt import ttt_unroll
 from titan_cotrain.models.args import model_args_for
 from titan_cotrain.models.draft import Draft, DraftArgs, draft_vocab_from_counts
 from titan_cotrain.models.transformer import Transformer
+from titan_cotrain.rl.trainer import next_token_loss
 from titan_cotrain.ops import branch_attention, varlen_causal_attention
 from titan_cotrain.ops.ring_attention import RingComm, ring_attention
 from titan_cotrain.parallel.context_parallel import (
@@ -71,14 +72,6 @@ def _models(variant: str) -> tuple[Transformer, Draft]:
     return target.double(), draft.double()
 
 
-def next_token_loss(logits: torch.Tensor, batch: PackedBatch) -> PolicyLoss:
-    """The single-device policy loss of the reference: CE of token t+1 from t in a document."""
-    doc = batch.document_ids
-    keep = (doc[:, 1:] == doc[:, :-1]) & batch.loss_mask[:, 1:]
-    ce = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch.tokens[:, 1:].flatten(), reduction="none")
-    return PolicyLoss((ce * keep.flatten()).sum(), keep.sum())
-
-
 def _global_sum(x: torch.Tensor, group) -> torch.Tensor:
     x = x.detach().clone()
     dist.all_reduce(x, group=group)
@@ -86,37 +79,14 @@ def _global_sum(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def cp_forward_backward(policy, draft, batch, group):
-    """``forward_backward`` under CP: the template for the trainer. Shard the batch, run the
-    policy and the draft on the local shard, normalise by counts summed over the group."""
-    cp_batch, shard = shard_batch_for_cp(batch, group)
-    b, n = cp_batch.tokens.shape
-    out = policy(cp_batch.tokens, cp=shard, return_taps=True)
-    ce = F.cross_entropy(out.logits.flatten(0, 1), cp_batch.next_tokens.flatten(), reduction="none")
-    policy_sum = (ce * cp_batch.next_token_mask.flatten()).sum()
-    policy_loss = policy_sum / _global_sum(cp_batch.next_token_mask.sum(), shard.group)
-    stats = ttt_unroll(
-        draft,
-        taps=torch.cat(out.taps, dim=-1).reshape(b * n, -1),
-        embeddings=out.embeddings.reshape(b * n, -1),
-        tokens=cp_batch.tokens.reshape(-1),
-        positions=shard.positions.reshape(-1),
-        cu_seqlens=shard.cu_seqlens,
-        teacher_logits=out.logits.reshape(b * n, -1),
-        loss_region=cp_batch.loss_mask.reshape(-1),
-        ttt_steps=TTT_STEPS,
-        cp=shard,
-    )
-    weights = pass_weights(TTT_STEPS, PASS_DECAY)
-    counts = _global_sum(stats.count, shard.group)
-    l_draft = draft_loss(stats, weights, (weights * counts).sum())
-    (policy_loss + DRAFT_WEIGHT * l_draft).backward()
-    metrics = {
-        "loss/policy": _global_sum(policy_loss, shard.group),
-        "loss/draft": _global_sum(l_draft, shard.group),
-        "count": counts,
-        "correct": _global_sum(stats.correct, shard.group),
-    }
-    return metrics, shard.unshard(out.logits.detach())
+    """The trainer's co-training step with ``cp_group`` set, plus the unsharded logits of
+    the policy's context-parallel forward."""
+    metrics = forward_backward(policy, draft, batch, next_token_loss, ttt_steps=TTT_STEPS, pass_decay=PASS_DECAY,
+                               draft_loss_weight=DRAFT_WEIGHT, group=group, cp_group=group)
+    with torch.no_grad():
+        cp_batch, shard = shard_batch_for_cp(batch, group)
+        logits = shard.unshard(policy(cp_batch.tokens, cp=shard))
+    return metrics, logits
 
 
 def _summed_grads(module, group) -> dict[str, torch.Tensor]:
@@ -182,6 +152,18 @@ def check_ring_branch_attention(group, refs):
     _attention_check(group, "zigzag", branch_sets=3)
 
 
+def check_ring_math_fallback(group, refs):
+    """The ring's plain-PyTorch block kernels (the path off CPU), causal and full blocks."""
+    from titan_cotrain.ops import ring_attention as ring_module
+
+    fused = ring_module._use_cpu_flash_kernel
+    ring_module._use_cpu_flash_kernel = lambda q: False
+    try:
+        _attention_check(group, "zigzag", branch_sets=2)
+    finally:
+        ring_module._use_cpu_flash_kernel = fused
+
+
 def _cotrain_check(group, refs, variant: str) -> None:
     ref = refs[variant]
     policy, draft = _models(variant)
@@ -189,13 +171,12 @@ def _cotrain_check(group, refs, variant: str) -> None:
     draft.load_state_dict(ref["draft_state"])
     metrics, logits = cp_forward_backward(policy, draft, _batch(), group)
     torch.testing.assert_close(logits, ref["logits"], **TOL_FP64)
-    torch.testing.assert_close(metrics["loss/policy"].float(), ref["metrics"]["loss/policy"], **TOL)  # fp32 metric
-    # The TTT masks and the teacher's argmax are identical, so counts and hits are exact.
-    assert metrics["count"].float().tolist() == ref["count"], (metrics["count"], ref["count"])
+    torch.testing.assert_close(metrics["loss/policy"], ref["metrics"]["loss/policy"], **TOL)  # fp32 metrics
+    # The TTT masks and the teacher's argmax are identical, so the accuracies are exact.
     for d in range(TTT_STEPS):
-        accuracy = metrics["correct"][d].float() / metrics["count"][d]
-        assert accuracy.item() == pytest.approx(ref["metrics"][f"draft/acc_pass{d + 1}"].item(), abs=1e-7)
-    torch.testing.assert_close(metrics["loss/draft"].float(), ref["metrics"]["loss/draft"], **TOL)
+        key = f"draft/acc_pass{d + 1}"
+        assert metrics[key].item() == pytest.approx(ref["metrics"][key].item(), abs=1e-7), key
+    torch.testing.assert_close(metrics["loss/draft"], ref["metrics"]["loss/draft"], **TOL)
     for kind, module in (("policy", policy), ("draft", draft)):
         for name, grad in _summed_grads(module, group).items():
             torch.testing.assert_close(grad, ref[f"{kind}_grads"][name], **TOL_FP64, msg=f"{kind} {name}")
@@ -244,13 +225,15 @@ def check_dtensor_dispatch(group, refs):
         assert isinstance(out, DTensor) and out.placements == (Shard(0),)
         out.to_local().backward(shard.shard(cotangent).flatten(0, 1) * valid)
         trunk = varlen_causal_attention(*dtensors[:3], shard.cu_seqlens)
-    torch.testing.assert_close(out.to_local() * valid, shard.shard(ref.detach().view(2, SEQ_LEN, 4, 8)).flatten(0, 1), **TOL)
+    want = shard.shard(ref.detach().view(2, SEQ_LEN, 4, 8)).flatten(0, 1)
+    torch.testing.assert_close(out.to_local() * valid, want, **TOL)
     for x, x_full in zip(local[:3], full[:3]):
         torch.testing.assert_close(x.grad, shard.shard(x_full.grad).flatten(0, 1), **TOL)
     for x, x_full in zip(local[3:], full[3:]):
         torch.testing.assert_close(x.grad, torch.stack([shard.shard(g) for g in x_full.grad]).flatten(1, 2), **TOL)
     ref_trunk = varlen_causal_attention(*[x.detach().flatten(0, 1) for x in inputs[:3]], _cu())
-    torch.testing.assert_close(trunk.to_local() * valid, shard.shard(ref_trunk.view(2, SEQ_LEN, 4, 8)).flatten(0, 1), **TOL)
+    want = shard.shard(ref_trunk.view(2, SEQ_LEN, 4, 8)).flatten(0, 1)
+    torch.testing.assert_close(trunk.to_local() * valid, want, **TOL)
 
 
 def check_torch_context_parallel_sdpa(group, refs):
@@ -283,6 +266,7 @@ CHECKS = {
     "ring_attention": check_ring_attention,
     "ring_attention_contiguous": check_ring_attention_contiguous,
     "ring_branch_attention": check_ring_branch_attention,
+    "ring_math_fallback": check_ring_math_fallback,
     "halo": check_halo,
     "cotrain_reduced_vocab": check_cotrain_reduced_vocab,
     "cotrain_own_embedding": check_cotrain_own_embedding,
@@ -384,10 +368,12 @@ def test_cp_machinery_at_w1_is_the_single_device_step():
     b, n = cp_batch.tokens.shape
     out = policy(cp_batch.tokens, cp=shard, return_taps=True)
     torch.testing.assert_close(shard.unshard(out.logits.detach()), refs["logits"], **TOL_FP64)
-    stats = ttt_unroll(draft, taps=torch.cat(out.taps, -1).reshape(b * n, -1), embeddings=out.embeddings.reshape(b * n, -1),
-                       tokens=cp_batch.tokens.reshape(-1), positions=shard.positions.reshape(-1),
-                       cu_seqlens=shard.cu_seqlens, teacher_logits=out.logits.reshape(b * n, -1),
-                       loss_region=cp_batch.loss_mask.reshape(-1), ttt_steps=TTT_STEPS, cp=shard)
+    stats = ttt_unroll(
+        draft, taps=torch.cat(out.taps, -1).reshape(b * n, -1), embeddings=out.embeddings.reshape(b * n, -1),
+        tokens=cp_batch.tokens.reshape(-1), positions=shard.positions.reshape(-1), cu_seqlens=shard.cu_seqlens,
+        teacher_logits=out.logits.reshape(b * n, -1), loss_region=cp_batch.loss_mask.reshape(-1),
+        ttt_steps=TTT_STEPS, cp=shard,
+    )
     assert stats.count.float().tolist() == refs["count"]
 
 

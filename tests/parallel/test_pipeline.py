@@ -22,7 +22,7 @@ from tests.batches import synthetic_packed_batch
 from tests.multiprocess import run_on_ranks
 from titan_cotrain.cotrain.step import PackedBatch, forward_backward
 from titan_cotrain.models.args import ModelArgs
-from titan_cotrain.models.draft import Draft, DraftArgs
+from titan_cotrain.models.draft import Draft, DraftArgs, draft_vocab_from_counts
 from titan_cotrain.models.transformer import Transformer
 from titan_cotrain.parallel.pipeline import layers_per_stage_from_fqns, plan_pipeline
 from titan_cotrain.parallel.tap_channel import EMBEDDINGS, TapChannel
@@ -30,6 +30,7 @@ from titan_cotrain.rl.grpo import ppo_loss
 
 ARGS = ModelArgs(dim=32, n_layers=8, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64, vocab_size=128)
 STEP = dict(ttt_steps=3, pass_decay=0.8, draft_loss_weight=0.5)
+DRAFT_VOCAB = 96
 ROWS, SEQ = 4, 16  # 4 microbatches of one row
 POLICY_LOSS = ppo_loss(0.2, 0.2)
 STEP_BOUND_S = 60.0  # a step takes well under a second here; a deadlock takes forever
@@ -60,9 +61,12 @@ def _one_thread():
 
 
 def _models(args: ModelArgs = ARGS) -> tuple[Transformer, Draft]:
+    """A policy and a draft over a reduced vocabulary: the draft's token count then depends
+    on the policy's logits (anchors whose teacher argmax is out of vocabulary are masked)."""
     policy = Transformer(args)
     policy.init_weights(std=0.1, generator=torch.Generator().manual_seed(0))
-    draft = Draft(DraftArgs.from_target(args, n_taps=3))
+    maps = draft_vocab_from_counts(torch.arange(args.vocab_size).flip(0).float(), DRAFT_VOCAB)
+    draft = Draft(DraftArgs.from_target(args, n_taps=3, draft_vocab_size=DRAFT_VOCAB), *maps)
     draft.init_weights(std=0.1, generator=torch.Generator().manual_seed(1))
     return policy, draft
 
@@ -135,6 +139,9 @@ def _check_step(pipe, metrics, ref_metrics, ref_grads, ref_taps, received, tied=
             names.append(_reference_name(name, tied))
             torch.testing.assert_close(param.grad, ref_grads[names[-1]], rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"{name}: {m}")
+    drafts = {id(p) for part in pipe.model_parts for n, p in part.named_parameters() if n.startswith("draft.")}
+    assert {id(p) for p in pipe.draft_parameters()} == drafts
+    assert len(pipe.policy_parameters()) + len(drafts) == len(names)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, names)
     covered = [n for rank_names in everyone for n in rank_names]
@@ -178,7 +185,9 @@ def test_every_schedule_matches_single_device():
     policy, draft = _models()
     with _one_thread():
         reference = _reference(policy, draft, _batch())
+        teacher = policy(_batch().tokens).argmax(-1)
     assert all(g.abs().sum() > 0 for g in reference[1].values())
+    assert 0 < int((~draft.t2d[teacher]).sum()) < teacher.numel()  # the vocabulary masks some anchors
     run_on_ranks(_schedules_rank, 2, reference)
 
 

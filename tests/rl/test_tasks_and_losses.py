@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from titan_cotrain.rl.batching import Sample, pack_samples
-from titan_cotrain.rl.grpo import group_advantages, ppo_loss, token_logprobs
+from titan_cotrain.cotrain.step import labels_of
+from titan_cotrain.rl.grpo import group_advantages, ppo_loss
 from titan_cotrain.rl.tasks import get_task
 
 
@@ -94,26 +95,43 @@ def test_packing_skips_overlong_and_refuses_empty(caplog):
         pack_samples(_samples(), seq_len=2, pad_id=0)
 
 
+def _token_logprobs(logits, tokens):
+    """Independent reference: log p(tokens[b, t]) from logits[b, t - 1], by a loop."""
+    out = torch.zeros(tokens.shape)
+    for b in range(tokens.shape[0]):
+        for t in range(1, tokens.shape[1]):
+            out[b, t] = torch.log_softmax(logits[b, t - 1], -1)[tokens[b, t]]
+    return out
+
+
+def test_labels_shift_inside_documents():
+    batch = pack_samples(_samples(), seq_len=10, pad_id=0)
+    rows = labels_of(batch)
+    assert rows.next_tokens[1].tolist() == [6, 7, 8, 2, 0, 9, 2, 0, 0, 0]
+    assert rows.next_token_mask[1].tolist() == [False, True, True, True, False, True, True, False, False, False]
+    assert rows.next_old_logprobs[1, 1:4].tolist() == [-1.0, -2.0, -0.5]
+
+
 def test_ppo_loss_matches_a_direct_computation():
     torch.manual_seed(0)
     batch = pack_samples(_samples(), seq_len=10, pad_id=0)
     logits = torch.randn(2, 10, 12, requires_grad=True)
-    loss_sum, count, sums = ppo_loss(0.2, 0.3)(logits, batch)
+    loss_sum, count, sums = ppo_loss(0.2, 0.3, temperature=0.5)(logits, labels_of(batch))
     assert count == 10
-    logp = token_logprobs(logits, batch.tokens)
+    logp = _token_logprobs(logits.detach() / 0.5, batch.tokens)
     expected = 0.0
     for b in range(2):
         for t in range(1, 10):
             if batch.loss_mask[b, t]:
-                r = torch.exp(logp[b, t - 1] - batch.old_logprobs[b, t])
+                r = torch.exp(logp[b, t] - batch.old_logprobs[b, t])
                 a = batch.advantages[b, t]
                 expected = expected - torch.minimum(r * a, r.clamp(0.8, 1.3) * a)
-    torch.testing.assert_close(loss_sum, expected)
+    torch.testing.assert_close(loss_sum.detach(), expected)
     assert 0 <= sums["rl/clip_fraction"] <= count
-    # On-policy (ratio 1) the gradient is -A * grad log p.
+    # On-policy (ratio 1): nothing is clipped and the gradient is -A * grad log p.
     on_policy = pack_samples(_samples(), seq_len=10, pad_id=0)
-    on_policy.old_logprobs[:, 1:] = torch.where(on_policy.loss_mask[:, 1:], logp.detach(), 0.0)
-    loss_sum, _, sums = ppo_loss(0.2, 0.2)(logits, on_policy)
+    on_policy.old_logprobs = torch.where(on_policy.loss_mask, _token_logprobs(logits.detach(), on_policy.tokens), 0.0)
+    loss_sum, _, sums = ppo_loss(0.2, 0.2)(logits, labels_of(on_policy))
     assert sums["rl/clip_fraction"] == 0
     loss_sum.backward()
     assert logits.grad.abs().sum() > 0
@@ -122,10 +140,8 @@ def test_ppo_loss_matches_a_direct_computation():
 def test_kl_term_is_zero_at_the_reference():
     batch = pack_samples(_samples(), seq_len=10, pad_id=0)
     logits = torch.randn(2, 10, 12)
-    logp = token_logprobs(logits, batch.tokens)
-    batch.ref_logprobs = torch.zeros(2, 10)
-    batch.ref_logprobs[:, 1:] = logp
-    _, _, sums = ppo_loss(0.2, 0.2, kl_coef=0.1)(logits, batch)
+    batch.ref_logprobs = _token_logprobs(logits, batch.tokens)
+    _, _, sums = ppo_loss(0.2, 0.2, kl_coef=0.1)(logits, labels_of(batch))
     assert sums["rl/kl_ref"].abs() < 1e-6
 
 

@@ -21,7 +21,7 @@ from titan_cotrain.data.packing import layout_from_document_ids
 from titan_cotrain.models.draft import Draft
 from titan_cotrain.models.transformer import Transformer
 
-__all__ = ["PackedBatch", "PolicyLoss", "PolicyLossFn", "clip_and_step", "forward_backward"]
+__all__ = ["LabelRows", "PackedBatch", "PolicyLoss", "PolicyLossFn", "clip_and_step", "forward_backward", "labels_of"]
 
 
 @dataclass
@@ -44,6 +44,38 @@ class PackedBatch:
             self.tokens, self.document_ids, self.loss_mask, self.advantages, self.old_logprobs, self.ref_logprobs)))
 
 
+@dataclass
+class LabelRows:
+    """Label-aligned view of a batch, ``[B, S]`` each: at position ``t`` the *next* token
+    ``x_{t+1}`` of the same document (``next_tokens``, 0 past a document's end),
+    ``next_token_mask`` (it exists and is a training target), and its advantage and
+    behaviour / reference log-probs. Policy losses read these instead of slicing
+    ``[:, 1:]``, so the same loss runs on a context-parallel shard (whose ``CPBatch``
+    carries the same fields, shifted before sharding)."""
+
+    next_tokens: torch.Tensor
+    next_token_mask: torch.Tensor
+    next_advantages: torch.Tensor | None = None
+    next_old_logprobs: torch.Tensor | None = None
+    next_ref_logprobs: torch.Tensor | None = None
+
+
+def labels_of(batch: PackedBatch) -> LabelRows:
+    """Shift every field of ``batch`` left by one token inside its document."""
+    same_doc = torch.zeros_like(batch.loss_mask)
+    same_doc[:, :-1] = batch.document_ids[:, 1:] == batch.document_ids[:, :-1]
+
+    def nxt(x: torch.Tensor | None, fill=0):
+        if x is None:
+            return None
+        out = torch.full_like(x, fill)
+        out[:, :-1] = x[:, 1:]
+        return torch.where(same_doc, out, torch.full_like(x, fill))
+
+    return LabelRows(nxt(batch.tokens), nxt(batch.loss_mask, False), nxt(batch.advantages),
+                     nxt(batch.old_logprobs), nxt(batch.ref_logprobs))
+
+
 class PolicyLoss(NamedTuple):
     """A policy loss over the local tokens: ``loss_sum``, ``count`` (tokens it sums over)
     and ``metric_sums`` (per-token quantities summed, reported divided by the global count)."""
@@ -53,7 +85,8 @@ class PolicyLoss(NamedTuple):
     metric_sums: dict[str, torch.Tensor] = {}
 
 
-PolicyLossFn = Callable[[torch.Tensor, PackedBatch], PolicyLoss]
+# (logits [B, S, V], label-aligned rows: LabelRows or a CP shard's CPBatch) -> PolicyLoss
+PolicyLossFn = Callable[[torch.Tensor, LabelRows], PolicyLoss]
 
 
 def _global_sum(x: torch.Tensor, group) -> torch.Tensor:
@@ -74,34 +107,48 @@ def forward_backward(
     draft_loss_weight: float,
     draft_loss_on: str = "response",
     group=None,
+    cp_group=None,
 ) -> dict[str, torch.Tensor]:
     """Forward the policy once, add the draft's TTT loss, backward once. Returns detached metrics.
 
-    ``group`` is the data-parallel process group whose ranks share the global token mean
-    (None: the default group, or no communication when not distributed).
+    ``group`` holds every rank whose tokens share the global token mean: the data-parallel
+    ranks times the context-parallel ones (None: the default group, or no communication
+    when not distributed). With ``cp_group``, ``batch`` (the same on every rank of that
+    group) is zigzag-sharded over it and policy and draft run context-parallel.
     """
-    layout = layout_from_document_ids(batch.document_ids)
-    out = policy(batch.tokens, cu_seqlens=layout.cu_seqlens, return_taps=draft is not None)
+    if cp_group is not None:
+        from titan_cotrain.parallel.context_parallel import shard_batch_for_cp
+
+        labels, shard = shard_batch_for_cp(batch, cp_group)
+        tokens, positions, cu_seqlens = labels.tokens, shard.positions, shard.cu_seqlens
+        region = labels.loss_mask if draft_loss_on == "response" else shard.valid
+        out = policy(tokens, cp=shard, return_taps=draft is not None)
+    else:
+        layout = layout_from_document_ids(batch.document_ids)
+        labels, shard = labels_of(batch), None
+        tokens, positions, cu_seqlens = batch.tokens, layout.positions, layout.cu_seqlens
+        region = batch.loss_mask if draft_loss_on == "response" else torch.ones_like(batch.loss_mask)
+        out = policy(tokens, cu_seqlens=cu_seqlens, return_taps=draft is not None)
     logits = out.logits if draft is not None else out
-    policy_sum, policy_count, metric_sums = policy_loss_fn(logits, batch)
+    policy_sum, policy_count, metric_sums = policy_loss_fn(logits, labels)
     global_count = _global_sum(policy_count, group).clamp(min=1)
     policy_loss = policy_sum / global_count
     metrics = {"loss/policy": _global_sum(policy_loss, group)}
     metrics |= {name: _global_sum(value, group) / global_count for name, value in metric_sums.items()}
     loss = policy_loss
     if draft is not None:
-        b, s = batch.tokens.shape
-        region = batch.loss_mask if draft_loss_on == "response" else torch.ones_like(batch.loss_mask)
+        b, s = tokens.shape
         stats = ttt_unroll(
             draft,
             taps=torch.cat(out.taps, dim=-1).reshape(b * s, -1),
             embeddings=out.embeddings.reshape(b * s, -1),
-            tokens=batch.tokens.reshape(-1),
-            positions=layout.positions.reshape(-1),
-            cu_seqlens=layout.cu_seqlens,
+            tokens=tokens.reshape(-1),
+            positions=positions.reshape(-1),
+            cu_seqlens=cu_seqlens,
             teacher_logits=logits.reshape(b * s, -1),
             loss_region=region.reshape(-1),
             ttt_steps=ttt_steps,
+            cp=shard,
         )
         weights = pass_weights(ttt_steps, pass_decay, device=stats.ce_sum.device)
         counts = _global_sum(stats.count, group)

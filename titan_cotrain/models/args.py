@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 __all__ = ["ARCHITECTURES", "ModelArgs", "RopeScaling", "model_args_for"]
 

@@ -133,7 +133,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor, cp=None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor, cp=None
+    ) -> torch.Tensor:
         """Packed ``x [T, dim]``, ``cos/sin [T, Dh]``; under CP (``cp`` a ``CPShard``) the
         local shard, attending over the ring."""
         q, k, v = self._qkv(x, cos, sin)

@@ -130,7 +130,9 @@ class RingComm:
         received = tuple(torch.empty_like(t) for t in tensors)
         nxt, prev = (self.rank + 1) % self.world, (self.rank - 1) % self.world
         ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=nxt, tag=tag + i) for i, t in enumerate(tensors)]
-        ops += [dist.P2POp(dist.irecv, r, group=self.group, group_peer=prev, tag=tag + i) for i, r in enumerate(received)]
+        ops += [
+            dist.P2POp(dist.irecv, r, group=self.group, group_peer=prev, tag=tag + i) for i, r in enumerate(received)
+        ]
         return _InFlight(dist.batch_isend_irecv(ops), tensors, received)
 
 
@@ -163,7 +165,8 @@ class _LocalDocs:
         for n_visible, slots in itertools.groupby(range(whole), key=visible.__getitem__):
             slots = list(slots)
             if n_visible:
-                blocks += [(s + slots[0] * c, s + (slots[-1] + 1) * c, s, s + n_visible * c, False) for s, c in self.docs]
+                lo, hi = slots[0], slots[-1] + 1
+                blocks += [(s + lo * c, s + hi * c, s, s + n_visible * c, False) for s, c in self.docs]
         return blocks
 
 

@@ -189,7 +189,7 @@ class CPShard:
     def _gather(self, x: torch.Tensor, source: torch.Tensor, fill) -> torch.Tensor:
         """``x [B, S, ...]`` read at ``source`` (flat, -1 = ``fill``) -> ``[B, local_len, ...]``."""
         if x.shape[:2] != (self.batch, self.seq_len):
-            raise ValueError(f"expected a [B, S, ...] = [{self.batch}, {self.seq_len}, ...] tensor, got {tuple(x.shape)}")
+            raise ValueError(f"expected [B, S, ...] = [{self.batch}, {self.seq_len}, ...], got {tuple(x.shape)}")
         source = source.to(x.device)
         flat = x.reshape(self.batch * self.seq_len, *x.shape[2:])
         picked = flat[source.clamp(min=0)]
@@ -215,7 +215,9 @@ class CPShard:
         """Inverse of ``shard``: ``[B, local_len, ...]`` on every rank -> ``[B, S, ...]`` on
         every rank (one all_gather; padding dropped; not differentiable)."""
         if x.shape[:2] != (self.batch, self.local_len):
-            raise ValueError(f"expected [B, local_len, ...] = [{self.batch}, {self.local_len}, ...], got {tuple(x.shape)}")
+            raise ValueError(
+                f"expected [B, local_len, ...] = [{self.batch}, {self.local_len}, ...], got {tuple(x.shape)}"
+            )
         x = x.contiguous()
         parts = [x] if self.world == 1 else [torch.empty_like(x) for _ in range(self.world)]
         if self.world > 1:
@@ -319,7 +321,8 @@ class TTTHalo:
         device = x.device
         n_local = self._offset.numel()
         inside_chunk = self._offset + d < self._chunk_len
-        index = torch.where(inside_chunk, torch.arange(n_local) + d, self._halo_base + self._offset + d - self._chunk_len)
+        from_halo = self._halo_base + self._offset + d - self._chunk_len
+        index = torch.where(inside_chunk, torch.arange(n_local) + d, from_halo)
         valid = (d < self._room).to(device).view(-1, *([1] * (x.dim() - 1)))
         return torch.where(valid, x[index.to(device)], torch.as_tensor(fill, dtype=x.dtype, device=device))
 

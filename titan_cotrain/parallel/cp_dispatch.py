@@ -75,7 +75,7 @@ def _bind(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict:
 def _local(x, dim: int, name: str) -> torch.Tensor:
     """The local shard of a DTensor placed ``Shard(dim)`` on a 1-D mesh."""
     if not isinstance(x, DTensor):
-        raise TypeError(f"context-parallel attention: {name} must be a DTensor sharded on dim {dim}, got a plain tensor")
+        raise TypeError(f"context-parallel attention: {name} must be a DTensor sharded on dim {dim}, not a tensor")
     if x.device_mesh.ndim != 1 or tuple(x.placements) != (Shard(dim),):
         raise ValueError(
             f"context-parallel attention: {name} must be Shard({dim}) on a 1-D CP mesh, "

@@ -17,9 +17,9 @@ Layout, for ``pp`` ranks and ``v`` stages per rank (``pp * v`` stages)::
   ``document_ids`` (a kwarg the schedule splits per microbatch) to build its attention
   layout, and the loss reads the microbatch's rows of the batch (the schedule's ``target``
   is the row indices).
-* The draft is a submodule of the last stage's module, so the optimizer, checkpointing and
-  FSDP's reduction at the end of the schedule see it, but the schedule never runs its
-  backward: ``CotrainLoss`` runs the draft's forward *and* backward for microbatch ``m``
+* The draft is a submodule of the last stage's module, so checkpointing, FSDP's reduction at
+  the end of the schedule and ``Pipeline.draft_parameters`` find it there, but the schedule
+  never runs its backward: ``CotrainLoss`` runs the draft's forward *and* backward for microbatch ``m``
   inside the last stage's loss function (its inputs are detached, its graph is its own).
   The taps' landing slots and the draft's activations are free when the loss returns,
   whatever the schedule, and zero-bubble weight passes (which only find parameters reached
@@ -39,10 +39,18 @@ the schedule itself records (its ``losses``) are therefore sums; the metrics com
 loss's own side channel, reduced over the data-parallel group and broadcast to every PP
 rank (so rank 0, which holds no loss, logs the right numbers).
 
+Context parallelism composes: with a CP group, every stage zigzag-shards its microbatch's
+rows over it (``shard_packed_rows``, the same cut on every stage) and attends over the
+ring; the TapChannel runs per PP column, so the taps of (stage s, CP rank c) go to (last
+stage, CP rank c) already sharded; the loss runs the CP policy loss and TTT (halo
+included). CP needs a fixed padded row length (``cp_row_len``) so that every microbatch
+has the same shapes. Gradients are then partial per CP rank, as in ``forward_backward``:
+FSDP (or the caller) sums them over the data-parallel x CP ranks.
+
 Tied embeddings (Qwen-3's small sizes): the first and the last stage hold the same weight;
 its two gradient halves are summed over a two-rank group after the step. Not here yet:
 FSDP on the stage modules (the draft's backward runs in the loss, outside the schedule's
-switch of FSDP's gradient sync) and context parallelism inside the stages.
+switch of FSDP's gradient sync).
 """
 
 from __future__ import annotations
@@ -58,11 +66,12 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV, ScheduleZBVZeroBubble
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, get_schedule_class
 
-from titan_cotrain.cotrain.step import PackedBatch, PolicyLossFn
+from titan_cotrain.cotrain.step import PackedBatch, PolicyLossFn, labels_of
 from titan_cotrain.cotrain.ttt import pass_weights, tau, ttt_unroll
-from titan_cotrain.data.packing import layout_from_document_ids
+from titan_cotrain.data.packing import PackedLayout, layout_from_document_ids
 from titan_cotrain.models.draft import Draft
 from titan_cotrain.models.transformer import Transformer, rope_cos_sin
+from titan_cotrain.parallel.context_parallel import CPShard, shard_batch_for_cp, shard_packed_rows
 from titan_cotrain.parallel.tap_channel import EMBEDDINGS, TapChannel
 
 __all__ = [
@@ -184,6 +193,15 @@ def layers_per_stage_from_fqns(module_fqns_per_model_part: Sequence[Sequence[str
     return [len(p) for p in layers]
 
 
+def packing(document_ids: torch.Tensor, cp_group, cp_row_len: int | None) -> PackedLayout | CPShard:
+    """The attention layout of rows ``document_ids [b, S]``: ``cu_seqlens`` and ``positions
+    [b, S_local]``; with a CP group, this rank's zigzag ``CPShard`` of the rows, padded to
+    ``cp_row_len``."""
+    if cp_group is None:
+        return layout_from_document_ids(document_ids)
+    return shard_packed_rows(document_ids, cp_group, row_len=cp_row_len)
+
+
 # -- the stage module --------------------------------------------------------------------
 
 
@@ -192,7 +210,8 @@ class TransformerStage(nn.Module):
     on the first stage and the final norm, head and draft on the last.
 
     ``forward(x, *, document_ids, rows)``: ``x`` is ``tokens: int64 [mb, S]`` on the first
-    stage, the packed hidden stream ``[mb * S, H]`` elsewhere (the layers' own layout, so a
+    stage (under CP: this rank's shard, ``[mb, S_local]``), the packed hidden stream
+    ``[mb * S_local, H]`` elsewhere (the layers' own layout, so a
     stage's output is a fresh tensor and never a view, which zero-bubble schedules detach
     in place); ``document_ids [mb, S]`` give the packing; ``rows [mb]`` are the
     microbatch's row indices in the batch (their first entry names the microbatch).
@@ -211,6 +230,8 @@ class TransformerStage(nn.Module):
         last: bool,
         draft: Draft | None = None,
         channel: TapChannel | None = None,
+        cp_group: dist.ProcessGroup | None = None,
+        cp_row_len: int | None = None,
     ) -> None:
         super().__init__()
         self.embed_tokens = policy.embed_tokens if first else None
@@ -220,19 +241,21 @@ class TransformerStage(nn.Module):
         self.draft = draft if last else None
         self.register_buffer("rope_inv_freq", policy.rope_inv_freq, persistent=False)
         self.channel = channel
+        self.cp_group, self.cp_row_len = cp_group, cp_row_len
         sources = ({EMBEDDINGS} if first else set()) | (set(layers) & set(policy.tap_layers))
         self.tap_sources = frozenset(sources) if channel is not None else frozenset()
 
     def forward(self, x: torch.Tensor, *, document_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        b, s = document_ids.shape
         microbatch = int(rows[0]) // rows.numel()
-        layout = layout_from_document_ids(document_ids)
+        layout = packing(document_ids, self.cp_group, self.cp_row_len)
+        cp = layout if self.cp_group is not None else None
+        b, s = layout.positions.shape
         if self.embed_tokens is not None:
             x = self.embed_tokens(x.reshape(-1))
             self._tap(microbatch, EMBEDDINGS, x, b, s)
         cos, sin = rope_cos_sin(self.rope_inv_freq, layout.positions.reshape(-1), x.dtype)
         for name, layer in self.layers.items():
-            x = layer(x, cos, sin, layout.cu_seqlens)
+            x = layer(x, cos, sin, layout.cu_seqlens, cp)
             self._tap(microbatch, int(name), x, b, s)
         if self.lm_head is None:
             return x
@@ -266,10 +289,13 @@ class CotrainLoss:
         ttt_steps: int,
         pass_decay: float,
         draft_loss_on: str = "response",
+        cp_group: dist.ProcessGroup | None = None,
+        cp_row_len: int | None = None,
     ) -> None:
         if draft_loss_on not in ("response", "all"):
             raise ValueError(f"draft_loss_on must be 'response' or 'all', got {draft_loss_on!r}")
         self.policy_loss_fn, self.draft, self.channel = policy_loss_fn, draft, channel
+        self.cp_group, self.cp_row_len = cp_group, cp_row_len
         self.tap_layers = tuple(tap_layers)
         self.ttt_steps, self.pass_decay, self.draft_loss_on = ttt_steps, pass_decay, draft_loss_on
         self._batch: PackedBatch | None = None
@@ -297,30 +323,39 @@ class CotrainLoss:
         self._next += 1
         batch = PackedBatch(**{f.name: None if getattr(self._batch, f.name) is None
                                else getattr(self._batch, f.name)[lo:lo + n] for f in fields(PackedBatch)})
-        policy = self.policy_loss_fn(logits, batch)
+        # The microbatch as the policy loss and the draft see it: label-aligned rows, the
+        # tokens, the attention layout and the draft's loss region (local shards under CP).
+        if self.cp_group is None:
+            labels, layout = labels_of(batch), layout_from_document_ids(batch.document_ids)
+            tokens, everything = batch.tokens, torch.ones_like(batch.loss_mask)
+        else:
+            labels, layout = shard_batch_for_cp(batch, self.cp_group, row_len=self.cp_row_len)
+            tokens, everything = labels.tokens, layout.valid
+        policy = self.policy_loss_fn(logits, labels)
         self._add("policy/sum", policy.loss_sum)
         self._add("policy/count", policy.count)
         for name, value in policy.metric_sums.items():
             self._add(f"metric/{name}", value)
         if self.draft is not None:
-            self._draft_step(microbatch, logits, batch)
+            region = labels.loss_mask if self.draft_loss_on == "response" else everything
+            self._draft_step(microbatch, logits, tokens, layout, region)
         return policy.loss_sum
 
-    def _draft_step(self, microbatch: int, logits: torch.Tensor, batch: PackedBatch) -> None:
-        b, s = batch.tokens.shape
+    def _draft_step(self, microbatch: int, logits: torch.Tensor, tokens: torch.Tensor,
+                    layout: PackedLayout | CPShard, region: torch.Tensor) -> None:
+        b, s = tokens.shape
         taps = self.channel.receive(microbatch)
-        layout = layout_from_document_ids(batch.document_ids)
-        region = batch.loss_mask if self.draft_loss_on == "response" else torch.ones_like(batch.loss_mask)
         stats = ttt_unroll(
             self.draft,
             taps=torch.cat([taps[layer] for layer in self.tap_layers], dim=-1).reshape(b * s, -1),
             embeddings=taps[EMBEDDINGS].reshape(b * s, -1),
-            tokens=batch.tokens.reshape(-1),
+            tokens=tokens.reshape(-1),
             positions=layout.positions.reshape(-1),
             cu_seqlens=layout.cu_seqlens,
             teacher_logits=logits.reshape(b * s, -1),
             loss_region=region.reshape(-1),
             ttt_steps=self.ttt_steps,
+            cp=layout if self.cp_group is not None else None,
         )
         weights = pass_weights(self.ttt_steps, self.pass_decay, device=stats.ce_sum.device)
         (weights * stats.ce_sum).sum().backward()
@@ -376,6 +411,17 @@ class Pipeline:
     @property
     def has_first_stage(self) -> bool:
         return any(stage.is_first for stage in self.stages)
+
+    def draft_parameters(self) -> list[nn.Parameter]:
+        """The draft's parameters (none off the last stage's rank)."""
+        return [p for part in self.model_parts if part.draft is not None for p in part.draft.parameters()]
+
+    def policy_parameters(self) -> list[nn.Parameter]:
+        """This rank's policy parameters: ``model_parts`` without the draft. Optimizers and
+        clipping take these and ``draft_parameters`` apart (torchtitan's optimizer builder
+        over ``model_parts`` would put the draft in the policy's optimizer)."""
+        draft = {id(p) for p in self.draft_parameters()}
+        return [p for part in self.model_parts for p in part.parameters() if id(p) not in draft]
 
 
 def _example(shape, dtype, requires_grad: bool) -> torch.Tensor:
@@ -583,8 +629,7 @@ def _normalise_gradients(p: Pipeline, policy_scale: float, draft_scale: float) -
         # This rank holds the first stage (the embedding) or the last (the head), not both.
         tied = next(m.weight for part in p.model_parts for m in (part.embed_tokens, part.lm_head) if m is not None)
         dist.all_reduce(tied.grad, group=p.tied_group)
-    for part in p.model_parts:
-        draft_params = {id(q) for q in part.draft.parameters()} if part.draft is not None else set()
-        for param in part.parameters():
+    for params, scale in ((p.policy_parameters(), policy_scale), (p.draft_parameters(), draft_scale)):
+        for param in params:
             if param.grad is not None:
-                param.grad.mul_(draft_scale if id(param) in draft_params else policy_scale)
+                param.grad.mul_(scale)

@@ -63,6 +63,10 @@ class TapChannel:
     ``prefetch``: how many microbatches of receives are posted ahead (the landing slots
     are ``prefetch x n_remote_sources`` preallocated tensors, reused across steps).
     ``timeout`` bounds every wait (None: the process group's default).
+
+    Per step: ``begin_step``, then ``send`` from the stages (any rank), ``receive`` /
+    ``release`` from the last stage's loss (the consumer), then ``finish_step`` everywhere.
+    ``sent`` counts the taps this rank put on the group in the current step.
     """
 
     def __init__(
@@ -97,7 +101,6 @@ class TapChannel:
             )
             self._warm_up()
         self._slots: list[dict[int, torch.Tensor]] = []
-        self._n_microbatches = 0
         self._reset(0)
 
     # -- setup ---------------------------------------------------------------------------

@@ -1,16 +1,17 @@
 """GRPO: group-normalised advantages and the PPO-clipped, token-level policy loss.
 
-Shapes follow ``PackedBatch``: everything ``[B, S]`` and aligned with ``tokens``, so
-``old_logprobs[b, t]`` is the behaviour policy's log-probability of ``tokens[b, t]``
-(from the logits that sampled it), meaningful where ``loss_mask[b, t]`` (response tokens).
+Losses read label-aligned rows (``LabelRows``, or a CP shard's ``CPBatch``): at position
+``t``, ``next_tokens[b, t]`` is the token the logits at ``t`` predict and
+``next_old_logprobs[b, t]`` its behaviour log-probability (from the logits that sampled
+it), meaningful where ``next_token_mask[b, t]`` (a response token).
 """
 
 import torch
 import torch.nn.functional as F
 
-from titan_cotrain.cotrain.step import PackedBatch, PolicyLoss
+from titan_cotrain.cotrain.step import LabelRows, PolicyLoss
 
-__all__ = ["group_advantages", "ppo_loss"]
+__all__ = ["group_advantages", "next_token_logprobs", "ppo_loss"]
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
@@ -26,9 +27,9 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
     return (centred / (groups.std(dim=1, keepdim=True) + eps)).flatten()
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """``[B, S-1]``: log-probability of ``tokens[:, t+1]`` under ``logits[:, t]``."""
-    return torch.gather(F.log_softmax(logits[:, :-1].float(), dim=-1), 2, tokens[:, 1:, None]).squeeze(-1)
+def next_token_logprobs(logits: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+    """``[B, S]``: log-probability of ``next_tokens[:, t]`` under ``logits[:, t]``."""
+    return torch.gather(F.log_softmax(logits.float(), dim=-1), 2, next_tokens[..., None]).squeeze(-1)
 
 
 def ppo_loss(clip_eps_low: float, clip_eps_high: float, kl_coef: float = 0.0, temperature: float = 1.0):
@@ -42,11 +43,11 @@ def ppo_loss(clip_eps_low: float, clip_eps_high: float, kl_coef: float = 0.0, te
     temperature 0, are scored at temperature 1)."""
     scale = 1.0 / temperature if temperature > 0 else 1.0
 
-    def loss_fn(logits: torch.Tensor, batch: PackedBatch) -> PolicyLoss:
-        logp = token_logprobs(logits * scale, batch.tokens)
-        mask = (batch.loss_mask[:, 1:] & (batch.document_ids[:, 1:] == batch.document_ids[:, :-1])).float()
-        old = batch.old_logprobs[:, 1:]
-        adv = batch.advantages[:, 1:]
+    def loss_fn(logits: torch.Tensor, rows: LabelRows) -> PolicyLoss:
+        logp = next_token_logprobs(logits * scale, rows.next_tokens)
+        mask = rows.next_token_mask.float()
+        old = rows.next_old_logprobs
+        adv = rows.next_advantages
         ratio = torch.exp(logp - old)
         clipped_ratio = ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high)
         per_token = -torch.minimum(ratio * adv, clipped_ratio * adv)
@@ -55,7 +56,7 @@ def ppo_loss(clip_eps_low: float, clip_eps_high: float, kl_coef: float = 0.0, te
             "rl/ratio": (ratio * mask).sum().detach(),
         }
         if kl_coef > 0:
-            delta = batch.ref_logprobs[:, 1:] - logp
+            delta = rows.next_ref_logprobs - logp
             kl = torch.exp(delta) - delta - 1
             per_token = per_token + kl_coef * kl
             sums["rl/kl_ref"] = (kl * mask).sum().detach()

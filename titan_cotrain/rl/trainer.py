@@ -1,10 +1,11 @@
 """The RL trainer: warm start, then rollouts -> rewards -> GRPO -> co-trained update, per step.
 
-Every rank generates for its own share of the prompts with its own inference copy of
-the policy and draft (colocated), trains its own packed rows with FSDP2 over the
-data-parallel mesh, and refreshes the engine's weights from the sharded training state
+Every data-parallel rank generates for its own share of the prompts with its own
+inference copy of the policy and draft (colocated; context-parallel peers generate the
+same rollouts and train them zigzag-sharded), trains its packed rows with FSDP2 over the
+data-parallel (x context-parallel) mesh, and refreshes the engine's weights from the sharded training state
 after each update. Step ``s`` is a warm-start (SFT) step for ``s <= task.sft_steps`` and
-an RL step after; its prompts and sampling seeds derive from ``(debug.seed, s, rank)``, so
+an RL step after; its prompts and sampling seeds derive from ``(debug.seed, s, dp rank)``, so
 a run resumed from a checkpoint of step ``s`` repeats the uninterrupted run exactly.
 """
 
@@ -19,11 +20,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from titan_cotrain.components import titan
-from titan_cotrain.cotrain.step import PackedBatch, PolicyLoss, clip_and_step, forward_backward
+from titan_cotrain.cotrain.step import LabelRows, PackedBatch, PolicyLoss, clip_and_step, forward_backward
 from titan_cotrain.models.build import build_draft, build_target
 from titan_cotrain.parallel.fsdp import apply_fsdp
 from titan_cotrain.rl.batching import Sample, pack_samples
-from titan_cotrain.rl.grpo import group_advantages, ppo_loss, token_logprobs
+from titan_cotrain.rl.grpo import group_advantages, next_token_logprobs, ppo_loss
 from titan_cotrain.rl.rollout import RolloutEngine
 from titan_cotrain.rl.sampling import SamplingParams
 from titan_cotrain.rl.tasks import get_task, score
@@ -31,11 +32,10 @@ from titan_cotrain.rl.tasks import get_task, score
 __all__ = ["Trainer", "next_token_loss"]
 
 
-def next_token_loss(logits: torch.Tensor, batch: PackedBatch) -> PolicyLoss:
-    """Summed CE of token ``t+1`` given ``t`` inside a document, over targets in ``loss_mask``."""
-    keep = (batch.document_ids[:, 1:] == batch.document_ids[:, :-1]) & batch.loss_mask[:, 1:]
-    ce = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch.tokens[:, 1:].flatten(), reduction="none")
-    return PolicyLoss((ce * keep.flatten()).sum(), keep.sum())
+def next_token_loss(logits: torch.Tensor, rows: LabelRows) -> PolicyLoss:
+    """Summed CE of each position's next token inside its document, over training targets."""
+    ce = F.cross_entropy(logits.flatten(0, 1).float(), rows.next_tokens.flatten(), reduction="none")
+    return PolicyLoss((ce * rows.next_token_mask.flatten()).sum(), rows.next_token_mask.sum())
 
 
 class _TrainerState:
@@ -57,12 +57,16 @@ class Trainer:
 
     def __init__(self, config, world_size: int, rank: int) -> None:
         self.config, self.rank, self.world_size = config, rank, world_size
-        self.parallel_dims = titan.build_parallel_dims(config.parallelism, world_size)
-        if self.parallel_dims.cp_enabled or self.parallel_dims.pp_enabled:
-            raise NotImplementedError("context and pipeline parallelism are not wired into the RL trainer yet")
+        self.parallel_dims = dims = titan.build_parallel_dims(config.parallelism, world_size)
+        if dims.pp_enabled:
+            raise NotImplementedError("pipeline parallelism is not wired into the RL trainer yet")
         if world_size > 1:
-            self.parallel_dims.build_mesh()
-        self.dp_degree = world_size
+            dims.build_mesh()
+        # Context-parallel peers train the same rows, sharded: they generate the same
+        # rollouts (same weights, same seeds), so everything random is keyed by dp rank.
+        self.cp_group = dims.get_mesh("cp").get_group() if dims.cp_enabled else None
+        self.dp_degree = dims.dp_replicate * dims.dp_shard
+        self.dp_rank = dims.get_mesh("batch").get_local_rank() if dims.dp_enabled else 0
         self.device = titan.device_type()
         self.seed = config.debug.seed if config.debug.seed is not None else 0
         self.tokenizer = titan.load_tokenizer(config.model.hf_path or config.model.hf_assets_path)
@@ -110,7 +114,7 @@ class Trainer:
 
     # ----------------------------------------------------------------- data
     def _rng(self, step: int, salt: str) -> random.Random:
-        return random.Random(f"{self.seed}/{step}/{self.rank}/{salt}")
+        return random.Random(f"{self.seed}/{step}/{self.dp_rank}/{salt}")
 
     def _encode_prompt(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_bos=True, add_eos=False)
@@ -154,7 +158,7 @@ class Trainer:
                 batch.ref_logprobs)))
             out = forward_backward(self.policy, draft, minibatch, loss_fn, ttt_steps=cfg.draft.ttt_steps,
                                    pass_decay=cfg.draft.pass_decay, draft_loss_weight=cfg.draft.loss_weight,
-                                   draft_loss_on=cfg.draft.loss_on)
+                                   draft_loss_on=cfg.draft.loss_on, cp_group=self.cp_group)
             out |= clip_and_step(self.policy, draft, self.policy_opt, self.draft_opt, cfg.training.max_norm,
                                  cfg.draft.grad_clip)
             for key, value in out.items():  # the mean over minibatches
@@ -189,7 +193,7 @@ class Trainer:
         params = SamplingParams(temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
                                 top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens,
                                 eos_token_id=self.tokenizer.eos_id)
-        generator = torch.Generator(device=self.device).manual_seed((self.seed * 1_000_003 + step) * 1009 + self.rank)
+        generator = torch.Generator(device=self.device).manual_seed((self.seed * 1_000_003 + step) * 1009 + self.dp_rank)
         t0 = time.perf_counter()
         rollouts = self.engine.generate(prompts, params, generator=generator,
                                         draft_tokens=cfg.rollout.draft_tokens if cfg.rollout.speculative else 0)
@@ -210,7 +214,8 @@ class Trainer:
             with torch.no_grad():
                 ref_logits = self.reference(batch.tokens, document_ids=batch.document_ids)
             temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
-            batch.ref_logprobs = F.pad(token_logprobs(ref_logits / temperature, batch.tokens), (1, 0))
+            # Token-aligned, like old_logprobs: the log-prob of token t from the logits at t - 1.
+            batch.ref_logprobs = F.pad(next_token_logprobs(ref_logits[:, :-1] / temperature, batch.tokens[:, 1:]), (1, 0))
 
         t0 = time.perf_counter()
         loss_fn = ppo_loss(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high, cfg.rl.kl_coef, cfg.rollout.temperature)
@@ -226,7 +231,7 @@ class Trainer:
             "reward/mean": float(mean),
             "reward/std": float((stats[1] / stats[2] - mean ** 2).clamp(min=0).sqrt()),
             "rollout/acceptance_length": float(stats[3] / stats[5]),
-            "rollout/tokens_per_s": float(stats[4]),
+            "rollout/tokens_per_s": float(stats[4]) / self.parallel_dims.cp,  # CP peers generate the same
             "rollout/response_len": float(rollouts.response_lens.float().mean()),
             "time/rollout_s": t_rollout, "time/train_s": t_train, "time/refresh_s": t_refresh,
         }

@@ -61,3 +61,16 @@ def test_bad_config_fails_with_one_message(tmp_path):
     assert result.returncode == 2
     assert "config error" in result.stderr and "draft.tap_layers" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_context_parallel_job_matches_one_process(tmp_path):
+    """``[parallelism] context_parallel_degree = 2``: two ranks train zigzag shards of the
+    same rows; losses and gradient norms match a one-process run of the same job."""
+    args = (*SHORT, "--training.steps", "1", "--checkpoint.no-enable")
+    single = _run(*args, "--job.dump_folder", str(tmp_path / "single"), nproc=None)
+    assert single.returncode == 0, single.stderr[-3000:]
+    cp = _run(*args, "--parallelism.context_parallel_degree", "2", "--job.dump_folder", str(tmp_path / "cp"))
+    assert cp.returncode == 0, cp.stdout[-3000:] + cp.stderr[-3000:]
+    for a, b in zip(_metrics(tmp_path / "single"), _metrics(tmp_path / "cp"), strict=True):
+        for key in ("loss/policy", "loss/draft", "grad_norm/policy", "grad_norm/draft", "draft/acc_pass1"):
+            assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(a[key])), (a["step"], key, a[key], b[key])

@@ -5,7 +5,8 @@ V-shaped): the policy loss and its metrics, the draft loss and its per-pass metr
 the gradient of every policy and draft parameter match ``forward_backward`` on the whole
 batch within 1e-5 (fp32, 4 microbatches, second step on the same pipeline); the taps the
 draft consumes are bitwise the single-device taps; every step finishes within a bound (a
-watchdog kills a hung rank and dumps its stacks).
+watchdog kills a hung rank and dumps its stacks). Also: the main job's config path with a
+tied-embedding model under activation checkpointing, and pp=2 x cp=2 on 4 ranks.
 """
 
 import contextlib
@@ -34,6 +35,7 @@ DRAFT_VOCAB = 96
 ROWS, SEQ = 4, 16  # 4 microbatches of one row
 POLICY_LOSS = ppo_loss(0.2, 0.2)
 STEP_BOUND_S = 60.0  # a step takes well under a second here; a deadlock takes forever
+TOL_FP64 = dict(rtol=1e-9, atol=1e-9)
 
 # Splits chosen so the taps (layers 1, 3, 4 and the embedding) land everywhere: all on
 # other ranks (GPipe), mixed (1F1B), in looped virtual stages, and on the consumer's own
@@ -240,6 +242,46 @@ def test_config_built_pipeline_with_tied_embeddings_and_activation_checkpointing
     with _one_thread():
         reference = _reference(policy, draft, _batch(vocab=policy.args.vocab_size))
     run_on_ranks(_config_rank, 2, reference)
+
+
+CP_ROW_LEN = 32  # every test row's documents, each padded to a multiple of 2 x cp = 4, fit in 32
+PP_CP_SCHEDULES = {"1F1B": [3, 5], "ZBVZeroBubble": [2, 2, 2, 2]}
+
+
+def _pp_cp_rank(rank, world_size, reference):
+    """pp=2 x cp=2: every stage rides the CP ring, the taps stay within their CP rank's column."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titan_cotrain.parallel.pipeline import make_pipeline
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "cp"))
+    cp_group = mesh["cp"].get_group()
+    ref_metrics, ref_grads = reference
+    for schedule, split in PP_CP_SCHEDULES.items():
+        policy, draft = (m.double() for m in _models())
+        plan = plan_pipeline(ARGS.n_layers, 2, schedule, layers_per_stage=split)
+        pipe = make_pipeline(policy, draft, mesh["pp"], plan, microbatch_size=1, n_microbatches=ROWS, seq_len=SEQ,
+                             policy_loss_fn=POLICY_LOSS, loss_group=cp_group, cp_mesh=mesh["cp"],
+                             cp_row_len=CP_ROW_LEN, tap_timeout=timedelta(seconds=STEP_BOUND_S), **STEP)
+        assert pipe.channel.shape == (1, CP_ROW_LEN // 2, ARGS.dim)  # taps travel CP-sharded
+        metrics = _bounded_step(pipe, _batch())
+        for key, value in ref_metrics.items():  # forward_backward reports fp32 metrics
+            torch.testing.assert_close(metrics[key], value, rtol=1e-6, atol=1e-7, msg=lambda m: f"{schedule} {key}: {m}")
+        for part in pipe.model_parts:
+            for name, param in part.named_parameters():
+                dist.all_reduce(param.grad, group=cp_group)  # CP ranks hold partial gradients (FSDP sums them)
+                torch.testing.assert_close(param.grad, ref_grads[_reference_name(name, False)], **TOL_FP64,
+                                           msg=lambda m: f"{schedule} {name}: {m}")
+
+
+def test_pipeline_composes_with_context_parallelism():
+    """fp64, as the CP tests: the ring sums attention in another order, and fp32 rounding
+    through 8 layers would hide a real error of 1e-5."""
+    policy, draft = (m.double() for m in _models())
+    with _one_thread():
+        metrics, grads, _ = _reference(policy, draft, _batch())
+    run_on_ranks(_pp_cp_rank, 4, (metrics, grads))
 
 
 def test_plan_places_stages_and_taps():

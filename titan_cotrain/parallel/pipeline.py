@@ -327,17 +327,17 @@ class CotrainLoss:
         # tokens, the attention layout and the draft's loss region (local shards under CP).
         if self.cp_group is None:
             labels, layout = labels_of(batch), layout_from_document_ids(batch.document_ids)
-            tokens, everything = batch.tokens, torch.ones_like(batch.loss_mask)
+            tokens, response, everything = batch.tokens, batch.loss_mask, torch.ones_like(batch.loss_mask)
         else:
             labels, layout = shard_batch_for_cp(batch, self.cp_group, row_len=self.cp_row_len)
-            tokens, everything = labels.tokens, layout.valid
+            tokens, response, everything = labels.tokens, labels.loss_mask, layout.valid
         policy = self.policy_loss_fn(logits, labels)
         self._add("policy/sum", policy.loss_sum)
         self._add("policy/count", policy.count)
         for name, value in policy.metric_sums.items():
             self._add(f"metric/{name}", value)
         if self.draft is not None:
-            region = labels.loss_mask if self.draft_loss_on == "response" else everything
+            region = response if self.draft_loss_on == "response" else everything
             self._draft_step(microbatch, logits, tokens, layout, region)
         return policy.loss_sum
 
@@ -402,6 +402,8 @@ class Pipeline:
     n_microbatches: int
     draft_loss_weight: float
     loss_group: dist.ProcessGroup | None = None
+    cp_group: dist.ProcessGroup | None = None
+    cp_row_len: int | None = None
     tied_group: dist.ProcessGroup | None = field(default=None, repr=False)
 
     @property
@@ -460,6 +462,8 @@ def make_pipeline(
     draft_loss_weight: float,
     draft_loss_on: str = "response",
     loss_group: dist.ProcessGroup | None = None,
+    cp_mesh=None,
+    cp_row_len: int | None = None,
     tap_prefetch: int = 2,
     tap_timeout: timedelta | None = None,
 ) -> Pipeline:
@@ -468,7 +472,10 @@ def make_pipeline(
 
     ``pp_mesh``: the 1-D ``pp`` device mesh of this rank's PP column. Batches must be
     ``[n_microbatches * microbatch_size, seq_len]``. ``loss_group``: the data-parallel
-    ranks (dp x cp) that share the global token counts (None: no data parallelism). The
+    ranks (dp x cp) that share the global token counts (None: no data parallelism).
+    ``cp_mesh``: this rank's 1-D ``cp`` mesh for context parallelism, with ``cp_row_len``,
+    the fixed padded row length every microbatch is sharded to (see
+    ``titan_cotrain.parallel.context_parallel.plan_padded_rows``). The
     stage modules reference the policy's modules (no copy); the layers of other stages
     are not referenced and go away with the caller's ``policy``. ``tap_prefetch`` and
     ``tap_timeout``: the TapChannel's receives posted ahead and bound on every wait.
@@ -478,26 +485,33 @@ def make_pipeline(
     pp_group = pp_mesh.get_group()
     if plan.pp != pp:
         raise ValueError(f"the plan is for {plan.pp} PP ranks, the mesh has {pp}")
+    cp_group, local_len = None, seq_len
+    if cp_mesh is not None:
+        if not cp_row_len or cp_row_len % (2 * cp_mesh.size()):
+            raise ValueError(f"context parallelism needs a fixed cp_row_len, a multiple of 2 x cp = "
+                             f"{2 * cp_mesh.size()}; got {cp_row_len}")
+        cp_group, local_len = cp_mesh.get_group(), cp_row_len // cp_mesh.size()
     tied_group = _tied_group(policy, plan, pp_ranks, pp_rank)
     param = policy.embed_tokens.weight
     device, dtype = param.device, param.dtype
-    hidden_shape = (microbatch_size * seq_len, policy.args.dim)
+    hidden_shape = (microbatch_size * local_len, policy.args.dim)
     channel = None
     if draft is not None:
         channel = TapChannel(pp_ranks=pp_ranks, pp_rank=pp_rank, consumer=plan.stage_ranks[-1],
                              owners=plan.tap_owners(policy.tap_layers),
-                             shape=(microbatch_size, seq_len, policy.args.dim), dtype=dtype,
+                             shape=(microbatch_size, local_len, policy.args.dim), dtype=dtype,
                              device=device, prefetch=tap_prefetch, timeout=tap_timeout)
     loss = CotrainLoss(policy_loss_fn, draft if pp_rank == plan.stage_ranks[-1] else None, channel,
-                       policy.tap_layers, ttt_steps=ttt_steps, pass_decay=pass_decay, draft_loss_on=draft_loss_on)
+                       policy.tap_layers, ttt_steps=ttt_steps, pass_decay=pass_decay, draft_loss_on=draft_loss_on,
+                       cp_group=cp_group, cp_row_len=cp_row_len)
     stages, parts = [], []
     last = plan.num_stages - 1
     for i in plan.stages_of(pp_rank):
         part = TransformerStage(policy, plan.layer_ranges[i], first=i == 0, last=i == last,
-                                draft=draft, channel=channel)
-        inputs = (_example((microbatch_size, seq_len), torch.int64, False) if i == 0
+                                draft=draft, channel=channel, cp_group=cp_group, cp_row_len=cp_row_len)
+        inputs = (_example((microbatch_size, local_len), torch.int64, False) if i == 0
                   else _example(hidden_shape, dtype, True))
-        outputs = (_example((microbatch_size, seq_len, policy.args.vocab_size), torch.float32, True) if i == last
+        outputs = (_example((microbatch_size, local_len, policy.args.vocab_size), torch.float32, True) if i == last
                    else _example(hidden_shape, dtype, True))
         stages.append(PipelineStage(part, i, plan.num_stages, device, input_args=inputs, output_args=outputs,
                                     group=pp_group))
@@ -509,7 +523,8 @@ def make_pipeline(
                            f"the plan as {expected}")
     return Pipeline(schedule=sched, stages=stages, model_parts=parts, loss=loss, channel=channel, plan=plan,
                     pp_group=pp_group, microbatch_size=microbatch_size, n_microbatches=n_microbatches,
-                    draft_loss_weight=draft_loss_weight, loss_group=loss_group, tied_group=tied_group)
+                    draft_loss_weight=draft_loss_weight, loss_group=loss_group, cp_group=cp_group,
+                    cp_row_len=cp_row_len, tied_group=tied_group)
 
 
 def build_pipeline(
@@ -520,15 +535,21 @@ def build_pipeline(
     *,
     policy_loss_fn: PolicyLossFn,
     loss_group: dist.ProcessGroup | None = None,
+    cp_mesh=None,
+    cp_row_len: int | None = None,
 ) -> Pipeline:
     """``make_pipeline`` from a job config: ``[parallelism] pipeline_parallel_schedule``,
     ``pipeline_parallel_microbatch_size``, ``module_fqns_per_model_part`` (explicit split,
     our module names) or ``pipeline_parallel_layers_per_stage``, the first/last stage
     weights; ``[training] local_batch_size, seq_len``; ``[draft]`` TTT settings;
-    ``[comm] train_timeout_seconds`` bounds the TapChannel's waits."""
+    ``[comm] train_timeout_seconds`` bounds the TapChannel's waits. With
+    ``context_parallel_degree > 1``, pass the ``cp`` mesh and the CP row length."""
     p, t, d = config.parallelism, config.training, config.draft
     if p.pipeline_parallel_schedule_csv:
         raise NotImplementedError("parallelism.pipeline_parallel_schedule_csv is not supported")
+    if (p.context_parallel_degree > 1) != (cp_mesh is not None):
+        raise ValueError(f"parallelism.context_parallel_degree is {p.context_parallel_degree}: pass cp_mesh "
+                         "(and cp_row_len) exactly when it is above 1")
     n_layers = policy.args.n_layers
     layers_per_stage = stages_per_rank = None
     if p.module_fqns_per_model_part:
@@ -548,9 +569,9 @@ def build_pipeline(
     mb = p.pipeline_parallel_microbatch_size
     return make_pipeline(
         policy, draft, pp_mesh, plan, microbatch_size=mb, n_microbatches=t.local_batch_size // mb,
-        seq_len=t.seq_len // p.context_parallel_degree, policy_loss_fn=policy_loss_fn, ttt_steps=d.ttt_steps,
-        pass_decay=d.pass_decay, draft_loss_weight=d.loss_weight, draft_loss_on=d.loss_on, loss_group=loss_group,
-        tap_timeout=timedelta(seconds=config.comm.train_timeout_seconds),
+        seq_len=t.seq_len, policy_loss_fn=policy_loss_fn, ttt_steps=d.ttt_steps, pass_decay=d.pass_decay,
+        draft_loss_weight=d.loss_weight, draft_loss_on=d.loss_on, loss_group=loss_group, cp_mesh=cp_mesh,
+        cp_row_len=cp_row_len, tap_timeout=timedelta(seconds=config.comm.train_timeout_seconds),
     )
 
 
@@ -559,7 +580,7 @@ def build_pipeline(
 
 def pipeline_step(pipeline: Pipeline, batch: PackedBatch) -> dict[str, torch.Tensor]:
     """Forward and backward one batch through the pipeline; every PP rank calls it with the
-    whole batch ``[n_microbatches * microbatch_size, S]``.
+    whole batch ``[n_microbatches * microbatch_size, S]`` (under CP, every CP rank too).
 
     On return every rank's gradients are final and normalised exactly as
     ``titan_cotrain.cotrain.step.forward_backward``'s, and every rank holds the same
@@ -573,7 +594,12 @@ def pipeline_step(pipeline: Pipeline, batch: PackedBatch) -> dict[str, torch.Ten
     if p.channel is not None:
         p.channel.begin_step(p.n_microbatches)
     p.loss.begin_step(batch)
-    args = (batch.tokens,) if p.has_first_stage else ()
+    args = ()
+    if p.has_first_stage:
+        tokens = batch.tokens
+        if p.cp_group is not None:
+            tokens = packing(batch.document_ids, p.cp_group, p.cp_row_len).shard(batch.tokens)
+        args = (tokens,)
     p.schedule.step(*args, target=rows if p.has_last_stage else None, return_outputs=False,
                     document_ids=batch.document_ids, rows=rows)
     if p.channel is not None:

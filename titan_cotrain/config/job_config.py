@@ -117,10 +117,11 @@ class Rollout:
     """Sampling temperature; 0 means greedy."""
 
     top_p: float = 1.0
-    """Nucleus sampling threshold; 1.0 disables it."""
+    """Nucleus sampling threshold; 1.0 disables it. The PPO ratio scores the policy at the
+    rollout temperature only, so a filter makes it approximate: keep it off for RL."""
 
     top_k: int = 0
-    """Top-k sampling; 0 disables it."""
+    """Top-k sampling; 0 disables it (same caveat as ``top_p``)."""
 
     speculative: bool = True
     """Decode with the co-trained draft (lossless speculative sampling)."""

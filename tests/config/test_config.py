@@ -130,3 +130,11 @@ def test_foreign_custom_config_module(tmp_path):
 
 def test_unknown_task():
     _expect(DEFAULT, "task.name", "unknown task 'chess'", "arithmetic, sort", overrides=("--task.name", "chess"))
+
+
+@pytest.mark.parametrize("name, world_size", [("qwen3_8b_fsdp_cp.toml", 8), ("qwen3_32b_pp_cp.toml", 16)])
+def test_real_scale_samples_validate_at_their_world_size(name, world_size):
+    config = _load(REPO / "train_configs" / name, world_size=world_size)
+    p = config.parallelism
+    assert p.data_parallel_shard_degree * p.context_parallel_degree * p.pipeline_parallel_degree == world_size
+    _expect(REPO / "train_configs" / name, "but the world size is", world_size=world_size // 2)

@@ -20,7 +20,7 @@ class Model:
     """Target architecture: ``llama3`` or ``qwen3``."""
 
     flavor: str = "debugmodel"
-    """Named size of ``name`` (llama3: debugmodel, 8B; qwen3: debugmodel, 0.6B, 1.7B, 8B).
+    """Named size of ``name`` (llama3: debugmodel, 8B; qwen3: debugmodel, 0.6B, 1.7B, 8B, 32B).
     Ignored when ``hf_path`` is set."""
 
     hf_path: str = ""

@@ -83,6 +83,11 @@ _FLAVORS: dict[str, dict[str, ModelArgs]] = {
             ffn_dim=12288, vocab_size=151936, norm_eps=1e-6, rope_theta=1e6, qk_norm=True,
             tie_embeddings=False, max_seq_len=40960,
         ),
+        "32B": ModelArgs(
+            architecture="qwen3", dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, head_dim=128,
+            ffn_dim=25600, vocab_size=151936, norm_eps=1e-6, rope_theta=1e6, qk_norm=True,
+            tie_embeddings=False, max_seq_len=40960,
+        ),
     },
 }
 

@@ -4,6 +4,7 @@ import os
 import socket
 import traceback
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -16,6 +17,8 @@ def _free_port() -> int:
 
 def _worker(rank: int, world_size: int, port: int, fn, args, errors) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    # Tiny shapes on a few cores: intra-op threads only oversubscribe the machine.
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)

@@ -160,13 +160,10 @@ def _check_step(pipe, metrics, ref_metrics, ref_grads, ref_taps, received, tied=
     assert len(received) == (pipe.n_microbatches if pipe.channel.is_consumer else 0)
 
 
-def _schedules_rank(rank, world_size, reference):
-    from torch.distributed.device_mesh import init_device_mesh
-
+def _check_schedules(mesh, reference):
     from titan_cotrain.parallel.pipeline import make_pipeline
 
-    torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("pp",))
+    world_size = mesh.size()
     ref_metrics, ref_grads, ref_taps = reference
     for schedule, split in SCHEDULES.items():
         policy, draft = _models()
@@ -186,16 +183,6 @@ def _schedules_rank(rank, world_size, reference):
             raise AssertionError(f"schedule {schedule}: {e}") from e
 
 
-def test_every_schedule_matches_single_device():
-    policy, draft = _models()
-    with _one_thread():
-        reference = _reference(policy, draft, _batch())
-        teacher = policy(_batch().tokens).argmax(-1)
-    assert all(g.abs().sum() > 0 for g in reference[1].values())
-    assert 0 < int((~draft.t2d[teacher]).sum()) < teacher.numel()  # the vocabulary masks some anchors
-    run_on_ranks(_schedules_rank, 2, reference)
-
-
 def _config_models():
     """A tied-embedding Qwen-3 policy and its draft, from the main job's config path."""
     from titan_cotrain.config import load_job_config
@@ -212,17 +199,14 @@ def _config_models():
     return config, policy, build_draft(config, policy)
 
 
-def _config_rank(rank, world_size, reference):
+def _check_config_path(mesh, reference):
     """The main job's path, with every stage forward activation-checkpointed (the recompute
     re-runs the tap sends)."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.utils.checkpoint import checkpoint
 
     from titan_cotrain.parallel.pipeline import build_pipeline
 
-    torch.set_num_threads(1)
     config, policy, draft = _config_models()
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("pp",))
     pipe = build_pipeline(policy, draft, config, mesh, policy_loss_fn=POLICY_LOSS)
     assert [len(r) for r in pipe.plan.layer_ranges] == [4, 4]  # torchtitan's default split
     sends = []
@@ -233,22 +217,41 @@ def _config_rank(rank, world_size, reference):
     received = _spy_on_receives(pipe.channel)
     metrics = _bounded_step(pipe, _batch(vocab=policy.args.vocab_size))
     _check_step(pipe, metrics, *reference, received, tied=True)
-    if rank == 0:  # the producer: taps recomputed (up to the last one a backward needs), sent once
+    if mesh.get_local_rank() == 0:  # the producer: taps recomputed (up to the last a backward needs), sent once
         n_taps = len(pipe.channel.local_sources)
         counts = (n_taps, len(sends), pipe.channel.sent)
         assert n_taps == 3 and len(sends) > ROWS * n_taps and pipe.channel.sent == ROWS * n_taps, counts
 
 
-def test_config_built_pipeline_with_tied_embeddings_and_activation_checkpointing():
-    _, policy, draft = _config_models()
-    assert policy.lm_head.weight is policy.embed_tokens.weight
+def _two_ranks(rank, world_size, schedules_reference, config_reference):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("pp",))
+    _check_schedules(mesh, schedules_reference)
+    _check_config_path(mesh, config_reference)
+
+
+def test_every_schedule_and_the_config_path_match_single_device():
+    """pp=2, one spawn for both (it keeps this file's run time down): every schedule on a
+    reduced-vocabulary draft, then the config path on a tied-embedding Qwen-3 policy with
+    activation checkpointing."""
+    policy, draft = _models()
+    _, tied_policy, tied_draft = _config_models()
+    assert tied_policy.lm_head.weight is tied_policy.embed_tokens.weight
     with _one_thread():
-        reference = _reference(policy, draft, _batch(vocab=policy.args.vocab_size))
-    run_on_ranks(_config_rank, 2, reference)
+        schedules_reference = _reference(policy, draft, _batch())
+        teacher = policy(_batch().tokens).argmax(-1)
+        config_reference = _reference(tied_policy, tied_draft, _batch(vocab=tied_policy.args.vocab_size))
+    assert all(g.abs().sum() > 0 for g in schedules_reference[1].values())
+    assert 0 < int((~draft.t2d[teacher]).sum()) < teacher.numel()  # the vocabulary masks some anchors
+    run_on_ranks(_two_ranks, 2, schedules_reference, config_reference)
 
 
 CP_ROW_LEN = 32  # every test row's documents, each padded to a multiple of 2 x cp = 4, fit in 32
-PP_CP_SCHEDULES = {"1F1B": [3, 5], "ZBVZeroBubble": [2, 2, 2, 2]}
+# V-shaped and zero-bubble: the consumer's rank also produces taps (they bypass the channel),
+# two stages per rank share the ring, and the weight passes run apart from the input passes.
+PP_CP_SCHEDULES = {"ZBVZeroBubble": [2, 2, 2, 2]}
 
 
 def _pp_cp_rank(rank, world_size, reference):
@@ -270,7 +273,8 @@ def _pp_cp_rank(rank, world_size, reference):
         assert pipe.channel.shape == (1, CP_ROW_LEN // 2, ARGS.dim)  # taps travel CP-sharded
         metrics = _bounded_step(pipe, _batch())
         for key, value in ref_metrics.items():  # forward_backward reports fp32 metrics
-            torch.testing.assert_close(metrics[key], value, rtol=1e-6, atol=1e-7, msg=lambda m: f"{schedule} {key}: {m}")
+            torch.testing.assert_close(metrics[key], value, rtol=1e-6, atol=1e-7,
+                                       msg=lambda m: f"{schedule} {key}: {m}")
         for part in pipe.model_parts:
             for name, param in part.named_parameters():
                 dist.all_reduce(param.grad, group=cp_group)  # CP ranks hold partial gradients (FSDP sums them)

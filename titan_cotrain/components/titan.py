@@ -2,9 +2,9 @@
 
 Everything the project takes from torchtitan goes through here: parallel dims and the
 device mesh, the optimizer and LR-schedule containers, grad-norm clipping across
-meshes, the pipeline's default layer split, and the TensorBoard logger. This is also the one place that resolves the
-device type, and where torchtitan's CPU gaps are closed (each skipped when CUDA is
-present):
+meshes, the pipeline's default layer split, and the TensorBoard logger. This is also
+the one place that resolves the device type, and where torchtitan's CPU gaps are closed
+(each skipped when CUDA is present):
 
 * torchtitan resolves ``device_type`` to ``"cuda"`` at import even without a GPU; the
   modules that copied it are rebound to ``"cpu"`` / ``torch.cpu``;

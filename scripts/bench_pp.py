@@ -82,7 +82,7 @@ from titan_cotrain.rl.grpo import ppo_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_branch_memory import BLUE, GREY, RED, Canvas  # noqa: E402  (the project's small PNG writer)
+from pngplot import BLUE, GREY, RED, Canvas  # noqa: E402  (the project's small PNG writer)
 
 MODEL = ModelArgs(dim=128, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=16, ffn_dim=256, vocab_size=1024)
 SEQ, MICROBATCHES = 128, 8

@@ -1,5 +1,6 @@
 """The one process-group setup helper of the test suite: run a function on N gloo ranks."""
 
+import contextlib
 import os
 import socket
 import traceback
@@ -46,3 +47,15 @@ def run_on_ranks(fn, world_size: int, *args) -> None:
             rank, tb = errors.get()
             details.append(f"--- rank {rank} ---\n{tb}")
         raise AssertionError("a rank failed:\n" + "\n".join(details)) from e
+
+
+@contextlib.contextmanager
+def one_thread():
+    """One intra-op thread for tiny kernels: on a few shared cores OpenMP threads only
+    contend (also applied on every rank ``run_on_ranks`` starts)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

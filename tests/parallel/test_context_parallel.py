@@ -12,7 +12,6 @@ as one token and the TTT halo of a chunk edge spans several chunks and ranks.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.multiprocess import run_on_ranks
+from tests.multiprocess import one_thread, run_on_ranks
 from titan_cotrain.cotrain.step import PackedBatch, forward_backward
 from titan_cotrain.cotrain.ttt import ttt_unroll
 from titan_cotrain.models.args import model_args_for
@@ -285,18 +284,9 @@ def _rank_main(rank: int, world_size: int, out_dir: str, refs) -> None:
                 f.write(f"{name} {cp_size}\n")
 
 
-@contextlib.contextmanager
-def _one_thread():
-    """Tiny shapes: one intra-op thread is faster, and on a shared machine much faster."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
-@_one_thread()
+@one_thread()
 def _references() -> dict:
     refs = {}
     for variant in DRAFTS:
@@ -355,7 +345,7 @@ def test_matches_single_device(cp_run, check, cp_size):
 
 # ---- in-process: W = 1 and bad input ----------------------------------------------------------
 
-@_one_thread()
+@one_thread()
 def test_cp_machinery_at_w1_is_the_single_device_step():
     """Without a process group the CP path (padding to 2-token chunks, halo, ring of one)
     reproduces ``forward_backward``: the same code, run as a ring of one."""

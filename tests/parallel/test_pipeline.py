@@ -9,7 +9,6 @@ watchdog kills a hung rank and dumps its stacks). Also: the main job's config pa
 tied-embedding model under activation checkpointing, and pp=2 x cp=2 on 4 ranks.
 """
 
-import contextlib
 import faulthandler
 import functools
 import time
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tests.batches import synthetic_packed_batch
-from tests.multiprocess import run_on_ranks
+from tests.multiprocess import one_thread, run_on_ranks
 from titan_cotrain.cotrain.step import PackedBatch, forward_backward
 from titan_cotrain.models.args import ModelArgs
 from titan_cotrain.models.draft import Draft, DraftArgs, draft_vocab_from_counts
@@ -54,15 +53,6 @@ SCHEDULES = {
 }
 
 
-@contextlib.contextmanager
-def _one_thread():
-    """One intra-op thread: tiny kernels on a few shared cores drown in OpenMP contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _models(args: ModelArgs = ARGS) -> tuple[Transformer, Draft]:
@@ -239,7 +229,7 @@ def test_every_schedule_and_the_config_path_match_single_device():
     policy, draft = _models()
     _, tied_policy, tied_draft = _config_models()
     assert tied_policy.lm_head.weight is tied_policy.embed_tokens.weight
-    with _one_thread():
+    with one_thread():
         schedules_reference = _reference(policy, draft, _batch())
         teacher = policy(_batch().tokens).argmax(-1)
         config_reference = _reference(tied_policy, tied_draft, _batch(vocab=tied_policy.args.vocab_size))
@@ -286,7 +276,7 @@ def test_pipeline_composes_with_context_parallelism():
     """fp64, as the CP tests: the ring sums attention in another order, and fp32 rounding
     through 8 layers would hide a real error of 1e-5 (see ``TOL_FP64``)."""
     policy, draft = (m.double() for m in _models())
-    with _one_thread():
+    with one_thread():
         metrics, grads, _ = _reference(policy, draft, _batch())
     run_on_ranks(_pp_cp_rank, 4, (metrics, grads))
 

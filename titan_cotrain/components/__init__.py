@@ -1,0 +1,1 @@
+"""The torchtitan adapter (``titan``): the one place the project talks to torchtitan."""

@@ -1,0 +1,1 @@
+"""Packed rows: documents laid end to end, ``cu_seqlens``, in-document positions and shifts."""

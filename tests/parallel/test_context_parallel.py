@@ -153,14 +153,14 @@ def check_ring_branch_attention(group, refs):
 
 def check_ring_math_fallback(group, refs):
     """The ring's plain-PyTorch block kernels (the path off CPU), causal and full blocks."""
-    from titan_cotrain.ops import ring_attention as ring_module
+    from titan_cotrain.ops import attention as kernels
 
-    fused = ring_module._use_cpu_flash_kernel
-    ring_module._use_cpu_flash_kernel = lambda q: False
+    fused = kernels._use_cpu_flash_kernel
+    kernels._use_cpu_flash_kernel = lambda q: False
     try:
         _attention_check(group, "zigzag", branch_sets=2)
     finally:
-        ring_module._use_cpu_flash_kernel = fused
+        kernels._use_cpu_flash_kernel = fused
 
 
 def _cotrain_check(group, refs, variant: str) -> None:

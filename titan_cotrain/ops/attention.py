@@ -7,10 +7,12 @@ same document only ("the document-mask rule"). GQA: ``Hq`` is a multiple of ``Hk
 
 Two layers live here:
 
-* kernels, ``trunk_forward`` / ``trunk_backward``: forward returns ``(out, lse)`` with the
-  fp32 log-sum-exp ``lse: [T, Hq]`` (fp32; fp64 for fp64 inputs) of every query row, and backward takes an
+* kernels: ``block_forward`` / ``block_backward`` (one block of one document, causal or
+  full; the ring attention's unit of work) and ``trunk_forward`` / ``trunk_backward`` (every
+  document of a packed batch). Forwards return ``(out, lse)`` with the log-sum-exp
+  ``lse: [T, Hq]`` (fp32; fp64 for fp64 inputs) of every query row; backwards take an
   ``(out, lse)`` pair that may come from a *merged* attention (branch attention, ring
-  attention), which is how merged attentions reuse the trunk kernel for their backward;
+  attention), which is how merged attentions reuse these kernels for their backward;
 * ``varlen_causal_attention``, the differentiable op the target model calls.
 
 On CPU the kernels call ATen's fused CPU flash-attention kernel one document at a time
@@ -27,6 +29,8 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "block_backward",
+    "block_forward",
     "merge_attention",
     "trunk_backward",
     "trunk_forward",
@@ -75,13 +79,73 @@ def _reduce_kv_grad(g: torch.Tensor, n_rep: int) -> torch.Tensor:
     return g.view(n, h // n_rep, n_rep, d).sum(dim=2)
 
 
-def _causal_scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    """[n, H, Dh] x [n, H, Dh] -> fp32 scores [H, n, n] with the causal mask applied."""
+def _bhsd(x: torch.Tensor) -> torch.Tensor:
+    """``[n, H, Dh] -> [1, H, n, Dh]``, the layout of ATen's SDPA kernels."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def _block_scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    """Exact scores ``[H, n, m]`` in the accumulation dtype, causal mask applied when asked."""
     acc = lse_dtype(q.dtype)
     s = torch.einsum("qhd,khd->hqk", q.to(acc), k.to(acc)) * scale
-    n = q.shape[0]
-    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-    return s.masked_fill(~causal, float("-inf"))
+    if causal:
+        keep = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    return s
+
+
+def block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block of one document: ``q [n, Hq, Dh]`` over ``k, v [m, Hkv, Dh]``, all keys
+    (``causal``: ``n == m`` and key ``j <= i``). Returns ``out [n, Hq, Dh]`` (q's dtype) and
+    ``lse [n, Hq]`` (fp32). The trunk runs one causal block per document; the ring runs
+    one block per document and chunk pair. On CPU this is ATen's fused flash kernel (the
+    one private op of the project's attention, used only here and in ``block_backward``)."""
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = _expand_kv(k, n_rep), _expand_kv(v, n_rep)
+    if _use_cpu_flash_kernel(q):
+        o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, scale=scale
+        )
+        return o[0].transpose(0, 1), l[0].transpose(0, 1)
+    s = _block_scores(q, k, scale, causal)
+    l = torch.logsumexp(s, dim=-1)
+    out = torch.einsum("hqk,khd->qhd", torch.exp(s - l.unsqueeze(-1)), v.to(s.dtype))
+    return out.to(q.dtype), l.transpose(0, 1)
+
+
+def block_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This block's share of ``(dq, dk, dv)`` for an attention whose final (merged) output and
+    log-sum-exp are ``out``, ``lse``: ``dS = P (dO V^T - rowsum(dO * O))`` with ``P = e^(S - lse)``,
+    what a flash backward computes when handed the merged pair (see ``trunk_backward``)."""
+    n_rep = q.shape[1] // k.shape[1]
+    acc = lse_dtype(q.dtype)
+    ke, ve = _expand_kv(k, n_rep), _expand_kv(v, n_rep)
+    if _use_cpu_flash_kernel(q):
+        gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            _bhsd(grad_out), _bhsd(q), _bhsd(ke), _bhsd(ve), _bhsd(out),
+            lse.transpose(0, 1).unsqueeze(0).to(acc).contiguous(), 0.0, causal, scale=scale,
+        )
+        gq, gk, gv = (g[0].transpose(0, 1) for g in (gq, gk, gv))
+    else:
+        p = torch.exp(_block_scores(q, ke, scale, causal) - lse.to(acc).transpose(0, 1).unsqueeze(-1))
+        go = grad_out.to(acc)
+        delta = (go * out.to(acc)).sum(-1).transpose(0, 1)
+        ds = p * (torch.einsum("qhd,khd->hqk", go, ve.to(acc)) - delta.unsqueeze(-1)) * scale
+        gq = torch.einsum("hqk,khd->qhd", ds, ke.to(acc))
+        gk = torch.einsum("hqk,qhd->khd", ds, q.to(acc))
+        gv = torch.einsum("hqk,qhd->khd", p, go)
+    return gq, _reduce_kv_grad(gk, n_rep), _reduce_kv_grad(gv, n_rep)
 
 
 def trunk_forward(
@@ -89,28 +153,10 @@ def trunk_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Document-causal attention. Returns ``out [T, Hq, Dh]`` (q's dtype) and ``lse [T, Hq]`` (fp32)."""
     check_packed(q, k, v, cu_seqlens)
-    n_rep = q.shape[1] // k.shape[1]
     out = torch.empty_like(q)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
     for s, e in _doc_bounds(cu_seqlens, q.shape[0]):
-        qd, kd, vd = q[s:e], _expand_kv(k[s:e], n_rep), _expand_kv(v[s:e], n_rep)
-        if _use_cpu_flash_kernel(q):
-            o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                qd.transpose(0, 1).unsqueeze(0),
-                kd.transpose(0, 1).unsqueeze(0),
-                vd.transpose(0, 1).unsqueeze(0),
-                0.0,
-                True,
-                scale=scale,
-            )
-            out[s:e] = o[0].transpose(0, 1)
-            lse[s:e] = l[0].transpose(0, 1)
-        else:
-            scores = _causal_scores(qd, kd, scale)
-            l = torch.logsumexp(scores, dim=-1)
-            p = torch.exp(scores - l.unsqueeze(-1))
-            out[s:e] = torch.einsum("hqk,khd->qhd", p, vd.to(p.dtype)).to(q.dtype)
-            lse[s:e] = l.transpose(0, 1)
+        out[s:e], lse[s:e] = block_forward(q[s:e], k[s:e], v[s:e], scale, causal=True)
     return out, lse
 
 
@@ -132,40 +178,10 @@ def trunk_backward(
     gradient is ``dS = P * (grad_out @ V^T - delta)``, which is exactly what a flash
     backward computes when handed the merged ``(out, lse)``.
     """
-    n_rep = q.shape[1] // k.shape[1]
-    dq = torch.zeros_like(q)
-    dk = torch.zeros_like(k)
-    dv = torch.zeros_like(v)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for s, e in _doc_bounds(cu_seqlens, q.shape[0]):
-        qd, kd, vd = q[s:e], _expand_kv(k[s:e], n_rep), _expand_kv(v[s:e], n_rep)
-        if _use_cpu_flash_kernel(q):
-            bhsd = lambda x: x.transpose(0, 1).unsqueeze(0)  # noqa: E731
-            gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                bhsd(grad_out[s:e]),
-                bhsd(qd),
-                bhsd(kd),
-                bhsd(vd),
-                bhsd(out[s:e]),
-                lse[s:e].transpose(0, 1).unsqueeze(0).to(lse_dtype(q.dtype)).contiguous(),
-                0.0,
-                True,
-                scale=scale,
-            )
-            gq, gk, gv = (g[0].transpose(0, 1) for g in (gq, gk, gv))
-        else:
-            scores = _causal_scores(qd, kd, scale)
-            p = torch.exp(scores - lse[s:e].transpose(0, 1).unsqueeze(-1))
-            acc = p.dtype
-            go = grad_out[s:e].to(acc)
-            delta = (go * out[s:e].to(acc)).sum(-1).transpose(0, 1)  # [H, n]
-            dp = torch.einsum("qhd,khd->hqk", go, vd.to(acc))
-            ds = p * (dp - delta.unsqueeze(-1)) * scale
-            gq = torch.einsum("hqk,khd->qhd", ds, kd.to(acc))
-            gk = torch.einsum("hqk,qhd->khd", ds, qd.to(acc))
-            gv = torch.einsum("hqk,qhd->khd", p, go)
-        dq[s:e] = gq.to(q.dtype)
-        dk[s:e] = _reduce_kv_grad(gk, n_rep).to(k.dtype)
-        dv[s:e] = _reduce_kv_grad(gv, n_rep).to(v.dtype)
+        gq, gk, gv = block_backward(grad_out[s:e], q[s:e], k[s:e], v[s:e], out[s:e], lse[s:e], scale, causal=True)
+        dq[s:e], dk[s:e], dv[s:e] = gq.to(q.dtype), gk.to(k.dtype), gv.to(v.dtype)
     return dq, dk, dv
 
 

@@ -53,9 +53,8 @@ import torch
 import torch.distributed as dist
 
 from titan_cotrain.ops.attention import (
-    _expand_kv,
-    _reduce_kv_grad,
-    _use_cpu_flash_kernel,
+    block_backward,
+    block_forward,
     check_packed,
     lse_dtype,
     merge_attention,
@@ -170,70 +169,6 @@ class _LocalDocs:
         return blocks
 
 
-def _bhsd(x: torch.Tensor) -> torch.Tensor:
-    return x.transpose(0, 1).unsqueeze(0)
-
-
-def _block_scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
-    acc = lse_dtype(q.dtype)
-    s = torch.einsum("qhd,khd->hqk", q.to(acc), k.to(acc)) * scale
-    if causal:
-        keep = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device).tril()
-        s = s.masked_fill(~keep, float("-inf"))
-    return s
-
-
-def _block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One document's block: ``q [n, Hq, Dh]`` over ``k, v [m, Hkv, Dh]``, all keys (``causal``:
-    ``n == m`` and key ``j <= i``). Returns ``out [n, Hq, Dh]`` (q's dtype), fp32 ``lse [n, Hq]``."""
-    n_rep = q.shape[1] // k.shape[1]
-    k, v = _expand_kv(k, n_rep), _expand_kv(v, n_rep)
-    if _use_cpu_flash_kernel(q):
-        o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, scale=scale
-        )
-        return o[0].transpose(0, 1), l[0].transpose(0, 1)
-    s = _block_scores(q, k, scale, causal)
-    l = torch.logsumexp(s, dim=-1)
-    out = torch.einsum("hqk,khd->qhd", torch.exp(s - l.unsqueeze(-1)), v.to(s.dtype))
-    return out.to(q.dtype), l.transpose(0, 1)
-
-
-def _block_backward(
-    grad_out: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    scale: float,
-    causal: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This block's share of ``(dq, dk, dv)`` for an attention whose final (merged) output and
-    log-sum-exp are ``out``, ``lse``: ``dS = P (dO V^T - rowsum(dO * O))`` with ``P = e^(S - lse)``,
-    what a flash backward computes when handed the merged pair (see ``trunk_backward``)."""
-    n_rep = q.shape[1] // k.shape[1]
-    acc = lse_dtype(q.dtype)
-    ke, ve = _expand_kv(k, n_rep), _expand_kv(v, n_rep)
-    if _use_cpu_flash_kernel(q):
-        gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            _bhsd(grad_out), _bhsd(q), _bhsd(ke), _bhsd(ve), _bhsd(out),
-            lse.transpose(0, 1).unsqueeze(0).to(acc).contiguous(), 0.0, causal, scale=scale,
-        )
-        gq, gk, gv = (g[0].transpose(0, 1) for g in (gq, gk, gv))
-    else:
-        p = torch.exp(_block_scores(q, ke, scale, causal) - lse.to(acc).transpose(0, 1).unsqueeze(-1))
-        go = grad_out.to(acc)
-        delta = (go * out.to(acc)).sum(-1).transpose(0, 1)
-        ds = p * (torch.einsum("qhd,khd->hqk", go, ve.to(acc)) - delta.unsqueeze(-1)) * scale
-        gq = torch.einsum("hqk,khd->qhd", ds, ke.to(acc))
-        gk = torch.einsum("hqk,qhd->khd", ds, q.to(acc))
-        gv = torch.einsum("hqk,qhd->khd", p, go)
-    return gq, _reduce_kv_grad(gk, n_rep), _reduce_kv_grad(gv, n_rep)
-
-
 def ring_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -269,7 +204,7 @@ def ring_forward(
         incoming = comm.send_recv(held, _KV_TAG) if step + 1 < world else None
         hk, hv = held
         for qs, qe, ks, ke, block_causal in docs.blocks(layout, world, rank, (rank - step) % world, causal):
-            block_out, block_lse = _block_forward(q[qs:qe], hk[ks:ke], hv[ks:ke], scale, block_causal)
+            block_out, block_lse = block_forward(q[qs:qe], hk[ks:ke], hv[ks:ke], scale, block_causal)
             out[qs:qe], lse[qs:qe] = merge_attention(out[qs:qe], lse[qs:qe], block_out, block_lse)
         if incoming is not None:
             held = incoming.wait()
@@ -320,7 +255,7 @@ def ring_backward(
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
         for qs, qe, ks, ke, block_causal in docs.blocks(layout, world, rank, (rank - step) % world, causal):
-            gq, gk, gv = _block_backward(
+            gq, gk, gv = block_backward(
                 grad_out[qs:qe], q[qs:qe], hk[ks:ke], hv[ks:ke], out[qs:qe], lse[qs:qe], scale, block_causal
             )
             dq[qs:qe] += gq

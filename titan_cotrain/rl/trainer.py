@@ -38,6 +38,12 @@ def next_token_loss(logits: torch.Tensor, rows: LabelRows) -> PolicyLoss:
     return PolicyLoss((ce * rows.next_token_mask.flatten()).sum(), rows.next_token_mask.sum())
 
 
+def _progress(done: int, total: int, width: int = 20) -> str:
+    """``[#####...............]   40/200``: the phase's progress bar of the console line."""
+    filled = round(width * done / max(total, 1))
+    return f"[{'#' * filled}{'.' * (width - filled)}] {done:>4}/{total}"
+
+
 class _TrainerState:
     """The step counter, as a DCP ``Stateful`` (everything random derives from it)."""
 
@@ -247,7 +253,9 @@ class Trainer:
             self.tb.log(metrics, step)
         with open(os.path.join(self.config.job.dump_folder, "metrics.jsonl"), "a") as f:
             f.write(json.dumps({"step": step, "phase": phase.strip(), **metrics}) + "\n")
-        line = f"{phase} step {step:4d}/{self.total_steps}  loss {metrics['loss/policy']:.4f}"
+        sft_steps = self.config.task.sft_steps
+        done, total = (step, sft_steps) if phase.strip() == "sft" else (step - sft_steps, self.config.training.steps)
+        line = f"{phase} {_progress(done, total)}  loss {metrics['loss/policy']:.4f}"
         if "reward/mean" in metrics:
             line += (f"  reward {metrics['reward/mean']:.3f}  accept_len {metrics['rollout/acceptance_length']:.2f}"
                      f"  tok/s {metrics['rollout/tokens_per_s']:.0f}")

@@ -40,6 +40,10 @@ def test_main_job_trains_logs_checkpoints_and_resumes_exactly(tmp_path):
                 "rl/clip_fraction"} <= m.keys()
     assert list((full / "tb").glob("events.out.tfevents.*"))
     assert sorted(p.name for p in (full / "checkpoint").iterdir()) == ["step-2", "step-4"]
+    from titan_cotrain.models import load_eagle3, load_hf
+
+    assert load_hf(full / "export" / "policy").args.n_layers == 8
+    assert load_eagle3(full / "export" / "draft")[1] == (1, 3, 4)
 
     # A second run that finds only the step-2 checkpoint resumes there and repeats steps 3-4.
     resumed = tmp_path / "resumed"

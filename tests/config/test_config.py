@@ -21,11 +21,16 @@ def _load(path: Path, *overrides: str, world_size: int = 1):
 
 
 def test_default_config_loads_with_our_sections():
-    config = load_job_config([], world_size=2)
-    assert config.model.name == "llama3"
-    assert config.draft.ttt_steps == 3
-    assert config.rl.group_size == 4
-    assert config.optimizer.name == "AdamW"  # torchtitan's own sections are there too
+    import tomli
+
+    raw = tomli.loads(DEFAULT.read_text())
+    config = load_job_config([], world_size=2)  # no --job.config_file: the embedded default
+    assert config.model.name == raw["model"]["name"]
+    assert config.draft.ttt_steps == raw["draft"]["ttt_steps"]
+    assert config.rl.group_size == raw["rl"]["group_size"]
+    assert config.rl.lr == raw["rl"]["lr"]
+    assert config.optimizer.lr == raw["optimizer"]["lr"]  # torchtitan's own sections are there too
+    assert config.draft.lr == raw["draft"]["lr"]
 
 
 def test_cli_overrides_take_precedence():

@@ -305,7 +305,12 @@ class Trainer:
             return
         folder = os.path.join(self.config.job.dump_folder, "export")
         save_hf(self.engine.policy, os.path.join(folder, "policy"))
+        exported = "the policy"
         if self.draft is not None and len(self.policy.tap_layers) == 3:
             save_eagle3(self.engine.draft, os.path.join(folder, "draft"), self.policy.tap_layers,
                         target_max_position_embeddings=self.policy.args.max_seq_len)
-        print(f"exported the policy and the draft to {folder}", flush=True)
+            exported += " and the draft"
+        elif self.draft is not None:
+            print(f"the draft fuses {len(self.policy.tap_layers)} tap layers; vLLM and SGLang load EAGLE-3 drafts "
+                  "of exactly 3, so it is not exported", flush=True)
+        print(f"exported {exported} to {folder}", flush=True)

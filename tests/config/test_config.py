@@ -34,10 +34,10 @@ def test_default_config_loads_with_our_sections():
 
 
 def test_cli_overrides_take_precedence():
-    config = _load(DEFAULT, "--draft.ttt_steps", "5", "--compile.enable", "--draft.tap_layers", "1", "2", "5",
+    config = _load(DEFAULT, "--draft.ttt_steps", "5", "--draft.freeze_after_sft", "--draft.tap_layers", "1", "2", "5",
                    world_size=2)
     assert config.draft.ttt_steps == 5
-    assert config.compile.enable is True
+    assert config.draft.freeze_after_sft is True
     assert config.draft.tap_layers == [1, 2, 5]
 
 
@@ -143,3 +143,9 @@ def test_real_scale_samples_validate_at_their_world_size(name, world_size):
     p = config.parallelism
     assert p.data_parallel_shard_degree * p.context_parallel_degree * p.pipeline_parallel_degree == world_size
     _expect(REPO / "train_configs" / name, "but the world size is", world_size=world_size // 2)
+
+
+def test_unsupported_compile_and_checkpointing_modes(tmp_path):
+    _expect(DEFAULT, "compile.enable", "not supported", overrides=("--compile.enable",))
+    _expect(_write(tmp_path, '[activation_checkpoint]\nmode = "selective"\n'),
+            "activation_checkpoint.mode must be 'full' | 'none'")

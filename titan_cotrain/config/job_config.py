@@ -33,6 +33,19 @@ class Model:
 
 
 @dataclass
+class ActivationCheckpoint:
+    mode: Literal["full", "none"] = "none"
+    """``full``: recompute every decoder layer of the policy in backward; ``none``: keep
+    activations. (torchtitan's ``selective`` mode is not supported for our models.)"""
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """``torch.compile`` of the training step is not wired in yet: must stay false."""
+
+
+@dataclass
 class Draft:
     enable: bool = True
     """Co-train the EAGLE-3 draft. False gives plain RL (and plain decoding)."""
@@ -148,6 +161,8 @@ class Task:
 @dataclass
 class JobConfig:
     model: Model = field(default_factory=Model)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
     draft: Draft = field(default_factory=Draft)
     rl: RL = field(default_factory=RL)
     rollout: Rollout = field(default_factory=Rollout)

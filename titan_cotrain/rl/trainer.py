@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from titan_cotrain.components import titan
 from titan_cotrain.cotrain.step import LabelRows, PackedBatch, PolicyLoss, clip_and_step, forward_backward
 from titan_cotrain.models.build import build_draft, build_target
+from titan_cotrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_cotrain.parallel.fsdp import apply_fsdp
 from titan_cotrain.rl.batching import Sample, pack_samples
 from titan_cotrain.rl.grpo import group_advantages, next_token_logprobs, ppo_loss
@@ -91,6 +92,7 @@ class Trainer:
             max_seq_len=config.training.seq_len, max_draft_tokens=config.rollout.draft_tokens,
         )
         self.reference = copy.deepcopy(self.policy).requires_grad_(False) if config.rl.kl_coef > 0 else None
+        apply_activation_checkpointing(self.policy, config.activation_checkpoint.mode)
         if world_size > 1:
             for module in (self.policy, self.draft):
                 if module is not None:

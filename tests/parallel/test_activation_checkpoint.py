@@ -1,0 +1,49 @@
+"""Full activation checkpointing recomputes the policy's layers without changing anything."""
+
+import pytest
+import torch
+
+from tests.batches import synthetic_packed_batch
+from titan_cotrain.cotrain.step import forward_backward
+from titan_cotrain.models.args import model_args_for
+from titan_cotrain.models.draft import Draft, DraftArgs
+from titan_cotrain.models.transformer import Transformer
+from titan_cotrain.parallel.activation_checkpoint import apply_activation_checkpointing
+from titan_cotrain.rl.trainer import next_token_loss
+
+
+def _grads(mode: str):
+    policy = Transformer(model_args_for("qwen3", "debugmodel"))
+    policy.init_weights(std=0.1, generator=torch.Generator().manual_seed(0))
+    draft = Draft(DraftArgs.from_target(policy.args, n_taps=3))
+    draft.init_weights(std=0.1, generator=torch.Generator().manual_seed(1))
+    apply_activation_checkpointing(policy, mode)
+    batch = synthetic_packed_batch(2, 32, 256, torch.Generator().manual_seed(2))
+    metrics = forward_backward(policy, draft, batch, next_token_loss, ttt_steps=2, pass_decay=0.8,
+                               draft_loss_weight=1.0)
+    return metrics, {n: p.grad for m in (policy, draft) for n, p in m.named_parameters()}, policy
+
+
+def test_full_checkpointing_recomputes_and_matches():
+    plain_metrics, plain, _ = _grads("none")
+    ac_metrics, ac, policy = _grads("full")
+    assert isinstance(policy.layers[0].forward, type(policy.layers[0].forward))  # wrapped in place
+    assert [n for n, _ in policy.named_parameters()][:2] == ["embed_tokens.weight", "layers.0.input_layernorm.weight"]
+    for key in ("loss/policy", "loss/draft"):
+        torch.testing.assert_close(ac_metrics[key], plain_metrics[key], rtol=0, atol=0)
+    for name in plain:
+        torch.testing.assert_close(ac[name], plain[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_recompute_really_happens():
+    policy = Transformer(model_args_for("llama3", "debugmodel"))
+    calls = []
+    policy.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+    apply_activation_checkpointing(policy, "full")
+    policy(torch.randint(0, 256, (1, 8))).sum().backward()
+    assert len(calls) == 2  # forward, then the recompute in backward
+
+
+def test_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="'selective' is not supported"):
+        apply_activation_checkpointing(Transformer(model_args_for("llama3", "debugmodel")), "selective")

@@ -17,11 +17,11 @@ import torch.distributed as dist
 
 from titan_cotrain.components import titan
 from titan_cotrain.cotrain.ttt import draft_loss, pass_weights, tau, ttt_unroll
-from titan_cotrain.data.packing import layout_from_document_ids
+from titan_cotrain.data.packing import LabelRows, layout_from_document_ids
 from titan_cotrain.models.draft import Draft
 from titan_cotrain.models.transformer import Transformer
 
-__all__ = ["LabelRows", "PackedBatch", "PolicyLoss", "PolicyLossFn", "clip_and_step", "forward_backward", "labels_of"]
+__all__ = ["PackedBatch", "PolicyLoss", "PolicyLossFn", "clip_and_step", "forward_backward", "labels_of"]
 
 
 @dataclass
@@ -39,25 +39,13 @@ class PackedBatch:
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
 
-    def to(self, device) -> "PackedBatch":
-        return PackedBatch(*(None if t is None else t.to(device) for t in (
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "PackedBatch":
+        """The same rows with ``fn`` applied to every field present (moves, slices, pads)."""
+        return PackedBatch(*(None if t is None else fn(t) for t in (
             self.tokens, self.document_ids, self.loss_mask, self.advantages, self.old_logprobs, self.ref_logprobs)))
 
-
-@dataclass
-class LabelRows:
-    """Label-aligned view of a batch, ``[B, S]`` each: at position ``t`` the *next* token
-    ``x_{t+1}`` of the same document (``next_tokens``, 0 past a document's end),
-    ``next_token_mask`` (it exists and is a training target), and its advantage and
-    behaviour / reference log-probs. Policy losses read these instead of slicing
-    ``[:, 1:]``, so the same loss runs on a context-parallel shard (whose ``CPBatch``
-    carries the same fields, shifted before sharding)."""
-
-    next_tokens: torch.Tensor
-    next_token_mask: torch.Tensor
-    next_advantages: torch.Tensor | None = None
-    next_old_logprobs: torch.Tensor | None = None
-    next_ref_logprobs: torch.Tensor | None = None
+    def to(self, device) -> "PackedBatch":
+        return self.map(lambda t: t.to(device))
 
 
 def labels_of(batch: PackedBatch) -> LabelRows:

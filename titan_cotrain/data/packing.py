@@ -13,12 +13,29 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "LabelRows",
     "PackedLayout",
     "layout_from_cu_seqlens",
     "layout_from_document_ids",
     "layout_one_doc_per_row",
     "shift_in_document",
 ]
+
+
+@dataclass
+class LabelRows:
+    """Label-aligned view of a batch, ``[B, S]`` each: at position ``t`` the *next* token
+    ``x_{t+1}`` of the same document (``next_tokens``, 0 past a document's end),
+    ``next_token_mask`` (it exists and is a training target), and its advantage and
+    behaviour / reference log-probs. Policy losses read these instead of slicing
+    ``[:, 1:]``, so the same loss runs on a context-parallel shard (whose ``CPBatch``
+    extends this with its local tokens, shifted before sharding)."""
+
+    next_tokens: torch.Tensor
+    next_token_mask: torch.Tensor
+    next_advantages: torch.Tensor | None = None
+    next_old_logprobs: torch.Tensor | None = None
+    next_ref_logprobs: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,12 @@ from titan_cotrain.config import resolve_model_args, resolve_tap_layers
 from titan_cotrain.models.draft import Draft, DraftArgs, draft_vocab_from_counts
 from titan_cotrain.models.transformer import Transformer
 
-__all__ = ["build_draft", "build_target"]
+__all__ = ["build_draft", "build_target", "job_seed"]
+
+
+def job_seed(config) -> int:
+    """``[debug] seed``, 0 when unset: the root of every random choice of a job."""
+    return config.debug.seed if config.debug.seed is not None else 0
 
 
 def build_target(config, device: torch.device | str = "cpu") -> Transformer:
@@ -17,7 +22,7 @@ def build_target(config, device: torch.device | str = "cpu") -> Transformer:
         from titan_cotrain.models.hf import load_hf
 
         return load_hf(config.model.hf_path, dtype=torch.float32, tap_layers=taps, device=device)
-    seed = config.debug.seed if config.debug.seed is not None else 0
+    seed = job_seed(config)
     with torch.device(device):
         model = Transformer(args, tap_layers=taps)
     model.init_weights(generator=torch.Generator(device=device).manual_seed(seed))
@@ -56,7 +61,7 @@ def build_draft(config, target: Transformer, token_counts: torch.Tensor | None =
         if token_counts is None:
             raise ValueError("a reduced draft vocabulary ([draft] vocab_size) needs token counts of a corpus")
         maps = draft_vocab_from_counts(token_counts, args.draft_vocab_size)
-    seed = config.debug.seed if config.debug.seed is not None else 0
+    seed = job_seed(config)
     with torch.device(device):
         draft = Draft(args, *(maps or (None, None)))
     draft.init_weights(generator=torch.Generator(device=device).manual_seed(seed + 1))

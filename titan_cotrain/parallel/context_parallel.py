@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from titan_cotrain.data.packing import layout_from_document_ids
+from titan_cotrain.data.packing import LabelRows, layout_from_document_ids
 from titan_cotrain.ops.ring_attention import chunks_per_document, local_chunks
 
 __all__ = [
@@ -346,12 +346,12 @@ def shard_packed_rows(
                    device=document_ids.device)
 
 
-@dataclass
-class CPBatch:
+@dataclass(kw_only=True)
+class CPBatch(LabelRows):
     """One CP rank's share of a ``PackedBatch``, every field ``[B, local_len]``.
 
     ``tokens`` (the model input) and ``loss_mask`` (False on padding) are token-aligned.
-    The ``next_*`` fields are label-aligned, shifted by one inside each document *before*
+    The ``next_*`` fields (``LabelRows``') are label-aligned, shifted by one inside each document *before*
     sharding, so a next-token loss at local token ``i`` needs no communication:
     ``next_tokens`` (token ``i + 1``, 0 past the document's end), ``next_token_mask``
     (token ``i + 1`` exists and is in the loss mask), and the batch's ``advantages``,
@@ -361,11 +361,6 @@ class CPBatch:
 
     tokens: torch.Tensor
     loss_mask: torch.Tensor
-    next_tokens: torch.Tensor
-    next_token_mask: torch.Tensor
-    next_advantages: torch.Tensor | None = None
-    next_old_logprobs: torch.Tensor | None = None
-    next_ref_logprobs: torch.Tensor | None = None
 
 
 def shard_batch_for_cp(batch, group=None, *, row_len: int | None = None) -> tuple[CPBatch, CPShard]:

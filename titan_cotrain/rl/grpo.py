@@ -9,7 +9,8 @@ it), meaningful where ``next_token_mask[b, t]`` (a response token).
 import torch
 import torch.nn.functional as F
 
-from titan_cotrain.cotrain.step import LabelRows, PolicyLoss
+from titan_cotrain.cotrain.step import PolicyLoss
+from titan_cotrain.data.packing import LabelRows
 
 __all__ = ["group_advantages", "next_token_logprobs", "ppo_loss"]
 

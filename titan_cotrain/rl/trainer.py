@@ -20,8 +20,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from titan_cotrain.components import titan
-from titan_cotrain.cotrain.step import LabelRows, PackedBatch, PolicyLoss, clip_and_step, forward_backward
-from titan_cotrain.models.build import build_draft, build_target
+from titan_cotrain.cotrain.step import PackedBatch, PolicyLoss, clip_and_step, forward_backward
+from titan_cotrain.data.packing import LabelRows
+from titan_cotrain.models.build import build_draft, build_target, job_seed
 from titan_cotrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_cotrain.parallel.fsdp import apply_fsdp
 from titan_cotrain.rl.batching import Sample, pack_samples
@@ -75,7 +76,7 @@ class Trainer:
         self.dp_degree = dims.dp_replicate * dims.dp_shard
         self.dp_rank = dims.get_mesh("batch").get_local_rank() if dims.dp_enabled else 0
         self.device = titan.device_type()
-        self.seed = config.debug.seed if config.debug.seed is not None else 0
+        self.seed = job_seed(config)
         self.tokenizer = titan.load_tokenizer(config.model.hf_path or config.model.hf_assets_path)
         self.task = get_task(config.task.name)
         self.total_steps = config.task.sft_steps + config.training.steps
@@ -147,9 +148,7 @@ class Trainer:
             dist.all_reduce(rows, op=dist.ReduceOp.MAX)
         extra = int(rows) - batch.tokens.shape[0]
         if extra:
-            pad = lambda t: torch.cat([t, t.new_zeros(extra, t.shape[1])])  # noqa: E731
-            batch = PackedBatch(*(None if t is None else pad(t) for t in (
-                batch.tokens, batch.document_ids, batch.loss_mask, batch.advantages, batch.old_logprobs)))
+            batch = batch.map(lambda t: torch.cat([t, t.new_zeros(extra, t.shape[1])]))
         return batch.to(self.device)
 
     # ---------------------------------------------------------------- steps
@@ -161,9 +160,7 @@ class Trainer:
         draft = self.draft if train_draft else None
         for chunk in range(n):
             rows = slice(chunk * batch.tokens.shape[0] // n, (chunk + 1) * batch.tokens.shape[0] // n)
-            minibatch = PackedBatch(*(None if t is None else t[rows] for t in (
-                batch.tokens, batch.document_ids, batch.loss_mask, batch.advantages, batch.old_logprobs,
-                batch.ref_logprobs)))
+            minibatch = batch.map(lambda t: t[rows])
             out = forward_backward(self.policy, draft, minibatch, loss_fn, ttt_steps=cfg.draft.ttt_steps,
                                    pass_decay=cfg.draft.pass_decay, draft_loss_weight=cfg.draft.loss_weight,
                                    draft_loss_on=cfg.draft.loss_on, cp_group=self.cp_group)
@@ -207,14 +204,14 @@ class Trainer:
                                         draft_tokens=cfg.rollout.draft_tokens if cfg.rollout.speculative else 0)
         t_rollout = time.perf_counter() - t0
 
-        texts = [self.tokenizer.decode(rollouts.tokens[i, : int(rollouts.response_lens[i])].tolist())
-                 for i in range(len(prompts))]
+        lengths = rollouts.response_lens.tolist()
+        responses = [rollouts.tokens[i, :n].tolist() for i, n in enumerate(lengths)]
+        texts = [self.tokenizer.decode(ids) for ids in responses]
         rewards = score(self.task, [problems[i // cfg.rl.group_size] for i in range(len(prompts))], texts)
         rewards_t = torch.tensor(rewards)
         advantages = group_advantages(rewards_t, cfg.rl.group_size)
         samples = [
-            Sample(prompt, rollouts.tokens[i, : int(rollouts.response_lens[i])].tolist(),
-                   rollouts.logprobs[i, : int(rollouts.response_lens[i])].tolist(), rewards[i], float(advantages[i]))
+            Sample(prompt, responses[i], rollouts.logprobs[i, : lengths[i]].tolist(), rewards[i], float(advantages[i]))
             for i, prompt in enumerate(prompts)
         ]
         batch = self._pack(samples)

@@ -79,6 +79,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sft-steps", type=int, default=200)
     parser.add_argument("--rl-steps", type=int, default=40)
+    parser.add_argument("--warm-start", type=Path, default=None,
+                        help="an existing warm-start checkpoint folder (step-<sft-steps>) both arms resume from, "
+                             "instead of running the SFT phase in the co-trained arm")
     parser.add_argument("--work", type=Path, default=ROOT / "outputs" / "compare_cotrain")
     parser.add_argument("--json", type=Path, default=ROOT / "assets" / "compare_cotrain.json")
     parser.add_argument("--png", type=Path, default=ROOT / "assets" / "acceptance_vs_step.png")
@@ -86,16 +89,20 @@ def main() -> int:
     shutil.rmtree(args.work, ignore_errors=True)
     common = ["--task.sft_steps", str(args.sft_steps), "--training.steps", str(args.rl_steps),
               "--checkpoint.interval", str(args.sft_steps), "--checkpoint.keep_latest_k", "0", *extra]
+    warm_start = args.work / "cotrain" / "checkpoint" / f"step-{args.sft_steps}"
+    if args.warm_start is not None:
+        shutil.copytree(args.warm_start, warm_start)
     cotrain = run(args.work / "cotrain", common)
     frozen_dump = args.work / "frozen"
-    shutil.copytree(args.work / "cotrain" / "checkpoint" / f"step-{args.sft_steps}",
-                    frozen_dump / "checkpoint" / f"step-{args.sft_steps}")
+    shutil.copytree(warm_start, frozen_dump / "checkpoint" / f"step-{args.sft_steps}")
     frozen = run(frozen_dump, [*common, "--draft.freeze_after_sft"])
 
     result = {"steps": [m["step"] - args.sft_steps for m in cotrain if m["phase"] == "rl"]}
     for name, metrics in (("cotrain", cotrain), ("frozen", frozen)):
         result[name] = {"acceptance_length": rl_curve(metrics, "rollout/acceptance_length"),
                         "reward": rl_curve(metrics, "reward/mean")}
+        result[name] |= {key.split("/", 1)[1]: rl_curve(metrics, key) for key in sorted(metrics[-1])
+                         if key.startswith("task/") or key.startswith("rollout/acceptance_rate_")}
     tail = max(len(result["steps"]) // 4, 1)
     ratio = mean(result["cotrain"]["acceptance_length"][-tail:]) / mean(result["frozen"]["acceptance_length"][-tail:])
     result["summary"] = {

@@ -37,7 +37,10 @@ def test_main_job_trains_logs_checkpoints_and_resumes_exactly(tmp_path):
     for m in metrics[2:]:
         assert {"reward/mean", "reward/std", "rollout/acceptance_length", "rollout/tokens_per_s", "loss/draft",
                 "draft/acc_pass1", "draft/tau", "grad_norm/policy", "grad_norm/draft", "time/rollout_s",
-                "rl/clip_fraction"} <= m.keys()
+                "rl/clip_fraction", "task/answer_correct", "task/steps_preferred"} <= m.keys()
+        # The task's details are means over the step's samples, like the reward they make up.
+        assert abs(m["reward/mean"] - (0.4 * m["task/answer_correct"] + 0.2 * m["task/steps_correct"]
+                                       + 0.4 * m["task/steps_preferred"])) < 1e-5
     assert list((full / "tb").glob("events.out.tfevents.*"))
     assert sorted(p.name for p in (full / "checkpoint").iterdir()) == ["step-2", "step-4"]
     from titan_cotrain.models import load_eagle3, load_hf

@@ -126,8 +126,12 @@ def test_greedy_speculative_equals_greedy_plain(vocab, draft_vocab, k):
         engine = RolloutEngine(target, draft, max_batch_size=8, max_seq_len=40, max_draft_tokens=k)
     params = SamplingParams(temperature=0, max_new_tokens=24, eos_token_id=_eos_for_some_rows(plain.tokens))
     plain = engine.generate(prompts, params, draft_tokens=0)
-    spec = engine.generate(prompts, params, draft_tokens=k)
+    calls = []
+    spec = engine.generate(prompts, params, draft_tokens=k, progress=lambda done, total: calls.append((done, total)))
     assert plain.finished.any() and not plain.finished.all(), "EOS should stop some rows, not all"
+    # One progress report per round: finished counts never fall and end at the batch size.
+    assert len(calls) > 1 and calls[-1] == (6, 6) and {t for _, t in calls} == {6}
+    assert all(a <= b for (a, _), (b, _) in zip(calls, calls[1:])) and calls[0][0] < 6
     assert torch.equal(spec.tokens, plain.tokens)
     assert torch.equal(spec.response_lens, plain.response_lens)
     assert torch.equal(spec.finished, plain.finished)
@@ -298,3 +302,21 @@ def _load_sharded_rank(rank, world_size):
 
 def test_load_weights_gathers_fsdp_shards():
     run_on_ranks(_load_sharded_rank, 2)
+
+
+def test_rollout_progress_bar_draws_after_its_delay_and_clears():
+    import io
+
+    from titan_cotrain.rl.trainer import RolloutProgress
+
+    quiet = RolloutProgress(delay_s=3600, stream=io.StringIO())
+    quiet(1, 4)
+    quiet.close()
+    assert quiet.stream.getvalue() == ""
+    bar = RolloutProgress(delay_s=0, interval_s=0, stream=io.StringIO())
+    bar(1, 4)
+    bar(4, 4)
+    bar.close()
+    text = bar.stream.getvalue()
+    assert "   1/4 responses" in text and "   4/4 responses" in text and text.endswith("\r\033[K")
+

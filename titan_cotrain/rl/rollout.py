@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -277,12 +277,14 @@ class RolloutEngine:
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[torch.Tensor | Sequence[int]], params: SamplingParams, *,
-                 draft_tokens: int | None = None, generator: torch.Generator | None = None) -> Rollouts:
+                 draft_tokens: int | None = None, generator: torch.Generator | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> Rollouts:
         """Sample one response per prompt.
 
         ``prompts``: token ids, ragged. ``draft_tokens`` is ``k`` (default: the engine's
         ``max_draft_tokens``; 0 decodes without the draft). ``generator`` (on the engine's
-        device) seeds every draw.
+        device) seeds every draw. ``progress(finished, total)``, if given, is called after
+        every decoding round with the number of finished responses.
         """
         k = self.max_draft_tokens if draft_tokens is None else draft_tokens
         if not 0 <= k <= self.max_draft_tokens:
@@ -308,6 +310,8 @@ class RolloutEngine:
             else:
                 with counters.timed("verify"):
                     self._decode_one_token(seqs, params, generator, target_cache, counters)
+            if progress is not None:
+                progress(b - int(seqs.active.sum()), b)
         return seqs.result(prompt_lens, params.max_new_tokens, counters.stats(int(seqs.response_len.sum()), k))
 
     def _cache_rows(self, b: int, k: int) -> tuple[KVCache, DraftKVCache | None]:

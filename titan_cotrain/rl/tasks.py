@@ -5,12 +5,12 @@ each (the SFT warm start's data) and scores any response with code, never a mode
 
 * ``arithmetic``: add three to five digits (1-5), e.g. ``4+3+5+2=``. The response shows its working
   one running sum at a time, ``4+3=7;7+5=12;12+2=14;#14`` (a few dozen tokens, so
-  generation dominates a step, as in real RL). Each step may be written either way round
-  (``7+5=12`` or ``5+7=12``); demonstrations pick each at random, and the reward pays
-  for the correct answer, for correct working steps and, on top, for writing the running
-  sum first. RL therefore moves
-  the policy away from its warm-start mixture towards one style: the drift that makes a
-  frozen draft fall behind.
+  generation dominates a step, as in real RL). Each step may be written in four ways
+  (``7+5=12``, ``5+7=12``, ``12=7+5``, ``12=5+7``); demonstrations pick one at random per
+  step, and the reward pays for the correct answer, for correct working steps and, on top,
+  for the first way (running sum first, result last). RL therefore moves the policy away
+  from its warm-start mixture, where each step's first token is a four-way choice, to one
+  style: the drift that makes a frozen draft, fitted to the mixture, fall behind.
 * ``sort``: sort a list of numbers, ``sort:5,12,3=`` -> ``3,5,12#``. Partial credit per
   position, so the reward has a different shape.
 """
@@ -39,6 +39,11 @@ class Task(Protocol):
 
     def reward(self, problem: Problem, response: str) -> float: ...
 
+    def details(self, problem: Problem, response: str) -> dict[str, float]:
+        """What the reward is made of, per response (the trainer logs the batch means as
+        ``task/<key>``): shows where RL moves the policy, not only how far."""
+        ...
+
 
 def _final_answer(response: str) -> str | None:
     """The text after the last ``#`` up to the end of the line, or None."""
@@ -57,33 +62,45 @@ class Arithmetic:
         numbers = tuple(rng.randint(1, self.max_value) for _ in range(rng.randint(self.min_terms, self.max_terms)))
         return Problem(prompt="+".join(map(str, numbers)) + "=", answer=str(sum(numbers)), numbers=numbers)
 
+    @staticmethod
+    def step_forms(before: int, x: int) -> tuple[str, ...]:
+        """The ways of writing the step that adds ``x`` to the running sum ``before``; the
+        first is the one the reward prefers."""
+        after = before + x
+        return (f"{before}+{x}={after}", f"{x}+{before}={after}", f"{after}={before}+{x}", f"{after}={x}+{before}")
+
     def demonstration(self, problem: Problem, rng: random.Random) -> str:
         total, steps = problem.numbers[0], []
         for x in problem.numbers[1:]:
-            first, second = (total, x) if rng.random() < 0.5 else (x, total)
+            steps.append(rng.choice(self.step_forms(total, x)))
             total += x
-            steps.append(f"{first}+{second}={total}")
         return ";".join(steps) + f";#{total}"
 
     def step_fractions(self, problem: Problem, response: str) -> tuple[float, float]:
-        """Shares of the expected working steps that are correct in either order, and
-        correct written running-sum first (step ``i`` is the ``i``-th ``;`` segment)."""
+        """Shares of the expected working steps that are correct in any form, and correct in
+        the preferred form (step ``i`` is the ``i``-th ``;`` segment)."""
         steps = response.split(";")
         total, correct, preferred = problem.numbers[0], 0, 0
         for i, x in enumerate(problem.numbers[1:]):
-            before, total = total, total + x
+            forms = self.step_forms(total, x)
+            total += x
             written = steps[i] if i < len(steps) else ""
-            preferred += written == f"{before}+{x}={total}"
-            correct += written in (f"{before}+{x}={total}", f"{x}+{before}={total}")
+            preferred += written == forms[0]
+            correct += written in forms
         n = len(problem.numbers) - 1
         return correct / n, preferred / n
 
     def reward(self, problem: Problem, response: str) -> float:
-        """``0.5`` for the right final answer, ``0.25`` x the share of correct working steps,
-        ``0.25`` x the share written running-sum first: dense enough that a weak policy
+        """``0.4`` for the right final answer, ``0.2`` x the share of correct working steps,
+        ``0.4`` x the share written in the preferred form: dense enough that a weak policy
         still gets a signal, and the style term is what RL moves."""
+        details = self.details(problem, response)
+        return 0.4 * details["answer_correct"] + 0.2 * details["steps_correct"] + 0.4 * details["steps_preferred"]
+
+    def details(self, problem: Problem, response: str) -> dict[str, float]:
         correct, preferred = self.step_fractions(problem, response)
-        return 0.5 * (_final_answer(response) == problem.answer) + 0.25 * correct + 0.25 * preferred
+        return {"answer_correct": float(_final_answer(response) == problem.answer),
+                "steps_correct": correct, "steps_preferred": preferred}
 
 
 class Sort:
@@ -101,11 +118,14 @@ class Sort:
         return problem.answer + "#"
 
     def reward(self, problem: Problem, response: str) -> float:
+        return self.details(problem, response)["positions_correct"]
+
+    def details(self, problem: Problem, response: str) -> dict[str, float]:
         body = response.split("#", 1)[0].strip()
         got = body.split(",") if body else []
         want = problem.answer.split(",")
         hits = sum(g == w for g, w in zip(got, want))
-        return hits / max(len(want), len(got))
+        return {"positions_correct": hits / max(len(want), len(got)), "exact": float(got == want)}
 
 
 TASKS: dict[str, type] = {"arithmetic": Arithmetic, "sort": Sort}
@@ -121,19 +141,25 @@ class RewardError(RuntimeError):
     """A task's reward function failed or returned something that is not a finite number."""
 
 
-def score(task: Task, problems: list[Problem], responses: list[str]) -> list[float]:
-    """Rewards of ``responses[i]`` to ``problems[i]``. A reward that raises or is not a
-    finite number stops the step with the task, prompt and response in the message:
-    a silently wrong reward would train the policy on garbage."""
-    rewards = []
+def score(task: Task, problems: list[Problem], responses: list[str]) -> tuple[list[float], list[dict[str, float]]]:
+    """Rewards of ``responses[i]`` to ``problems[i]``, and their ``details`` (empty for a
+    task without that method). A reward that raises or is not a finite number stops the
+    step with the task, prompt and response in the message: a silently wrong reward would
+    train the policy on garbage."""
+    rewards, details = [], []
     for problem, response in zip(problems, responses, strict=True):
+        context = f"task {task.name!r}: reward {{}} for prompt {problem.prompt!r}, response {response!r}"
         try:
             reward = float(task.reward(problem, response))
         except Exception as e:
-            raise RewardError(f"task {task.name!r}: reward failed for prompt {problem.prompt!r}, "
-                              f"response {response!r}: {e!r}") from e
+            raise RewardError(context.format("failed") + f": {e!r}") from e
         if not math.isfinite(reward):
-            raise RewardError(f"task {task.name!r}: reward {reward} for prompt {problem.prompt!r}, "
-                              f"response {response!r} is not a finite number")
+            raise RewardError(context.format(reward) + " is not a finite number")
+        try:
+            detail = {key: float(v) for key, v in task.details(problem, response).items()} \
+                if hasattr(task, "details") else {}
+        except Exception as e:
+            raise RewardError(context.format("details failed") + f": {e!r}") from e
         rewards.append(reward)
-    return rewards
+        details.append(detail)
+    return rewards, details

@@ -13,6 +13,7 @@ import copy
 import json
 import os
 import random
+import sys
 import time
 
 import torch
@@ -44,6 +45,29 @@ def _progress(done: int, total: int, width: int = 20) -> str:
     """``[#####...............]   40/200``: the phase's progress bar of the console line."""
     filled = round(width * done / max(total, 1))
     return f"[{'#' * filled}{'.' * (width - filled)}] {done:>4}/{total}"
+
+
+class RolloutProgress:
+    """The console progress bar of a long rollout: after ``delay_s`` it redraws one line
+    (``rollout [####....]  300/768 responses``) at most every ``interval_s`` and clears it
+    when the rollout ends, so short rollouts print nothing."""
+
+    def __init__(self, delay_s: float = 2.0, interval_s: float = 1.0, stream=None) -> None:
+        self.delay_s, self.interval_s, self.stream = delay_s, interval_s, stream or sys.stdout
+        self.start = time.monotonic()
+        self.last_draw = None
+
+    def __call__(self, finished: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.start < self.delay_s or (self.last_draw is not None and now - self.last_draw < self.interval_s):
+            return
+        self.last_draw = now
+        print(f"\rrollout {_progress(finished, total)} responses  {now - self.start:.0f}s", end="",
+              file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.last_draw is not None:
+            print("\r\033[K", end="", file=self.stream, flush=True)
 
 
 class _TrainerState:
@@ -200,14 +224,19 @@ class Trainer:
                                 eos_token_id=self.tokenizer.eos_id)
         generator = torch.Generator(device=self.device).manual_seed((self.seed * 1_000_003 + step) * 1009 + self.dp_rank)
         t0 = time.perf_counter()
-        rollouts = self.engine.generate(prompts, params, generator=generator,
+        progress = RolloutProgress() if self.rank == 0 else None
+        rollouts = self.engine.generate(prompts, params, generator=generator, progress=progress,
                                         draft_tokens=cfg.rollout.draft_tokens if cfg.rollout.speculative else 0)
+        if progress is not None:
+            progress.close()
         t_rollout = time.perf_counter() - t0
 
         lengths = rollouts.response_lens.tolist()
         responses = [rollouts.tokens[i, :n].tolist() for i, n in enumerate(lengths)]
         texts = [self.tokenizer.decode(ids) for ids in responses]
-        rewards = score(self.task, [problems[i // cfg.rl.group_size] for i in range(len(prompts))], texts)
+        sample_problems = [problems[i // cfg.rl.group_size] for i in range(len(prompts))]
+        rewards, details = score(self.task, sample_problems, texts)
+        detail_keys = sorted(details[0]) if details else []
         rewards_t = torch.tensor(rewards)
         advantages = group_advantages(rewards_t, cfg.rl.group_size)
         samples = [
@@ -228,7 +257,8 @@ class Trainer:
         t_train = time.perf_counter() - t0
 
         stats = torch.tensor([rewards_t.sum(), (rewards_t ** 2).sum(), float(len(rewards)),
-                              rollouts.stats.acceptance_length, rollouts.stats.tokens_per_s, 1.0])
+                              rollouts.stats.acceptance_length, rollouts.stats.tokens_per_s, 1.0,
+                              *(sum(d[key] for d in details) for key in detail_keys)])
         if dist.is_initialized():
             dist.all_reduce(stats)
         mean = stats[0] / stats[2]
@@ -240,6 +270,7 @@ class Trainer:
             "rollout/response_len": float(rollouts.response_lens.float().mean()),
             "time/rollout_s": t_rollout, "time/train_s": t_train, "time/refresh_s": t_refresh,
         }
+        metrics |= {f"task/{key}": float(total / stats[2]) for key, total in zip(detail_keys, stats[6:])}
         metrics |= {k: v for k, v in rollouts.stats.metrics().items() if "acceptance_rate" in k}
         return metrics
 

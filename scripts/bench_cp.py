@@ -66,7 +66,14 @@ from torch.utils._pytree import tree_leaves
 
 from titan_cotrain.ops import branch_attention
 from titan_cotrain.ops.attention import lse_dtype, merge_attention
-from titan_cotrain.ops.ring_attention import RingComm, chunks_per_document, local_chunks, ring_branch_attention
+from titan_cotrain.ops.ring_attention import (
+    DEFAULT_PIECES,
+    RingComm,
+    _LocalDocs,
+    chunks_per_document,
+    local_chunks,
+    ring_branch_attention,
+)
 from titan_cotrain.parallel.context_parallel import CPShard, plan_padded_rows, shard_packed_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,20 +214,28 @@ def gather_plan(shard, rank: int) -> tuple[list[tuple[int, int, int, int, bool]]
 # ---- simulated communication ---------------------------------------------------------------------
 
 class SimulatedRing(RingComm):
-    """Rank ``rank`` of a ring whose other ranks' ``(k, v)`` shards are given (see the module docstring)."""
+    """Rank ``rank`` of a ring whose other ranks' ``(k, v)`` shards are given (see the module docstring).
 
-    def __init__(self, rank: int, world: int, kv_shards: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    ``plan`` is the ring's cut of a shard into messages (``_LocalDocs.pieces``): the ring sends
+    piece after piece, each W - 1 hops around, so the ``n``-th K/V message received, in forward
+    as in backward, is piece ``n // (W - 1)`` of rank ``rank - 1 - n % (W - 1)``."""
+
+    def __init__(self, rank: int, world: int, kv_shards: list[tuple[torch.Tensor, torch.Tensor]], plan) -> None:
         self.group, self.rank, self.world = None, rank, world
-        self._kv_shards, self._kv_hops = kv_shards, 0
+        # Every rank's messages, cut before tracking starts: the other ranks' memory.
+        self._messages = [[(piece.take(k), piece.take(v)) for piece in plan] for k, v in kv_shards]
+        self._kv_hops = 0
 
     def send_recv(self, tensors, tag):
         from titan_cotrain.ops.ring_attention import _KV_TAG, _InFlight
 
         received = tuple(torch.empty_like(t) for t in tensors)  # what irecv would allocate
-        if tag == _KV_TAG:  # forward and backward each take W - 1 K/V hops
-            source = (self.rank - 1 - self._kv_hops % (self.world - 1)) % self.world
-            for buffer, shard in zip(received, self._kv_shards[source]):
-                buffer.copy_(shard)
+        if tag == _KV_TAG:
+            hops = self.world - 1
+            source = (self.rank - 1 - self._kv_hops % hops) % self.world
+            messages = self._messages[source]
+            for buffer, message in zip(received, messages[self._kv_hops // hops % len(messages)]):
+                buffer.copy_(message)
             self._kv_hops += 1
         else:
             for buffer in received:
@@ -327,7 +342,8 @@ def run_single_device(seq_len: int, tensors) -> dict:
     return {"seq_len": seq_len, "branch_sets": tensors[3].shape[0], "peak_bytes": peak, "seconds": round(seconds, 3)}
 
 
-def run_rank(impl: str, layout: str, world: int, seq_len: int, rank: int, tensors) -> dict:
+def run_rank(impl: str, layout: str, world: int, seq_len: int, rank: int, tensors,
+             pieces: int = DEFAULT_PIECES) -> dict:
     """One rank's forward + backward on the real shards; returns its peak bytes, time and output."""
     lengths = [doc_lengths(seq_len)]
     padded, row_len = plan_padded_rows(lengths, world, layout=layout)
@@ -339,8 +355,13 @@ def run_rank(impl: str, layout: str, world: int, seq_len: int, rank: int, tensor
     held = [x.clone().requires_grad_() for x in local_inputs[rank][:5]] + [local_inputs[rank][5].clone()]
     del local_inputs
     if impl == "ring":
-        comm = SimulatedRing(rank, world, kv_shards) if world > 1 else RingComm(None)
-        run = lambda inputs: ring_branch_attention(*inputs, shard.cu_seqlens, comm, SCALE, layout=layout)  # noqa: E731
+        if world > 1:
+            plan = _LocalDocs(shard.cu_seqlens, len(local_chunks(layout, rank, world))).pieces(pieces)
+            comm = SimulatedRing(rank, world, kv_shards, plan)
+        else:
+            comm = RingComm(None)
+        run = lambda inputs: ring_branch_attention(  # noqa: E731
+            *inputs, shard.cu_seqlens, comm, SCALE, layout=layout, pieces=pieces)
     else:
         plan, row_index = gather_plan(shard, rank)
         comm = SimulatedGather(rank, kv_shards, row_index)

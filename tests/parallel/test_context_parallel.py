@@ -107,7 +107,7 @@ def _cu() -> torch.Tensor:
     return torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32)
 
 
-def _attention_check(group, layout: str, branch_sets: int) -> None:
+def _attention_check(group, layout: str, branch_sets: int, **ring_options) -> None:
     """Output and every input gradient of the ring (trunk, or trunk + branch) vs single device."""
     inputs, cotangent = _packed_qkv(seed=10 + branch_sets, branch_sets=branch_sets)
     full = [x.clone().requires_grad_() for x in inputs]
@@ -126,9 +126,9 @@ def _attention_check(group, layout: str, branch_sets: int) -> None:
     if branch_sets:
         from titan_cotrain.ops.ring_attention import ring_branch_attention
 
-        out = ring_branch_attention(*local, shard.cu_seqlens, shard.group, layout=layout)
+        out = ring_branch_attention(*local, shard.cu_seqlens, shard.group, layout=layout, **ring_options)
     else:
-        out = ring_attention(*local, shard.cu_seqlens, shard.group, layout=layout)
+        out = ring_attention(*local, shard.cu_seqlens, shard.group, layout=layout, **ring_options)
     # Padding queries' outputs feed no loss, like every padded token's in training.
     out.backward(shard.shard(cotangent).flatten(0, 1) * valid)
     torch.testing.assert_close(out * valid, shard.shard(ref.detach().view(2, SEQ_LEN, 4, 8)).flatten(0, 1), **TOL)
@@ -149,6 +149,15 @@ def check_ring_attention_contiguous(group, refs):
 
 def check_ring_branch_attention(group, refs):
     _attention_check(group, "zigzag", branch_sets=3)
+
+
+def check_ring_pieces(group, refs):
+    """Other cuts of a ring hop into messages than the default: one message per hop (no
+    pipelining), a few uneven pieces, and more pieces than chunk offsets (one offset each)."""
+    for pieces in (1, 3, 1000):
+        _attention_check(group, "zigzag", branch_sets=3, pieces=pieces)
+    _attention_check(group, "zigzag", branch_sets=0, pieces=2)
+    _attention_check(group, "contiguous", branch_sets=0, pieces=5)
 
 
 def check_ring_math_fallback(group, refs):
@@ -265,6 +274,7 @@ CHECKS = {
     "ring_attention": check_ring_attention,
     "ring_attention_contiguous": check_ring_attention_contiguous,
     "ring_branch_attention": check_ring_branch_attention,
+    "ring_pieces": check_ring_pieces,
     "ring_math_fallback": check_ring_math_fallback,
     "halo": check_halo,
     "cotrain_reduced_vocab": check_cotrain_reduced_vocab,
@@ -392,6 +402,8 @@ def test_bad_local_layouts_and_shifts_are_rejected():
     q = torch.randn(3, 2, 4)
     with pytest.raises(ValueError, match="multiples of 2"):  # a zigzag local document is 2 chunks
         ring_attention(q, q, q, torch.tensor([0, 3], dtype=torch.int32), RingComm(None))
+    with pytest.raises(ValueError, match="at least one piece"):
+        ring_attention(q[:2], q[:2], q[:2], torch.tensor([0, 2], dtype=torch.int32), RingComm(None), pieces=0)
     shard = shard_packed_rows(_document_ids(), None)
     with pytest.raises(ValueError, match="cannot shift by 5"):
         shard.ttt_halo(TTT_STEPS).shift(torch.zeros(10_000), 5)

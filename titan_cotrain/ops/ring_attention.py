@@ -62,6 +62,7 @@ from titan_cotrain.ops.attention import (
 from titan_cotrain.ops.branch_attention import branch_backward, branch_forward
 
 __all__ = [
+    "DEFAULT_PIECES",
     "LAYOUTS",
     "RingComm",
     "chunks_per_document",
@@ -76,6 +77,9 @@ LAYOUTS = ("zigzag", "contiguous")
 
 # Message tags: K and V travel as tags 0 and 1, their gradients as 2 and 3.
 _KV_TAG, _DKV_TAG = 0, 2
+
+# Messages per ring hop: the K/V (and dK/dV) in flight are about 2 / DEFAULT_PIECES of a shard.
+DEFAULT_PIECES = 8
 
 
 def chunks_per_document(layout: str, world: int) -> int:
@@ -135,9 +139,55 @@ class RingComm:
         return _InFlight(dist.batch_isend_irecv(ops), tensors, received)
 
 
+class _Piece:
+    """One ring message: the rows ``segments = [(row_start, row_end), ...]`` of a local shard
+    (ascending), sent as one buffer that holds them back to back."""
+
+    def __init__(self, segments: list[tuple[int, int]]) -> None:
+        self.segments = segments
+        self.offsets = list(itertools.accumulate((e - s for s, e in segments), initial=0))
+        self.rows = self.offsets[-1]
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """The piece's rows of ``x [T, ...]``, as one ``[rows, ...]`` buffer."""
+        return torch.cat([x[s:e] for s, e in self.segments])
+
+    def put(self, x: torch.Tensor, buffer: torch.Tensor) -> None:
+        """Write a ``[rows, ...]`` buffer back to the piece's rows of ``x``."""
+        for (s, e), o in zip(self.segments, self.offsets):
+            x[s:e] = buffer[o:o + e - s]
+
+    def blocks(self, blocks, q_rows: int):
+        """``(q_start, q_end, buf_start, buf_end, causal)``: ``blocks`` (row ranges, as
+        ``_LocalDocs.blocks`` gives them) cut down to the keys in this piece, keys as buffer
+        rows. Query ranges are cut into runs of at most ``q_rows`` so that no temporary
+        exceeds a piece. A causal block (query rows = key rows) meets a key segment
+        ``[x0, x1)`` as one causal square plus the full block of the queries below it."""
+        for qs, qe, ks, ke, causal in blocks:
+            hits = [(max(ks, s), min(ke, e), o + max(ks, s) - s)
+                    for (s, e), o in zip(self.segments, self.offsets) if max(ks, s) < min(ke, e)]
+            if causal:
+                for x0, x1, b0 in hits:
+                    yield x0, x1, b0, b0 + x1 - x0, True
+                    yield from _runs(x1, qe, q_rows, b0, b0 + x1 - x0)
+                continue
+            for x0, x1, b0 in hits:
+                yield from _runs(qs, qe, q_rows, b0, b0 + x1 - x0)
+
+
+def _runs(q_start: int, q_end: int, q_rows: int, b0: int, b1: int):
+    for q0 in range(q_start, q_end, q_rows):
+        yield q0, min(q0 + q_rows, q_end), b0, b1, False
+
+
+def _run_rows(n_rows: int, pieces: int) -> int:
+    """Query rows per kernel call: about a piece, so that per-call temporaries stay a piece's size."""
+    return max(1, -(-n_rows // pieces))
+
+
 class _LocalDocs:
-    """The local documents, each ``n_slots`` equal chunks side by side, and the per-document
-    attention blocks of every ring step."""
+    """The local documents, each ``n_slots`` equal chunks side by side, the per-document
+    attention blocks of every ring step, and the cut of the shard into ring messages."""
 
     def __init__(self, cu_seqlens: torch.Tensor, n_slots: int) -> None:
         cu = cu_seqlens.tolist()
@@ -168,6 +218,25 @@ class _LocalDocs:
                 blocks += [(s + lo * c, s + hi * c, s, s + n_visible * c, False) for s, c in self.docs]
         return blocks
 
+    def pieces(self, n_pieces: int) -> list[_Piece]:
+        """The shard cut into at most ``n_pieces`` messages of near-equal size. Piece ``j`` holds
+        offsets ``[u0, u1)`` of the chunks of the documents it spans, *in every slot*, so each
+        message carries as many keys of a first chunk as of a second one (see the module doc)."""
+        if n_pieces < 1:
+            raise ValueError(f"a ring hop is cut into at least one piece, got {n_pieces}")
+        total = sum(c for _, c in self.docs)
+        cuts = sorted({j * total // n_pieces for j in range(n_pieces + 1)})
+        pieces = []
+        for u0, u1 in zip(cuts[:-1], cuts[1:]):
+            segments, doc_offset = [], 0
+            for start, c in self.docs:
+                lo, hi = max(u0 - doc_offset, 0), min(u1 - doc_offset, c)
+                if lo < hi:
+                    segments += [(start + slot * c + lo, start + slot * c + hi) for slot in range(self.n_slots)]
+                doc_offset += c
+            pieces.append(_Piece(segments))
+        return pieces
+
 
 def ring_forward(
     q: torch.Tensor,
@@ -180,6 +249,7 @@ def ring_forward(
     layout: str = "zigzag",
     causal: bool = True,
     initial: tuple[torch.Tensor, torch.Tensor] | None = None,
+    pieces: int = DEFAULT_PIECES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward kernel. ``q [T, Hq, Dh]``, ``k, v [T, Hkv, Dh]``: this rank's shard in
     ``layout``; ``cu_seqlens: int32`` the local documents (the same on every rank).
@@ -188,7 +258,8 @@ def ring_forward(
     every local query over all keys of its document on all ranks (``causal=False``: the
     whole document, not only the keys before the query). ``initial``, a partial
     ``(out, lse)`` over other keys of the same queries (the branch), is merged in.
-    Partial results merge in place, one document block at a time, into fp32 accumulators.
+    The K/V travel in ``pieces`` messages per hop (see the module doc). Partial results
+    merge into fp32 accumulators, one block of at most a piece's rows at a time.
     """
     check_packed(q, k, v, cu_seqlens)
     world, rank = comm.world, comm.rank
@@ -199,15 +270,19 @@ def ring_forward(
         lse = torch.full(q.shape[:2], float("-inf"), dtype=acc, device=q.device)
     else:
         out, lse = initial[0].to(acc, copy=True), initial[1].to(acc, copy=True)
-    held = (k, v)
-    for step in range(world):
-        incoming = comm.send_recv(held, _KV_TAG) if step + 1 < world else None
-        hk, hv = held
-        for qs, qe, ks, ke, block_causal in docs.blocks(layout, world, rank, (rank - step) % world, causal):
-            block_out, block_lse = block_forward(q[qs:qe], hk[ks:ke], hv[ks:ke], scale, block_causal)
-            out[qs:qe], lse[qs:qe] = merge_attention(out[qs:qe], lse[qs:qe], block_out, block_lse)
-        if incoming is not None:
-            held = incoming.wait()
+    plan, q_rows = docs.pieces(pieces), _run_rows(q.shape[0], pieces)
+    for piece in plan:
+        held = (piece.take(k), piece.take(v))
+        for step in range(world):
+            incoming = comm.send_recv(held, _KV_TAG) if step + 1 < world else None
+            step_blocks = docs.blocks(layout, world, rank, (rank - step) % world, causal)
+            for q0, q1, b0, b1, block_causal in piece.blocks(step_blocks, q_rows):
+                # One statement, so that no block's temporaries outlive it.
+                out[q0:q1], lse[q0:q1] = merge_attention(
+                    out[q0:q1], lse[q0:q1], *block_forward(q[q0:q1], held[0][b0:b1], held[1][b0:b1], scale, block_causal)
+                )
+            if incoming is not None:
+                held = incoming.wait()
     return out.to(q.dtype), lse
 
 
@@ -225,13 +300,14 @@ def ring_backward(
     layout: str = "zigzag",
     causal: bool = True,
     grad_lse: torch.Tensor | None = None,
+    pieces: int = DEFAULT_PIECES,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward kernel: ``(dq, dk, dv)`` of this rank's shard, shaped like ``q, k, v``.
 
     ``out``, ``lse`` are the final (merged) forward results of the local queries, so the
     gradient is that of the whole attention they belong to (ring, plus a branch if any).
-    dK/dV of every rank's keys collect contributions from all ranks on their way around
-    the ring and come home after ``W`` hops. ``grad_lse [T, Hq]``, a gradient reaching the
+    Every piece's dK/dV collect contributions from all ranks on their way around the ring
+    and come home after ``W`` hops. ``grad_lse [T, Hq]``, a gradient reaching the
     merged ``lse``, is folded in with one extra head-dim column (q, k: 0; v: 1; out: 0;
     grad_out: grad_lse), which turns every block's ``dS / P = dO V^T - delta`` into
     ``dO V^T + grad_lse - delta``, as in ``branch_attention``.
@@ -241,56 +317,105 @@ def ring_backward(
         dq, dk, dv = ring_backward(
             torch.cat([grad_out, grad_lse.unsqueeze(-1).to(grad_out.dtype)], dim=-1),
             pad(q, (0, 1)), pad(k, (0, 1)), pad(v, (0, 1), value=1.0), pad(out, (0, 1)),
-            lse, cu_seqlens, scale, comm, layout=layout, causal=causal,
+            lse, cu_seqlens, scale, comm, layout=layout, causal=causal, pieces=pieces,
         )
         return dq[..., :-1], dk[..., :-1], dv[..., :-1]
     world, rank = comm.world, comm.rank
     docs = _LocalDocs(cu_seqlens, len(local_chunks(layout, rank, world)))
     acc = lse_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    held, grads_in_flight = (k, v), None
-    for step in range(world):
-        incoming = comm.send_recv(held, _KV_TAG) if step + 1 < world else None
-        hk, hv = held
-        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-        for qs, qe, ks, ke, block_causal in docs.blocks(layout, world, rank, (rank - step) % world, causal):
-            gq, gk, gv = block_backward(
-                grad_out[qs:qe], q[qs:qe], hk[ks:ke], hv[ks:ke], out[qs:qe], lse[qs:qe], scale, block_causal
-            )
-            dq[qs:qe] += gq
-            dk[ks:ke] += gk
-            dv[ks:ke] += gv
-        if grads_in_flight is not None:
-            arrived_dk, arrived_dv = grads_in_flight.wait()
-            dk += arrived_dk
-            dv += arrived_dv
-        grads_in_flight = comm.send_recv((dk, dv), _DKV_TAG)
-        if incoming is not None:
-            held = incoming.wait()
-    dk, dv = grads_in_flight.wait()
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    plan, q_rows = docs.pieces(pieces), _run_rows(q.shape[0], pieces)
+    homecoming = None  # (the previous piece's dK/dV on their last hop home, that piece)
+    for piece in plan:
+        held, grads_in_flight = (piece.take(k), piece.take(v)), None
+        for step in range(world):
+            incoming = comm.send_recv(held, _KV_TAG) if step + 1 < world else None
+            piece_grads = tuple(torch.zeros((piece.rows, *x.shape[1:]), dtype=acc, device=x.device) for x in (k, v))
+            step_blocks = docs.blocks(layout, world, rank, (rank - step) % world, causal)
+            for q0, q1, b0, b1, block_causal in piece.blocks(step_blocks, q_rows):
+                _accumulate(
+                    (dq[q0:q1], piece_grads[0][b0:b1], piece_grads[1][b0:b1]),
+                    block_backward(
+                        grad_out[q0:q1], q[q0:q1], held[0][b0:b1], held[1][b0:b1], out[q0:q1], lse[q0:q1], scale,
+                        block_causal,
+                    ),
+                )
+            if homecoming is not None:  # waited for only now: its last hop overlapped this step
+                _land(*homecoming, (dk, dv))
+                homecoming = None
+            if grads_in_flight is not None:
+                _accumulate(piece_grads, grads_in_flight.wait())
+            grads_in_flight = comm.send_recv(piece_grads, _DKV_TAG)
+            if incoming is not None:
+                held = incoming.wait()
+        homecoming = grads_in_flight, piece
+    if homecoming is not None:
+        _land(*homecoming, (dk, dv))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _accumulate(into: tuple[torch.Tensor, ...], arrived: tuple[torch.Tensor, ...]) -> None:
+    for total, part in zip(into, arrived):
+        total += part
+
+
+def _land(grads: _InFlight, piece: _Piece, into: tuple[torch.Tensor, ...]) -> None:
+    """Write a piece's finished dK/dV, arriving home, into the shard's gradients."""
+    for total, arrived in zip(into, grads.wait()):
+        piece.put(total, arrived)
+
+
+def _branch_forward(q, branch_k, branch_v, scale: float, run_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``branch_forward`` (fp32 results), ``run_rows`` query rows at a time: the branch is
+    row-local, so its temporaries need never be a whole shard's."""
+    acc = lse_dtype(q.dtype)
+    out = torch.empty(q.shape, dtype=acc, device=q.device)
+    lse = torch.empty(q.shape[:2], dtype=acc, device=q.device)
+    for a in range(0, q.shape[0], run_rows):
+        b = a + run_rows
+        out[a:b], lse[a:b] = branch_forward(q[a:b], branch_k[:, a:b], branch_v[:, a:b], scale)
+    return out, lse
+
+
+def _branch_backward(grad_out, q, branch_k, branch_v, out, lse, scale: float, run_rows: int, dq: torch.Tensor):
+    """``branch_backward``, ``run_rows`` query rows at a time, its dq added into ``dq``;
+    returns ``(dbranch_k, dbranch_v)``."""
+    dbranch_k, dbranch_v = torch.empty_like(branch_k), torch.empty_like(branch_v)
+    for a in range(0, q.shape[0], run_rows):
+        b = a + run_rows
+        dq_run, dbranch_k[:, a:b], dbranch_v[:, a:b] = branch_backward(
+            grad_out[a:b], q[a:b], branch_k[:, a:b], branch_v[:, a:b], out[a:b], lse[a:b], scale
+        )
+        dq[a:b] += dq_run
+    return dbranch_k, dbranch_v
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, branch_k, branch_v, cu_seqlens, scale, comm, layout):
-        initial = None if branch_k is None else branch_forward(q, branch_k, branch_v, scale)
-        out, lse = ring_forward(q, k, v, cu_seqlens, scale, comm, layout=layout, initial=initial)
+    def forward(ctx, q, k, v, branch_k, branch_v, cu_seqlens, scale, comm, layout, pieces):
+        initial = None
+        if branch_k is not None:
+            initial = _branch_forward(q, branch_k, branch_v, scale, _run_rows(q.shape[0], pieces))
+        out, lse = ring_forward(q, k, v, cu_seqlens, scale, comm, layout=layout, initial=initial, pieces=pieces)
         ctx.save_for_backward(q, k, v, branch_k, branch_v, cu_seqlens, out, lse)
-        ctx.scale, ctx.comm, ctx.layout = scale, comm, layout
+        ctx.scale, ctx.comm, ctx.layout, ctx.pieces = scale, comm, layout, pieces
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, branch_k, branch_v, cu_seqlens, out, lse = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        dq, dk, dv = ring_backward(grad_out, q, k, v, out, lse, cu_seqlens, ctx.scale, ctx.comm, layout=ctx.layout)
+        dq, dk, dv = ring_backward(
+            grad_out, q, k, v, out, lse, cu_seqlens, ctx.scale, ctx.comm, layout=ctx.layout, pieces=ctx.pieces
+        )
         dbranch_k = dbranch_v = None
         if branch_k is not None:
-            dq_branch, dbranch_k, dbranch_v = branch_backward(grad_out, q, branch_k, branch_v, out, lse, ctx.scale)
-            dq = dq + dq_branch
-        return dq, dk, dv, dbranch_k, dbranch_v, None, None, None, None
+            dbranch_k, dbranch_v = _branch_backward(
+                grad_out, q, branch_k, branch_v, out, lse, ctx.scale, _run_rows(q.shape[0], ctx.pieces), dq
+            )
+        return dq, dk, dv, dbranch_k, dbranch_v, None, None, None, None, None
 
 
 def _comm(group) -> RingComm:
@@ -306,16 +431,18 @@ def ring_attention(
     scale: float | None = None,
     *,
     layout: str = "zigzag",
+    pieces: int = DEFAULT_PIECES,
 ) -> torch.Tensor:
     """Differentiable document-causal attention of a CP shard: ``varlen_causal_attention``
     for tokens spread over the ranks of ``group`` in ``layout``.
 
     ``q [T, Hq, Dh]``, ``k, v [T, Hkv, Dh]`` and ``cu_seqlens`` (the local documents) are
     this rank's local tensors; returns this rank's ``out [T, Hq, Dh]``. Every rank of the
-    group must call it (forward and backward are collective).
+    group must call it (forward and backward are collective) with the same ``pieces``,
+    the number of messages each ring hop is cut into.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _RingAttention.apply(q, k, v, None, None, cu_seqlens.to(torch.int32), scale, _comm(group), layout)
+    return _RingAttention.apply(q, k, v, None, None, cu_seqlens.to(torch.int32), scale, _comm(group), layout, pieces)
 
 
 def ring_branch_attention(
@@ -329,6 +456,7 @@ def ring_branch_attention(
     scale: float | None = None,
     *,
     layout: str = "zigzag",
+    pieces: int = DEFAULT_PIECES,
 ) -> torch.Tensor:
     """``branch_attention`` of a CP shard: the trunk over the ring, the branch
     ``branch_k, branch_v [P, T, Hkv, Dh]`` (the local anchors' own keys) rank-local,
@@ -340,5 +468,5 @@ def ring_branch_attention(
         )
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return _RingAttention.apply(
-        q, k, v, branch_k, branch_v, cu_seqlens.to(torch.int32), scale, _comm(group), layout
+        q, k, v, branch_k, branch_v, cu_seqlens.to(torch.int32), scale, _comm(group), layout, pieces
     )

@@ -1,6 +1,7 @@
 """Tasks and rewards, GRPO advantages, the PPO-clipped loss, and rollout packing."""
 
 import random
+import re
 
 import pytest
 import torch
@@ -14,19 +15,27 @@ from titan_cotrain.rl.tasks import get_task
 def test_arithmetic_demonstrations_earn_reward_and_mix_styles():
     task = get_task("arithmetic")
     rng = random.Random(0)
-    form_counts = [0, 0, 0, 0]
+    form_counts, fillers, gaps = [0, 0, 0, 0], 0, 0
     for _ in range(200):
         problem = task.sample(rng)
         demo = task.demonstration(problem, rng)
-        assert demo.endswith(f"#{problem.answer}")
-        correct, _ = task.step_fractions(problem, demo)
-        assert correct == 1.0 and 0.6 <= task.reward(problem, demo) <= 1.0
+        assert demo.endswith(f"#{problem.answer}") and "  " not in demo
+        d = task.details(problem, demo)
+        assert d["answer_correct"] == d["steps_correct"] == 1.0
+        assert task.reward(problem, demo) == pytest.approx(0.6 + 0.4 * d["steps_preferred"] - 0.05 * d["fillers"])
         total = problem.numbers[0]
-        for written, x in zip(demo.split(";"), problem.numbers[1:]):
+        compact = demo.replace(" ", "")
+        for written, x in zip(compact.split(";"), problem.numbers[1:]):
             form_counts[task.step_forms(total, x).index(written)] += 1
             total += x
-    # Each step picks one of the four forms at random (about 600 steps: 150 +- 40 each).
+        working = compact.split("#")[0]
+        fillers += d["fillers"]
+        gaps += len(working) - sum(len(n) - 1 for n in re.findall(r"\d+", working))  # numbers and signs
+        assert not re.search(r"\d \d", demo), "a filler never splits a number"
+    # Each step picks one of the four forms at random (about 600 steps: 150 +- 40 each),
+    # and a filler follows about 30% of the numbers and signs.
     assert all(110 <= c <= 190 for c in form_counts), form_counts
+    assert 0.27 <= fillers / gaps <= 0.33, fillers / gaps
 
 
 def test_arithmetic_reward_prefers_running_sum_first():
@@ -47,8 +56,12 @@ def test_arithmetic_reward_prefers_running_sum_first():
     assert task.reward(problem, result_first) == pytest.approx(1.0 - 0.4 / len(preferred))
     wrong_answer = ";".join(preferred) + f";#{total + 1}"
     assert task.reward(problem, wrong_answer) == pytest.approx(0.6)
-    assert task.details(problem, swapped) == {"answer_correct": 1.0, "steps_correct": 1.0,
+    assert task.details(problem, swapped) == {"answer_correct": 1.0, "steps_correct": 1.0, "fillers": 0.0,
                                               "steps_preferred": pytest.approx(1 - 1 / len(preferred))}
+    # Fillers do not change what the working says; each one costs 0.05.
+    padded = " ; ".join(p.replace("+", " + ") for p in preferred) + f";#{total}"
+    assert task.details(problem, padded)["steps_preferred"] == 1.0
+    assert task.reward(problem, padded) == pytest.approx(1.0 - 0.05 * padded.count(" "))
 
 
 def test_sort_reward_gives_partial_credit():

@@ -5,18 +5,22 @@ each (the SFT warm start's data) and scores any response with code, never a mode
 
 * ``arithmetic``: add three to five digits (1-5), e.g. ``4+3+5+2=``. The response shows its working
   one running sum at a time, ``4+3=7;7+5=12;12+2=14;#14`` (a few dozen tokens, so
-  generation dominates a step, as in real RL). Each step may be written in four ways
-  (``7+5=12``, ``5+7=12``, ``12=7+5``, ``12=5+7``); demonstrations pick one at random per
-  step, and the reward pays for the correct answer, for correct working steps and, on top,
-  for the first way (running sum first, result last). RL therefore moves the policy away
-  from its warm-start mixture, where each step's first token is a four-way choice, to one
-  style: the drift that makes a frozen draft, fitted to the mixture, fall behind.
+  generation dominates a step, as in real RL). Demonstrations mix styles the way human
+  data does: each step is written in one of four ways (``7+5=12``, ``5+7=12``, ``12=7+5``,
+  ``12=5+7``) at random, and after any number or sign a filler space may follow
+  (``7 +5= 12;``). The reward pays for the correct answer, for correct working steps and,
+  on top, for the first way (running sum first, result last); each filler costs a little
+  (compact working). RL therefore moves the policy away from its warm-start mixture at
+  many positions of every response, where the warm-start policy (and a draft fitted to it)
+  spreads its probability over the forms and the filler: the drift that makes a frozen
+  draft fall behind.
 * ``sort``: sort a list of numbers, ``sort:5,12,3=`` -> ``3,5,12#``. Partial credit per
   position, so the reward has a different shape.
 """
 
 import math
 import random
+import re
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -55,8 +59,12 @@ def _final_answer(response: str) -> str | None:
 class Arithmetic:
     name = "arithmetic"
 
-    def __init__(self, min_terms: int = 3, max_terms: int = 5, max_value: int = 5) -> None:
+    filler = " "
+    filler_cost = 0.05
+
+    def __init__(self, min_terms: int = 3, max_terms: int = 5, max_value: int = 5, filler_rate: float = 0.3) -> None:
         self.min_terms, self.max_terms, self.max_value = min_terms, max_terms, max_value
+        self.filler_rate = filler_rate
 
     def sample(self, rng: random.Random) -> Problem:
         numbers = tuple(rng.randint(1, self.max_value) for _ in range(rng.randint(self.min_terms, self.max_terms)))
@@ -70,16 +78,17 @@ class Arithmetic:
         return (f"{before}+{x}={after}", f"{x}+{before}={after}", f"{after}={before}+{x}", f"{after}={x}+{before}")
 
     def demonstration(self, problem: Problem, rng: random.Random) -> str:
-        total, steps = problem.numbers[0], []
+        total, working = problem.numbers[0], []
         for x in problem.numbers[1:]:
-            steps.append(rng.choice(self.step_forms(total, x)))
+            working += re.findall(r"\d+|\D", rng.choice(self.step_forms(total, x))) + [";"]
             total += x
-        return ";".join(steps) + f";#{total}"
+        # A filler after each number or sign with probability filler_rate (never inside a number).
+        return "".join(part + self.filler * (rng.random() < self.filler_rate) for part in working) + f"#{total}"
 
     def step_fractions(self, problem: Problem, response: str) -> tuple[float, float]:
         """Shares of the expected working steps that are correct in any form, and correct in
-        the preferred form (step ``i`` is the ``i``-th ``;`` segment)."""
-        steps = response.split(";")
+        the preferred form (step ``i`` is the ``i``-th ``;`` segment, fillers ignored)."""
+        steps = response.replace(self.filler, "").split(";")
         total, correct, preferred = problem.numbers[0], 0, 0
         for i, x in enumerate(problem.numbers[1:]):
             forms = self.step_forms(total, x)
@@ -92,15 +101,18 @@ class Arithmetic:
 
     def reward(self, problem: Problem, response: str) -> float:
         """``0.4`` for the right final answer, ``0.2`` x the share of correct working steps,
-        ``0.4`` x the share written in the preferred form: dense enough that a weak policy
-        still gets a signal, and the style term is what RL moves."""
-        details = self.details(problem, response)
-        return 0.4 * details["answer_correct"] + 0.2 * details["steps_correct"] + 0.4 * details["steps_preferred"]
+        ``0.4`` x the share written in the preferred form, ``- filler_cost`` per filler: dense
+        enough that a weak policy still gets a signal; the style and filler terms are what
+        RL moves."""
+        d = self.details(problem, response)
+        return (0.4 * d["answer_correct"] + 0.2 * d["steps_correct"] + 0.4 * d["steps_preferred"]
+                - self.filler_cost * d["fillers"])
 
     def details(self, problem: Problem, response: str) -> dict[str, float]:
         correct, preferred = self.step_fractions(problem, response)
         return {"answer_correct": float(_final_answer(response) == problem.answer),
-                "steps_correct": correct, "steps_preferred": preferred}
+                "steps_correct": correct, "steps_preferred": preferred,
+                "fillers": float(response.count(self.filler))}
 
 
 class Sort:

@@ -1,5 +1,6 @@
 """The main job end to end on 2 CPU processes: warm start, RL with co-training, metrics,
-checkpoints, and a resume that continues bit-identically. A bad config stops it cleanly."""
+checkpoints, and a resume that continues bit-identically. A bad config stops it cleanly.
+Context- and pipeline-parallel runs of the same job match a one-process run."""
 
 import json
 import os
@@ -7,6 +8,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHORT = ("--task.sft_steps", "2", "--training.steps", "2", "--task.sft_batch_size", "8",
@@ -40,7 +43,7 @@ def test_main_job_trains_logs_checkpoints_and_resumes_exactly(tmp_path):
                 "rl/clip_fraction", "task/answer_correct", "task/steps_preferred"} <= m.keys()
         # The task's details are means over the step's samples, like the reward they make up.
         assert abs(m["reward/mean"] - (0.4 * m["task/answer_correct"] + 0.2 * m["task/steps_correct"]
-                                       + 0.4 * m["task/steps_preferred"])) < 1e-5
+                                       + 0.4 * m["task/steps_preferred"] - 0.05 * m["task/fillers"])) < 1e-5
     assert list((full / "tb").glob("events.out.tfevents.*"))
     assert sorted(p.name for p in (full / "checkpoint").iterdir()) == ["step-2", "step-4"]
     from titan_cotrain.models import load_eagle3, load_hf
@@ -81,3 +84,47 @@ def test_context_parallel_job_matches_one_process(tmp_path):
     for a, b in zip(_metrics(tmp_path / "single"), _metrics(tmp_path / "cp"), strict=True):
         for key in ("loss/policy", "loss/draft", "grad_norm/policy", "grad_norm/draft", "draft/acc_pass1"):
             assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(a[key])), (a["step"], key, a[key], b[key])
+
+
+def test_pipeline_parallel_job_matches_one_process_and_resumes_exactly(tmp_path):
+    """``[parallelism] pipeline_parallel_degree = 2``: two stages (1F1B, microbatches of one
+    row, two per schedule step, so a minibatch runs several accumulated schedule steps)
+    train the same job as one process: warm-start and RL losses and the global gradient
+    norms match; a resume from the PP checkpoint continues bit-identically."""
+    args = (*SHORT, "--rl.updates_per_step", "2", "--training.local_batch_size", "2")
+    pp_args = ("--parallelism.pipeline_parallel_degree", "2")
+    single = _run(*args, "--checkpoint.no-enable", "--job.dump_folder", str(tmp_path / "single"), nproc=None)
+    assert single.returncode == 0, single.stderr[-3000:]
+    pp = _run(*args, *pp_args, "--job.dump_folder", str(tmp_path / "pp"))
+    assert pp.returncode == 0, pp.stdout[-3000:] + pp.stderr[-3000:]
+    metrics = _metrics(tmp_path / "pp")
+    for a, b in zip(_metrics(tmp_path / "single"), metrics, strict=True):
+        for key in ("loss/policy", "loss/draft", "grad_norm/policy", "grad_norm/draft", "draft/acc_pass1",
+                    "reward/mean", "rollout/acceptance_length"):
+            if key in a:
+                assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(a[key])), (a["step"], key, a[key], b[key])
+    from titan_cotrain.models import load_eagle3, load_hf
+
+    assert load_hf(tmp_path / "pp" / "export" / "policy").args.n_layers == 8  # gathered from both stages
+    assert load_eagle3(tmp_path / "pp" / "export" / "draft")[1] == (1, 3, 4)
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "pp" / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
+    again = _run(*args, *pp_args, "--job.dump_folder", str(resumed))
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "resumed from step 2" in again.stdout
+    volatile = ("time/", "memory/", "rollout/tokens_per_s")
+    for a, b in zip(metrics[2:], _metrics(resumed), strict=True):
+        for key, value in a.items():
+            if not key.startswith(volatile):
+                assert b[key] == value, (key, value, b[key])
+
+
+def test_pipeline_parallel_with_data_parallelism_is_refused_at_start():
+    """PP x FSDP (or x CP) is not wired: the trainer names the keys before building anything."""
+    from titan_cotrain.config import load_job_config
+    from titan_cotrain.rl.trainer import Trainer
+
+    config = load_job_config(["--parallelism.pipeline_parallel_degree", "2"], world_size=4)
+    with pytest.raises(ValueError, match="parallelism.data_parallel_shard_degree"):
+        Trainer(config, world_size=4, rank=0)

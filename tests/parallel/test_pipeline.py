@@ -6,7 +6,9 @@ the gradient of every policy and draft parameter match ``forward_backward`` on t
 batch within 1e-5 (fp32, 4 microbatches, second step on the same pipeline); the taps the
 draft consumes are bitwise the single-device taps; every step finishes within a bound (a
 watchdog kills a hung rank and dumps its stacks). Also: the main job's config path with a
-tied-embedding model under activation checkpointing, and pp=2 x cp=2 on 4 ranks.
+tied-embedding model under activation checkpointing, and pp=2 x cp=2 on 4 ranks; and what
+the trainer builds on the step: several schedule steps accumulated into one update, the
+policy loss switched per step, clipping by the global norms, the whole models gathered.
 """
 
 import faulthandler
@@ -109,13 +111,13 @@ def _spy_on_receives(channel: TapChannel) -> dict[int, dict[int, torch.Tensor]]:
     return received
 
 
-def _bounded_step(pipe, batch):
+def _bounded_step(pipe, batch, **kwargs):
     from titan_cotrain.parallel.pipeline import pipeline_step
 
     faulthandler.dump_traceback_later(STEP_BOUND_S, exit=True)
     start = time.perf_counter()
     try:
-        metrics = pipeline_step(pipe, batch)
+        metrics = pipeline_step(pipe, batch, **kwargs)
     finally:
         faulthandler.cancel_dump_traceback_later()
     elapsed = time.perf_counter() - start
@@ -189,6 +191,66 @@ def _config_models():
     return config, policy, build_draft(config, policy)
 
 
+def _unused_loss(logits, rows):
+    raise AssertionError("the policy loss given to pipeline_step replaces the one the pipeline was built with")
+
+
+def _global_norms(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {kind: torch.linalg.vector_norm(torch.stack([g.norm() for n, g in grads.items() if n.startswith(kind)]))
+            for kind in ("policy", "draft")}
+
+
+def _clip_step_and_gather(pipe, reference, whole_policy, whole_draft, max_norm=1e-2, tied=False):
+    """SGD (lr 1) after ``clip_and_step``: the norms are the global ones on every rank, and
+    ``gather_state_dict`` gives every rank the whole models moved by the clipped gradients."""
+    from titan_cotrain.parallel.pipeline import clip_and_step, gather_state_dict
+
+    _, ref_grads, _ = reference
+    policy_opt = torch.optim.SGD(pipe.policy_parameters(), lr=1.0)
+    draft_opt = torch.optim.SGD(pipe.draft_parameters(), lr=1.0) if pipe.draft is not None else None
+    norms = clip_and_step(pipe, policy_opt, draft_opt, max_norm, max_norm)
+    state = dict(zip(("policy", "draft"), gather_state_dict(pipe, whole_policy, whole_draft)))
+    for kind, expected in _global_norms(ref_grads).items():
+        norm = norms[f"grad_norm/{kind}"]
+        torch.testing.assert_close(norm, expected, rtol=1e-5, atol=1e-7, msg=lambda m: f"{kind} norm: {m}")
+        coef = min(1.0, max_norm / (float(norm) + 1e-6))
+        like = whole_policy if kind == "policy" else whole_draft
+        assert state[kind].keys() == like.state_dict().keys()
+        for name, p0 in like.named_parameters():
+            torch.testing.assert_close(state[kind][name], p0 - coef * ref_grads[f"{kind}.{name}"], rtol=1e-5,
+                                       atol=1e-7, msg=lambda m: f"{kind}.{name}: {m}")
+    if tied:  # its two copies, on two ranks, moved alike
+        assert torch.equal(state["policy"]["lm_head.weight"], state["policy"]["embed_tokens.weight"])
+
+
+def _check_trainer_hooks(mesh, reference):
+    """Two schedule steps (2 microbatches of one row) per ``pipeline_step`` over the 4-row
+    batch: one update, normalised over all 4 rows; then clipping, the gather, and a step
+    with the draft not trained (no taps sent, no draft gradients)."""
+    from titan_cotrain.parallel.pipeline import make_pipeline
+
+    ref_metrics, ref_grads, _ = reference
+    policy, draft = _models()
+    whole_policy, whole_draft = _models()
+    plan = plan_pipeline(ARGS.n_layers, 2, "1F1B", layers_per_stage=[3, 5])
+    pipe = make_pipeline(policy, draft, mesh, plan, microbatch_size=1, n_microbatches=2, seq_len=SEQ,
+                         policy_loss_fn=_unused_loss, tap_timeout=timedelta(seconds=STEP_BOUND_S), **STEP)
+    metrics = _bounded_step(pipe, _batch(), policy_loss_fn=POLICY_LOSS)
+    for key, value in ref_metrics.items():
+        torch.testing.assert_close(metrics[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+    for part in pipe.model_parts:
+        for name, param in part.named_parameters():
+            torch.testing.assert_close(param.grad, ref_grads[_reference_name(name, False)], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{name}: {m}")
+    assert {f"policy.{n}" for n, _ in pipe.local_policy.named_parameters()} <= ref_grads.keys()
+    _clip_step_and_gather(pipe, reference, whole_policy, whole_draft)
+    metrics = _bounded_step(pipe, _batch(), train_draft=False)
+    assert metrics.keys() == {k for k in ref_metrics if not k.startswith(("loss/draft", "draft/"))}
+    assert all(p.grad is None for p in pipe.draft_parameters())
+    with pytest.raises(ValueError, match="positive multiple"):
+        _bounded_step(pipe, _batch(rows=3))
+
+
 def _check_config_path(mesh, reference):
     """The main job's path, with every stage forward activation-checkpointed (the recompute
     re-runs the tap sends)."""
@@ -207,6 +269,8 @@ def _check_config_path(mesh, reference):
     received = _spy_on_receives(pipe.channel)
     metrics = _bounded_step(pipe, _batch(vocab=policy.args.vocab_size))
     _check_step(pipe, metrics, *reference, received, tied=True)
+    _, whole_policy, whole_draft = _config_models()
+    _clip_step_and_gather(pipe, reference, whole_policy, whole_draft, tied=True)
     if mesh.get_local_rank() == 0:  # the producer: taps recomputed (up to the last a backward needs), sent once
         n_taps = len(pipe.channel.local_sources)
         counts = (n_taps, len(sends), pipe.channel.sent)
@@ -219,13 +283,14 @@ def _two_ranks(rank, world_size, schedules_reference, config_reference):
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("pp",))
     _check_schedules(mesh, schedules_reference)
+    _check_trainer_hooks(mesh, schedules_reference)
     _check_config_path(mesh, config_reference)
 
 
 def test_every_schedule_and_the_config_path_match_single_device():
-    """pp=2, one spawn for both (it keeps this file's run time down): every schedule on a
-    reduced-vocabulary draft, then the config path on a tied-embedding Qwen-3 policy with
-    activation checkpointing."""
+    """pp=2, one spawn for all (it keeps this file's run time down): every schedule on a
+    reduced-vocabulary draft, the trainer's hooks, then the config path on a tied-embedding
+    Qwen-3 policy with activation checkpointing."""
     policy, draft = _models()
     _, tied_policy, tied_draft = _config_models()
     assert tied_policy.lm_head.weight is tied_policy.embed_tokens.weight

@@ -48,9 +48,15 @@ has the same shapes. Gradients are then partial per CP rank, as in ``forward_bac
 FSDP (or the caller) sums them over the data-parallel x CP ranks.
 
 Tied embeddings (Qwen-3's small sizes): the first and the last stage hold the same weight;
-its two gradient halves are summed over a two-rank group after the step. Not here yet:
-FSDP on the stage modules (the draft's backward runs in the loss, outside the schedule's
-switch of FSDP's gradient sync).
+its two gradient halves are summed over a two-rank group after the step, and clipping
+counts it once (``clip_and_step``). Not here yet: FSDP on the stage modules (the draft's
+backward runs in the loss, outside the schedule's switch of FSDP's gradient sync).
+
+What a trainer uses besides the step: ``Pipeline.local_policy`` (this rank's policy
+modules under the whole model's names: its optimizer and checkpoint), ``Pipeline.draft``
+(on the last stage's rank), ``clip_and_step`` (the norms global over the PP column) and
+``gather_state_dict`` (whole-model weights on every PP rank, for the rollout engine and
+the export).
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV, ScheduleZBVZeroBubble
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, get_schedule_class
 
@@ -76,11 +83,14 @@ from titan_cotrain.parallel.tap_channel import EMBEDDINGS, TapChannel
 
 __all__ = [
     "CotrainLoss",
+    "LocalPolicy",
     "Pipeline",
     "PipelinePlan",
     "TransformerStage",
     "build_pipeline",
     "build_schedule",
+    "clip_and_step",
+    "gather_state_dict",
     "layers_per_stage_from_fqns",
     "make_pipeline",
     "pipeline_step",
@@ -111,6 +121,14 @@ class PipelinePlan:
 
     def stages_of(self, pp_rank: int) -> list[int]:
         return [i for i, r in enumerate(self.stage_ranks) if r == pp_rank]
+
+    def stage_of(self, fqn: str) -> int:
+        """The stage holding the whole policy's parameter or buffer ``fqn``."""
+        module, *rest = fqn.split(".")
+        if module == "layers":
+            layer = int(rest[0])
+            return next(i for i, r in enumerate(self.layer_ranges) if layer in r)
+        return 0 if module == "embed_tokens" else self.num_stages - 1
 
     def tap_owners(self, tap_layers: Sequence[int]) -> dict[int, int]:
         """``{source: PP rank}`` for the embedding output and every tap layer."""
@@ -244,6 +262,7 @@ class TransformerStage(nn.Module):
         self.cp_group, self.cp_row_len = cp_group, cp_row_len
         sources = ({EMBEDDINGS} if first else set()) | (set(layers) & set(policy.tap_layers))
         self.tap_sources = frozenset(sources) if channel is not None else frozenset()
+        self.send_taps = True  # off in a step that does not train the draft (``pipeline_step``)
 
     def forward(self, x: torch.Tensor, *, document_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         microbatch = int(rows[0]) // rows.numel()
@@ -262,8 +281,23 @@ class TransformerStage(nn.Module):
         return self.lm_head(self.norm(x.view(b, s, -1))).float()
 
     def _tap(self, microbatch: int, source: int, x: torch.Tensor, b: int, s: int) -> None:
-        if source in self.tap_sources:
+        if self.send_taps and source in self.tap_sources:
             self.channel.send(microbatch, source, x.detach().view(b, s, -1))
+
+
+class LocalPolicy(nn.Module):
+    """The policy modules of one PP rank's stages under the whole model's names
+    (``embed_tokens``, ``layers.<i>``, ``norm``, ``lm_head``; those of other ranks' stages
+    absent), without the draft: what the policy's optimizer, clipping and checkpoint hold,
+    so checkpoint keys are the whole model's FQNs. It shares the stages' modules and is
+    never called itself."""
+
+    def __init__(self, parts: Sequence[TransformerStage]) -> None:
+        super().__init__()
+        self.embed_tokens = next((p.embed_tokens for p in parts if p.embed_tokens is not None), None)
+        self.layers = nn.ModuleDict({name: layer for p in parts for name, layer in p.layers.items()})
+        self.norm = next((p.norm for p in parts if p.norm is not None), None)
+        self.lm_head = next((p.lm_head for p in parts if p.lm_head is not None), None)
 
 
 # -- the last stage's loss ---------------------------------------------------------------
@@ -277,6 +311,8 @@ class CotrainLoss:
     draft's forward and backward on the taps of that microbatch from ``channel``
     (``lambda`` and the global normalisation are applied to the gradients after the step,
     see the module docstring); keeps the step's detached sums for the metrics (``sums``).
+    ``policy_loss_fn`` and ``train_draft`` may change between steps (``pipeline_step``
+    sets them): a trainer's warm start and RL phases share one pipeline.
     """
 
     def __init__(
@@ -298,12 +334,18 @@ class CotrainLoss:
         self.cp_group, self.cp_row_len = cp_group, cp_row_len
         self.tap_layers = tuple(tap_layers)
         self.ttt_steps, self.pass_decay, self.draft_loss_on = ttt_steps, pass_decay, draft_loss_on
+        self.train_draft = True
         self._batch: PackedBatch | None = None
         self._sums: dict[str, torch.Tensor] = {}
         self._next = 0
 
-    def begin_step(self, batch: PackedBatch) -> None:
-        self._batch, self._sums, self._next = batch, {}, 0
+    def begin_step(self) -> None:
+        """Start a ``pipeline_step`` (one or more schedule steps): the sums restart."""
+        self._sums = {}
+
+    def begin_schedule_step(self, batch: PackedBatch) -> None:
+        """The rows of the next schedule step (``n_microbatches`` microbatches)."""
+        self._batch, self._next = batch, 0
 
     def sums(self) -> dict[str, torch.Tensor]:
         """The step's detached fp64 sums over microbatches: ``policy/sum``, ``policy/count``,
@@ -336,7 +378,7 @@ class CotrainLoss:
         self._add("policy/count", policy.count)
         for name, value in policy.metric_sums.items():
             self._add(f"metric/{name}", value)
-        if self.draft is not None:
+        if self.draft is not None and self.train_draft:
             region = response if self.draft_loss_on == "response" else everything
             self._draft_step(microbatch, logits, tokens, layout, region)
         return policy.loss_sum
@@ -385,18 +427,21 @@ def build_schedule(
 class Pipeline:
     """Everything one PP rank needs to run a co-training step.
 
-    ``model_parts``: this rank's stage modules (what the optimizer, FSDP and checkpointing
-    wrap, one per stage); ``stages``: torch's ``PipelineStage`` around each; ``loss``: the
-    last stage's loss (present on every rank, only called where the last stage runs);
-    ``channel``: None when the draft is off.
+    ``model_parts``: this rank's stage modules (one per stage, the draft inside the last);
+    ``local_policy``: their policy modules without the draft, under the whole model's names
+    (what the policy's optimizer and checkpoint wrap); ``stages``: torch's
+    ``PipelineStage`` around each part; ``loss``: the last stage's loss (present on every
+    rank, only called where the last stage runs); ``channel``: None when the draft is off.
     """
 
     schedule: PipelineScheduleSingle | PipelineScheduleMulti
     stages: list[PipelineStage]
     model_parts: list[TransformerStage]
+    local_policy: LocalPolicy
     loss: CotrainLoss
     channel: TapChannel | None
     plan: PipelinePlan
+    pp_mesh: DeviceMesh  # this rank's PP column
     pp_group: dist.ProcessGroup
     microbatch_size: int
     n_microbatches: int
@@ -414,16 +459,26 @@ class Pipeline:
     def has_first_stage(self) -> bool:
         return any(stage.is_first for stage in self.stages)
 
+    @property
+    def draft(self) -> Draft | None:
+        """The draft, on the last stage's rank (None elsewhere, and when the draft is off)."""
+        return next((part.draft for part in self.model_parts if part.draft is not None), None)
+
     def draft_parameters(self) -> list[nn.Parameter]:
         """The draft's parameters (none off the last stage's rank)."""
-        return [p for part in self.model_parts if part.draft is not None for p in part.draft.parameters()]
+        return list(self.draft.parameters()) if self.draft is not None else []
 
     def policy_parameters(self) -> list[nn.Parameter]:
-        """This rank's policy parameters: ``model_parts`` without the draft. Optimizers and
-        clipping take these and ``draft_parameters`` apart (torchtitan's optimizer builder
-        over ``model_parts`` would put the draft in the policy's optimizer)."""
-        draft = {id(p) for p in self.draft_parameters()}
-        return [p for part in self.model_parts for p in part.parameters() if id(p) not in draft]
+        """This rank's policy parameters: ``local_policy``'s. Optimizers and clipping take
+        these and ``draft_parameters`` apart (torchtitan's optimizer builder over
+        ``model_parts`` would put the draft in the policy's optimizer)."""
+        return list(self.local_policy.parameters())
+
+    def tied_weight(self) -> nn.Parameter | None:
+        """The embedding tied to the head, on the first and the last stage's ranks."""
+        if self.tied_group is None:
+            return None
+        return next(m.weight for m in (self.local_policy.embed_tokens, self.local_policy.lm_head) if m is not None)
 
 
 def _example(shape, dtype, requires_grad: bool) -> torch.Tensor:
@@ -521,8 +576,8 @@ def make_pipeline(
     if getattr(sched, "stage_index_to_group_rank", expected) != expected:
         raise RuntimeError(f"schedule {plan.schedule} places stages as {sched.stage_index_to_group_rank}, "
                            f"the plan as {expected}")
-    return Pipeline(schedule=sched, stages=stages, model_parts=parts, loss=loss, channel=channel, plan=plan,
-                    pp_group=pp_group, microbatch_size=microbatch_size, n_microbatches=n_microbatches,
+    return Pipeline(schedule=sched, stages=stages, model_parts=parts, local_policy=LocalPolicy(parts), loss=loss,
+                    channel=channel, plan=plan, pp_mesh=pp_mesh, pp_group=pp_group, microbatch_size=microbatch_size, n_microbatches=n_microbatches,
                     draft_loss_weight=draft_loss_weight, loss_group=loss_group, cp_group=cp_group,
                     cp_row_len=cp_row_len, tied_group=tied_group)
 
@@ -578,32 +633,43 @@ def build_pipeline(
 # -- one step ----------------------------------------------------------------------------
 
 
-def pipeline_step(pipeline: Pipeline, batch: PackedBatch) -> dict[str, torch.Tensor]:
+def pipeline_step(
+    pipeline: Pipeline,
+    batch: PackedBatch,
+    *,
+    policy_loss_fn: PolicyLossFn | None = None,
+    train_draft: bool = True,
+) -> dict[str, torch.Tensor]:
     """Forward and backward one batch through the pipeline; every PP rank calls it with the
-    whole batch ``[n_microbatches * microbatch_size, S]`` (under CP, every CP rank too).
+    whole batch (under CP, every CP rank too).
+
+    ``batch`` has ``k`` times the rows of one schedule step (``n_microbatches *
+    microbatch_size``): ``k`` schedule steps accumulate the gradients of their loss sums,
+    normalised once by the counts over all of them, so one call is one optimizer update
+    over the whole batch. ``policy_loss_fn`` (default: the one the pipeline was built
+    with, or the last one given) and ``train_draft`` (False: no taps sent, no draft step)
+    hold from this call on; every rank must pass the same.
 
     On return every rank's gradients are final and normalised exactly as
-    ``titan_cotrain.cotrain.step.forward_backward``'s, and every rank holds the same
-    metrics (the same keys as ``forward_backward``'s, detached).
+    ``titan_cotrain.cotrain.step.forward_backward``'s over the whole batch, and every rank
+    holds the same metrics (the same keys as ``forward_backward``'s, detached).
     """
     p = pipeline
-    rows = torch.arange(p.n_microbatches * p.microbatch_size)
-    if batch.tokens.shape[0] != rows.numel():
-        raise ValueError(f"batch has {batch.tokens.shape[0]} rows; the pipeline takes "
+    per_step = p.n_microbatches * p.microbatch_size
+    n_rows = batch.tokens.shape[0]
+    if n_rows == 0 or n_rows % per_step:
+        raise ValueError(f"batch has {n_rows} rows; the pipeline takes a positive multiple of "
                          f"{p.n_microbatches} microbatches of {p.microbatch_size}")
-    if p.channel is not None:
-        p.channel.begin_step(p.n_microbatches)
-    p.loss.begin_step(batch)
-    args = ()
-    if p.has_first_stage:
-        tokens = batch.tokens
-        if p.cp_group is not None:
-            tokens = packing(batch.document_ids, p.cp_group, p.cp_row_len).shard(batch.tokens)
-        args = (tokens,)
-    p.schedule.step(*args, target=rows if p.has_last_stage else None, return_outputs=False,
-                    document_ids=batch.document_ids, rows=rows)
-    if p.channel is not None:
-        p.channel.finish_step()
+    if policy_loss_fn is not None:
+        p.loss.policy_loss_fn = policy_loss_fn
+    draft_on = train_draft and p.channel is not None
+    p.loss.train_draft = draft_on
+    for part in p.model_parts:
+        part.send_taps = draft_on
+    p.loss.begin_step()
+    rows = torch.arange(per_step)
+    for start in range(0, n_rows, per_step):
+        _schedule_step(p, batch.map(lambda t: t[start:start + per_step]), rows, draft_on)
     # The metrics side channel: the last stage's sums, reduced over the data-parallel ranks,
     # turned into gradient scales and metrics, and broadcast to the whole PP column.
     payload = [None]
@@ -616,6 +682,24 @@ def pipeline_step(pipeline: Pipeline, batch: PackedBatch) -> dict[str, torch.Ten
     policy_scale, draft_scale, metrics = payload[0]
     _normalise_gradients(p, policy_scale, draft_scale)
     return {name: torch.tensor(value) for name, value in metrics.items()}
+
+
+def _schedule_step(p: Pipeline, batch: PackedBatch, rows: torch.Tensor, draft_on: bool) -> None:
+    """One run of the schedule over ``batch`` (exactly one schedule step's rows); gradients
+    accumulate unscaled."""
+    if draft_on:
+        p.channel.begin_step(p.n_microbatches)
+    p.loss.begin_schedule_step(batch)
+    args = ()
+    if p.has_first_stage:
+        tokens = batch.tokens
+        if p.cp_group is not None:
+            tokens = packing(batch.document_ids, p.cp_group, p.cp_row_len).shard(batch.tokens)
+        args = (tokens,)
+    p.schedule.step(*args, target=rows if p.has_last_stage else None, return_outputs=False,
+                    document_ids=batch.document_ids, rows=rows)
+    if draft_on:
+        p.channel.finish_step()
 
 
 def _all_reduce(sums: dict[str, torch.Tensor], group) -> dict[str, torch.Tensor]:
@@ -651,11 +735,87 @@ def _scales_and_metrics(sums: dict[str, torch.Tensor], p: Pipeline) -> tuple[flo
 
 
 def _normalise_gradients(p: Pipeline, policy_scale: float, draft_scale: float) -> None:
-    if p.tied_group is not None:
+    tied = p.tied_weight()
+    if tied is not None:
         # This rank holds the first stage (the embedding) or the last (the head), not both.
-        tied = next(m.weight for part in p.model_parts for m in (part.embed_tokens, part.lm_head) if m is not None)
         dist.all_reduce(tied.grad, group=p.tied_group)
     for params, scale in ((p.policy_parameters(), policy_scale), (p.draft_parameters(), draft_scale)):
         for param in params:
             if param.grad is not None:
                 param.grad.mul_(scale)
+
+
+# -- after the step: clipping and whole-model weights --------------------------------------
+
+
+def clip_and_step(
+    pipeline: Pipeline,
+    policy_optimizers,
+    draft_optimizers,
+    policy_max_norm: float,
+    draft_max_norm: float,
+    *,
+    train_draft: bool = True,
+) -> dict[str, torch.Tensor]:
+    """``titan_cotrain.cotrain.step.clip_and_step`` for one PP rank: clip the policy's and
+    the draft's gradient norms separately, each the *global* norm over the PP column (the
+    same value on every rank, returned as the metrics), step both optimizers, zero grads.
+
+    Every PP rank calls it; ``draft_optimizers`` exist on the last stage's rank only (None
+    elsewhere). ``train_draft`` says whether the draft was trained this step (as in
+    ``pipeline_step``). A tied embedding is counted once in the norm (on the first stage)
+    and clipped on both ranks by the same factor, so its two copies stay equal.
+    """
+    from titan_cotrain.components import titan
+
+    p = pipeline
+    tied = p.tied_weight()
+    counted = p.policy_parameters()
+    if tied is not None and not p.has_first_stage:
+        counted = [param for param in counted if param is not tied]
+    norm = titan.clip_grad_norm_(counted, policy_max_norm, pp_mesh=p.pp_mesh)
+    if tied is not None and not p.has_first_stage:
+        torch.nn.utils.clip_grads_with_norm_([tied], policy_max_norm, norm)
+    metrics = {"grad_norm/policy": norm}
+    policy_optimizers.step()
+    policy_optimizers.zero_grad()
+    if train_draft and p.channel is not None:
+        metrics["grad_norm/draft"] = titan.clip_grad_norm_(p.draft_parameters(), draft_max_norm, pp_mesh=p.pp_mesh)
+        if draft_optimizers is not None:
+            draft_optimizers.step()
+            draft_optimizers.zero_grad()
+    return metrics
+
+
+@torch.no_grad()
+def gather_state_dict(
+    pipeline: Pipeline, policy_like: nn.Module, draft_like: nn.Module | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+    """The whole policy's and draft's trained state on every PP rank: ``(policy state,
+    draft state or None)``, keyed and shaped like ``policy_like.state_dict()`` and
+    ``draft_like``'s (whole-model copies, e.g. the rollout engine's).
+
+    Each tensor is broadcast over the PP group from the rank of the stage that holds it
+    (the draft's from the last stage's), in ``*_like``'s order: a collective, every PP
+    rank calls it. The result is fresh tensors in ``*_like``'s dtypes.
+    """
+    p = pipeline
+    pp_rank = dist.get_rank(p.pp_group)
+    local = {name: t for part in p.model_parts for name, t in part.state_dict().items()}
+
+    def gather(like: nn.Module, stage_of, prefix: str) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, template in like.state_dict().items():
+            owner = p.plan.stage_ranks[stage_of(name)]
+            t = torch.empty_like(template)
+            if owner == pp_rank:
+                t.copy_(local[prefix + name])
+            dist.broadcast(t, group=p.pp_group, group_src=owner)
+            out[name] = t
+        return out
+
+    policy_state = gather(policy_like, p.plan.stage_of, "")
+    draft_state = None
+    if draft_like is not None:
+        draft_state = gather(draft_like, lambda _: p.plan.num_stages - 1, "draft.")
+    return policy_state, draft_state

@@ -7,6 +7,15 @@ data-parallel (x context-parallel) mesh, and refreshes the engine's weights from
 after each update. Step ``s`` is a warm-start (SFT) step for ``s <= task.sft_steps`` and
 an RL step after; its prompts and sampling seeds derive from ``(debug.seed, s, dp rank)``, so
 a run resumed from a checkpoint of step ``s`` repeats the uninterrupted run exactly.
+
+With pipeline parallelism (``pipeline_parallel_degree > 1``; not combined with data or
+context parallelism yet) every PP rank generates the same rollouts with whole-model engine
+copies, refreshed each RL step by broadcasting every stage's weights from its rank; each
+minibatch is padded with empty rows (loss mask 0) to a multiple of the rows of one
+schedule step (``training.local_batch_size``) and runs as one ``pipeline_step`` (several
+schedule steps accumulate) and one optimizer update, as without PP. The policy optimizer
+and checkpoint hold this rank's stages under the whole model's names; the draft, its
+optimizer and its checkpoint live on the last stage's rank, which also logs.
 """
 
 import copy
@@ -26,6 +35,8 @@ from titan_cotrain.data.packing import LabelRows
 from titan_cotrain.models.build import build_draft, build_target, job_seed
 from titan_cotrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_cotrain.parallel.fsdp import apply_fsdp
+from titan_cotrain.parallel.pipeline import build_pipeline, gather_state_dict, pipeline_step
+from titan_cotrain.parallel.pipeline import clip_and_step as pipeline_clip_and_step
 from titan_cotrain.rl.batching import Sample, pack_samples
 from titan_cotrain.rl.grpo import group_advantages, next_token_logprobs, ppo_loss
 from titan_cotrain.rl.rollout import RolloutEngine
@@ -90,8 +101,12 @@ class Trainer:
     def __init__(self, config, world_size: int, rank: int) -> None:
         self.config, self.rank, self.world_size = config, rank, world_size
         self.parallel_dims = dims = titan.build_parallel_dims(config.parallelism, world_size)
-        if dims.pp_enabled:
-            raise NotImplementedError("pipeline parallelism is not wired into the RL trainer yet")
+        if dims.pp_enabled and (dims.dp_enabled or dims.cp_enabled):
+            raise ValueError(
+                "parallelism.pipeline_parallel_degree > 1 runs without data or context parallelism for now: set "
+                "parallelism.data_parallel_shard_degree, data_parallel_replicate_degree and context_parallel_degree "
+                f"to 1 (got {dims.dp_shard}, {dims.dp_replicate}, {dims.cp}) and launch pipeline_parallel_degree "
+                "processes")
         if world_size > 1:
             dims.build_mesh()
         # Context-parallel peers train the same rows, sharded: they generate the same
@@ -110,6 +125,7 @@ class Trainer:
             raise ValueError(f"tokenizer has {self.tokenizer.get_vocab_size()} tokens but the model's vocabulary "
                              f"is {self.policy.args.vocab_size}")
         self.draft = build_draft(config, self.policy, token_counts=self._demonstration_counts(), device=self.device)
+        self.cotrain = self.draft is not None  # under PP, self.draft is None off the last stage
         self.prompts_per_rank = config.rl.prompts_per_step // self.dp_degree
         self.engine = RolloutEngine(
             copy.deepcopy(self.policy), copy.deepcopy(self.draft),
@@ -118,7 +134,15 @@ class Trainer:
         )
         self.reference = copy.deepcopy(self.policy).requires_grad_(False) if config.rl.kl_coef > 0 else None
         apply_activation_checkpointing(self.policy, config.activation_checkpoint.mode)
-        if world_size > 1:
+        self.pipeline = None
+        self.log_rank = 0
+        if dims.pp_enabled:
+            # The whole models were built on every rank; each keeps its stages' modules.
+            self.pipeline = build_pipeline(self.policy, self.draft, config, dims.get_mesh("pp"),
+                                           policy_loss_fn=next_token_loss)
+            self.policy, self.draft = self.pipeline.local_policy, self.pipeline.draft
+            self.log_rank = dist.get_global_rank(self.pipeline.pp_group, self.pipeline.plan.stage_ranks[-1])
+        elif world_size > 1:
             for module in (self.policy, self.draft):
                 if module is not None:
                     apply_fsdp(module, self.parallel_dims.get_mesh("fsdp"), config.training.mixed_precision_param,
@@ -140,9 +164,9 @@ class Trainer:
         self.checkpointer = titan.build_checkpointer(config.checkpoint, config.job.dump_folder, self.policy,
                                                      self.policy_opt, self.policy_lr, states)
         self.tb = None
-        if rank == 0:
+        if rank == self.log_rank:
             os.makedirs(config.job.dump_folder, exist_ok=True)
-        if config.metrics.enable_tensorboard and rank == 0:
+        if config.metrics.enable_tensorboard and rank == self.log_rank:
             self.tb = titan.tensorboard_logger(os.path.join(config.job.dump_folder, config.metrics.save_tb_folder))
 
     # ----------------------------------------------------------------- data
@@ -176,6 +200,12 @@ class Trainer:
         return batch.to(self.device)
 
     # ---------------------------------------------------------------- steps
+    def _pad_to_schedule(self, minibatch: PackedBatch) -> PackedBatch:
+        """Under PP: empty rows (loss mask 0) up to a multiple of one schedule step's rows."""
+        per_step = self.pipeline.n_microbatches * self.pipeline.microbatch_size
+        extra = -minibatch.tokens.shape[0] % per_step
+        return minibatch.map(lambda t: torch.cat([t, t.new_zeros(extra, t.shape[1])])) if extra else minibatch
+
     def _update(self, batch: PackedBatch, loss_fn, train_draft: bool) -> dict[str, float]:
         """One or more optimizer updates (``rl.updates_per_step`` minibatches of rows)."""
         cfg = self.config
@@ -185,11 +215,17 @@ class Trainer:
         for chunk in range(n):
             rows = slice(chunk * batch.tokens.shape[0] // n, (chunk + 1) * batch.tokens.shape[0] // n)
             minibatch = batch.map(lambda t: t[rows])
-            out = forward_backward(self.policy, draft, minibatch, loss_fn, ttt_steps=cfg.draft.ttt_steps,
-                                   pass_decay=cfg.draft.pass_decay, draft_loss_weight=cfg.draft.loss_weight,
-                                   draft_loss_on=cfg.draft.loss_on, cp_group=self.cp_group)
-            out |= clip_and_step(self.policy, draft, self.policy_opt, self.draft_opt, cfg.training.max_norm,
-                                 cfg.draft.grad_clip)
+            if self.pipeline is None:
+                out = forward_backward(self.policy, draft, minibatch, loss_fn, ttt_steps=cfg.draft.ttt_steps,
+                                       pass_decay=cfg.draft.pass_decay, draft_loss_weight=cfg.draft.loss_weight,
+                                       draft_loss_on=cfg.draft.loss_on, cp_group=self.cp_group)
+                out |= clip_and_step(self.policy, draft, self.policy_opt, self.draft_opt, cfg.training.max_norm,
+                                     cfg.draft.grad_clip)
+            else:
+                out = pipeline_step(self.pipeline, self._pad_to_schedule(minibatch), policy_loss_fn=loss_fn,
+                                    train_draft=train_draft)
+                out |= pipeline_clip_and_step(self.pipeline, self.policy_opt, self.draft_opt, cfg.training.max_norm,
+                                              cfg.draft.grad_clip, train_draft=train_draft)
             for key, value in out.items():  # the mean over minibatches
                 metrics[key] = metrics.get(key, 0.0) + float(value) / n
         return metrics
@@ -204,13 +240,12 @@ class Trainer:
             samples.append(Sample(self._encode_prompt(problem.prompt), response, [0.0] * len(response), 0.0))
         batch = self._pack(samples)
         batch.advantages = batch.old_logprobs = None
-        return self._update(batch, next_token_loss, train_draft=self.draft is not None)
+        return self._update(batch, next_token_loss, train_draft=self.cotrain)
 
     def rl_step(self, step: int) -> dict[str, float]:
         cfg = self.config
         t0 = time.perf_counter()
-        self.engine.load_weights(self.policy.state_dict(),
-                                 self.draft.state_dict() if self.draft is not None else None)
+        self._refresh_engine()
         t_refresh = time.perf_counter() - t0
         if self.reference is not None and step == cfg.task.sft_steps + 1:
             # The reference of the KL term is the policy RL starts from.
@@ -224,7 +259,7 @@ class Trainer:
                                 eos_token_id=self.tokenizer.eos_id)
         generator = torch.Generator(device=self.device).manual_seed((self.seed * 1_000_003 + step) * 1009 + self.dp_rank)
         t0 = time.perf_counter()
-        progress = RolloutProgress() if self.rank == 0 else None
+        progress = RolloutProgress() if self.rank == self.log_rank else None
         rollouts = self.engine.generate(prompts, params, generator=generator, progress=progress,
                                         draft_tokens=cfg.rollout.draft_tokens if cfg.rollout.speculative else 0)
         if progress is not None:
@@ -253,7 +288,7 @@ class Trainer:
 
         t0 = time.perf_counter()
         loss_fn = ppo_loss(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high, cfg.rl.kl_coef, cfg.rollout.temperature)
-        metrics = self._update(batch, loss_fn, train_draft=self.draft is not None and not cfg.draft.freeze_after_sft)
+        metrics = self._update(batch, loss_fn, train_draft=self.cotrain and not cfg.draft.freeze_after_sft)
         t_train = time.perf_counter() - t0
 
         stats = torch.tensor([rewards_t.sum(), (rewards_t ** 2).sum(), float(len(rewards)),
@@ -274,10 +309,20 @@ class Trainer:
         metrics |= {k: v for k, v in rollouts.stats.metrics().items() if "acceptance_rate" in k}
         return metrics
 
+    def _refresh_engine(self) -> None:
+        """The rollout engine's whole models <- the trained weights (a collective: every rank
+        calls it; FSDP shards are gathered, PP stages broadcast)."""
+        if self.pipeline is not None:
+            self.engine.load_weights(*gather_state_dict(self.pipeline, self.engine.policy, self.engine.draft))
+        else:
+            self.engine.load_weights(self.policy.state_dict(),
+                                     self.draft.state_dict() if self.draft is not None else None)
+
     # ------------------------------------------------------------------ run
     def _log(self, step: int, phase: str, metrics: dict[str, float]) -> None:
-        """Rank 0: TensorBoard, one JSON line in ``<dump_folder>/metrics.jsonl``, one console line."""
-        if self.rank != 0:
+        """The logging rank (0; under PP the last stage's): TensorBoard, one JSON line in
+        ``<dump_folder>/metrics.jsonl``, one console line."""
+        if self.rank != self.log_rank:
             return
         if self.tb is not None:
             self.tb.log(metrics, step)
@@ -297,7 +342,7 @@ class Trainer:
     def run(self) -> None:
         cfg = self.config
         self.checkpointer.load(step=cfg.checkpoint.load_step)
-        if self.rank == 0 and self.state.step:
+        if self.rank == self.log_rank and self.state.step:
             print(f"resumed from step {self.state.step}", flush=True)
         while self.state.step < self.total_steps:
             step = self.state.step + 1
@@ -326,21 +371,23 @@ class Trainer:
 
     def export(self) -> None:
         """Write the final policy (Hugging Face folder) and draft (EAGLE-3 folder) to
-        ``<dump_folder>/export``; all ranks gather the shards, rank 0 writes."""
+        ``<dump_folder>/export``: all ranks gather the whole models into the rollout
+        engine's copies (FSDP shards, PP stages), the logging rank writes them."""
         from titan_cotrain.models.eagle3 import save_eagle3
         from titan_cotrain.models.hf import save_hf
 
-        self.engine.load_weights(self.policy.state_dict(), self.draft.state_dict() if self.draft is not None else None)
-        if self.rank != 0:
+        self._refresh_engine()
+        if self.rank != self.log_rank:
             return
         folder = os.path.join(self.config.job.dump_folder, "export")
-        save_hf(self.engine.policy, os.path.join(folder, "policy"))
+        policy, draft = self.engine.policy, self.engine.draft
+        save_hf(policy, os.path.join(folder, "policy"))
         exported = "the policy"
-        if self.draft is not None and len(self.policy.tap_layers) == 3:
-            save_eagle3(self.engine.draft, os.path.join(folder, "draft"), self.policy.tap_layers,
-                        target_max_position_embeddings=self.policy.args.max_seq_len)
+        if draft is not None and len(policy.tap_layers) == 3:
+            save_eagle3(draft, os.path.join(folder, "draft"), policy.tap_layers,
+                        target_max_position_embeddings=policy.args.max_seq_len)
             exported += " and the draft"
-        elif self.draft is not None:
-            print(f"the draft fuses {len(self.policy.tap_layers)} tap layers; vLLM and SGLang load EAGLE-3 drafts "
+        elif draft is not None:
+            print(f"the draft fuses {len(policy.tap_layers)} tap layers; vLLM and SGLang load EAGLE-3 drafts "
                   "of exactly 3, so it is not exported", flush=True)
         print(f"exported {exported} to {folder}", flush=True)

@@ -5,7 +5,9 @@ pass-1 K/V of the whole row plus ``P`` branch key sets at every anchor, forward 
 ``Hq = 2``, ``Hkv = 1``, ``Dh = 16``, on one packed row of ``S`` tokens holding uneven documents
 (``DOC_FRACTIONS`` of the row). ``P = 6`` is the last, largest pass of a D = 7 unroll (the
 branch K/V, rank-local in every design, then dominate memory); ``P = 0`` is pass 1, which is
-also the target's attention (the K/V then dominate).
+also the target's attention (the K/V then dominate). The ring cuts every hop into ``--pieces``
+messages (default ``DEFAULT_PIECES``). A second config, ``Hkv = Hq = 2`` (no GQA: twice the K/V
+per query), is measured at fewer sizes (``--mha-seq-lens``) and reported alongside.
 
 Implementations (branch attention rank-local in both):
 * ``ring``: ``titan_cotrain.ops.ring_attention.ring_branch_attention``, K/V one hop per step;
@@ -16,12 +18,13 @@ Implementations (branch attention rank-local in both):
 
 Ranks are simulated one at a time in this process: W = 8 processes on a 2-core machine would
 measure contention, not the design. A ``SimulatedRing`` hands rank r, at step i, the real K/V
-shard of rank r - i in a freshly allocated buffer (as ``irecv`` would); the partial dK/dV that
+piece of rank r - i in a freshly allocated buffer (as ``irecv`` would); the partial dK/dV that
 would arrive from rank r - 1 is a fresh zero buffer (other ranks' sums change neither time nor
 memory). The gather baseline's all-gather returns a fresh full-row buffer, its reduce-scatter a
 fresh local one. So ``seconds`` is one rank's compute plus the local copies standing in for
 messages, without network time, after one untimed warm-up run per record (the first calls at
-new shapes run several times slower).
+new shapes run several times slower); it is timed in a run of its own, without the memory
+tracker, whose Python hook on every op would otherwise be timed too.
 
 Memory: ``peak_bytes_per_rank`` is the peak, over one rank's forward + backward, of the bytes of
 live tensor storages that rank holds: its inputs (q, k, v, the branch K/V and grad_out shards)
@@ -29,7 +32,9 @@ and everything created during the call (saved activations, receive buffers, gath
 gradients). A ``TorchDispatchMode`` sees every tensor an op creates and a weakref finaliser on
 its storage sees it die: the CPU analogue of ``torch.cuda.max_memory_allocated``. Not counted:
 kernel-internal scratch (the CPU flash kernel's per-thread blocks, independent of S) and
-allocator slack. Zigzag ranks do the same work; their temporaries differ with the kind of step
+allocator slack. The single-device op is one custom op to the tracker, so its reference counts
+only its inputs, saved tensors and gradients, none of its temporaries: the ideal, a lower bound
+of its real peak. Zigzag ranks do the same work; their temporaries differ with the kind of step
 (rank 0 only meets later ranks' K/V, rank W - 1 only earlier ones', the others both), so the
 first and the last rank are simulated and the record keeps the larger numbers. For contiguous
 sharding only rank W - 1, the busiest, is simulated. W = 1 is the ring of one rank; the
@@ -37,16 +42,18 @@ single-device op itself (``branch_attention``) is measured too, and is the refer
 ``single / W`` comparison.
 
 Work balance (``work_max_over_mean``): query-key pairs per rank, from the block schedule the ring
-executes (padding included), max over mean. Also reported (``work_balance``): the contiguous cut
-of the whole row into W pieces, ignoring documents, the plain CP sharding (analytic only).
+executes (padding included), max over mean; ``zigzag_per_message`` (in ``work_balance``): the same
+per message (piece j at step i) from the blocks the ring runs on it, the worst message. Also
+reported: the contiguous cut of the whole row into W pieces, ignoring documents, the plain CP
+sharding (analytic only).
 
 Correctness first: on 4 real gloo ranks (CP groups of 4 and of 2), ring and gather forward and
 all five input gradients must match single-device ``branch_attention`` within 1e-5 on a small
 uneven packed row, and the simulated ring's forward must match the single-device op at the
 smallest benchmark size on every rank; otherwise the script exits 1 before measuring anything.
-It also exits 1 when the zigzag schedule's work is imbalanced beyond 1.05.
+It also exits 1 when the zigzag schedule's work is imbalanced beyond 1.05, per rank or per message.
 
-    PYTHONPATH=. .venv/bin/python scripts/bench_cp.py      # ~4 min on 1-2 free cores
+    PYTHONPATH=. .venv/bin/python scripts/bench_cp.py      # ~8 min on 1-2 free cores
 """
 
 from __future__ import annotations
@@ -70,6 +77,7 @@ from titan_cotrain.ops.ring_attention import (
     DEFAULT_PIECES,
     RingComm,
     _LocalDocs,
+    _run_rows,
     chunks_per_document,
     local_chunks,
     ring_branch_attention,
@@ -80,7 +88,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from pngplot import BLUE, GREY, RED, Canvas  # noqa: E402  (the project's small PNG writer)
 
-N_HEADS, N_KV_HEADS, HEAD_DIM = 2, 1, 16
+N_HEADS, N_KV_HEADS, HEAD_DIM = 2, 1, 16  # N_KV_HEADS: the GQA config; --mha-seq-lens adds Hkv = Hq
 SCALE = HEAD_DIM**-0.5
 DOC_FRACTIONS = (0.37, 0.23, 0.16, 0.11, 0.07, 0.04, 0.02)  # of the row; the rest is one more document
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -93,11 +101,11 @@ def doc_lengths(seq_len: int) -> list[int]:
     return lengths + [seq_len - sum(lengths)]
 
 
-def full_inputs(seq_len: int, branch_sets: int, seed: int = 0) -> list[torch.Tensor]:
+def full_inputs(seq_len: int, branch_sets: int, seed: int = 0, kv_heads: int = N_KV_HEADS) -> list[torch.Tensor]:
     """q [S, Hq, Dh], k, v [S, Hkv, Dh], branch_k, branch_v [P, S, Hkv, Dh], grad_out [S, Hq, Dh]."""
     g = torch.Generator().manual_seed(seed)
-    shapes = [(seq_len, N_HEADS, HEAD_DIM), (seq_len, N_KV_HEADS, HEAD_DIM), (seq_len, N_KV_HEADS, HEAD_DIM),
-              (branch_sets, seq_len, N_KV_HEADS, HEAD_DIM), (branch_sets, seq_len, N_KV_HEADS, HEAD_DIM),
+    shapes = [(seq_len, N_HEADS, HEAD_DIM), (seq_len, kv_heads, HEAD_DIM), (seq_len, kv_heads, HEAD_DIM),
+              (branch_sets, seq_len, kv_heads, HEAD_DIM), (branch_sets, seq_len, kv_heads, HEAD_DIM),
               (seq_len, N_HEADS, HEAD_DIM)]
     return [torch.randn(s, generator=g) for s in shapes]
 
@@ -321,30 +329,44 @@ class PeakLiveBytes(TorchDispatchMode):
 
 # ---- one simulated rank ------------------------------------------------------------------------------
 
-def _timed_peak(run, held: list[torch.Tensor]) -> tuple[int, float, torch.Tensor]:
-    """Peak live bytes (``held`` counted from the start) and seconds of ``run()``'s forward + backward."""
+def _peak(run, held: list[torch.Tensor]) -> tuple[int, torch.Tensor]:
+    """Peak live bytes (``held`` counted from the start) of ``run()``'s forward + backward, and its output."""
     *inputs, grad_out = held
     tracker = PeakLiveBytes()
     tracker.adopt(held)
-    start = time.perf_counter()
     with tracker:
         out = run(inputs)
         out.backward(grad_out)
-    return tracker.peak, time.perf_counter() - start, out.detach()
+    return tracker.peak, out.detach()
+
+
+def _seconds(run, held: list[torch.Tensor]) -> float:
+    """Seconds of ``run()``'s forward + backward, untracked (the tracker's per-op Python hook is slow)."""
+    *inputs, grad_out = held
+    start = time.perf_counter()
+    run(inputs).backward(grad_out)
+    return time.perf_counter() - start
+
+
+def _fresh(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [x.clone().requires_grad_() for x in tensors[:5]] + [tensors[5].clone()]
 
 
 def run_single_device(seq_len: int, tensors) -> dict:
     """The single-device op, ``branch_attention``, on the whole row (after a warm-up run)."""
     cu = cu_seqlens(seq_len)
-    for _ in range(2):
-        held = [x.clone().requires_grad_() for x in tensors[:5]] + [tensors[5].clone()]
-        peak, seconds, _ = _timed_peak(lambda inputs: branch_attention(*inputs, cu, SCALE), held)
-    return {"seq_len": seq_len, "branch_sets": tensors[3].shape[0], "peak_bytes": peak, "seconds": round(seconds, 3)}
+    run = lambda inputs: branch_attention(*inputs, cu, SCALE)  # noqa: E731
+    _seconds(run, _fresh(tensors))
+    seconds = _seconds(run, _fresh(tensors))
+    peak, _ = _peak(run, _fresh(tensors))
+    return {"seq_len": seq_len, "branch_sets": tensors[3].shape[0], "n_kv_heads": tensors[1].shape[1],
+            "peak_bytes": peak, "seconds": round(seconds, 3)}
 
 
 def run_rank(impl: str, layout: str, world: int, seq_len: int, rank: int, tensors,
-             pieces: int = DEFAULT_PIECES) -> dict:
-    """One rank's forward + backward on the real shards; returns its peak bytes, time and output."""
+             pieces: int = DEFAULT_PIECES, timed: bool = True) -> dict:
+    """One rank's forward + backward on the real shards: a timed run (``timed``) and a tracked one;
+    returns its peak bytes, seconds and output."""
     lengths = [doc_lengths(seq_len)]
     padded, row_len = plan_padded_rows(lengths, world, layout=layout)
     shards = [CPShard(lengths, padded, seq_len, row_len, group=None, rank=r, world=world, layout=layout)
@@ -352,7 +374,7 @@ def run_rank(impl: str, layout: str, world: int, seq_len: int, rank: int, tensor
     shard = shards[rank]
     local_inputs = [shard_inputs(s, tensors) for s in shards]
     kv_shards = [(x[1], x[2]) for x in local_inputs]
-    held = [x.clone().requires_grad_() for x in local_inputs[rank][:5]] + [local_inputs[rank][5].clone()]
+    mine = local_inputs[rank]
     del local_inputs
     if impl == "ring":
         if world > 1:
@@ -366,7 +388,8 @@ def run_rank(impl: str, layout: str, world: int, seq_len: int, rank: int, tensor
         plan, row_index = gather_plan(shard, rank)
         comm = SimulatedGather(rank, kv_shards, row_index)
         run = lambda inputs: GatherBranchAttention.apply(*inputs, plan, comm)  # noqa: E731
-    peak, seconds, out = _timed_peak(run, held)
+    seconds = _seconds(run, _fresh(mine)) if timed else None
+    peak, out = _peak(run, _fresh(mine))
     return {"peak_bytes": peak, "seconds": seconds, "out": out, "shard": shard}
 
 
@@ -389,6 +412,27 @@ def schedule_work(layout: str, world: int, seq_len: int) -> list[int]:
     return work
 
 
+def message_work_max_over_mean(world: int, seq_len: int, pieces: int) -> float:
+    """The zigzag ring's balance per message: query-key pairs each rank computes on piece ``j``
+    at step ``i``, from the blocks the ring executes, max over ranks / mean, worst ``(j, i)``.
+    Ranks move in near lock-step (each waits for its neighbour's piece), so an imbalance of
+    single messages would cost time even where the per-rank totals are equal."""
+    lengths = [doc_lengths(seq_len)]
+    padded, row_len = plan_padded_rows(lengths, world, layout="zigzag")
+    work = {}
+    for rank in range(world):
+        shard = CPShard(lengths, padded, seq_len, row_len, group=None, rank=rank, world=world, layout="zigzag")
+        docs = _LocalDocs(shard.cu_seqlens, 2)
+        q_rows = _run_rows(shard.local_len, pieces)
+        for j, piece in enumerate(docs.pieces(pieces)):
+            for step in range(world):
+                blocks = piece.blocks(docs.blocks("zigzag", world, rank, (rank - step) % world, True), q_rows)
+                work.setdefault((j, step), []).append(
+                    sum((q1 - q0) * (q1 - q0 + 1) // 2 if causal else (q1 - q0) * (b1 - b0)
+                        for q0, q1, b0, b1, causal in blocks))
+    return max(max_over_mean(w) if sum(w) else 1.0 for w in work.values())
+
+
 def row_contiguous_work(world: int, seq_len: int) -> list[int]:
     """Query-key pairs per rank when the row is cut in W contiguous pieces (documents ignored)."""
     work, start = [0] * world, 0
@@ -406,7 +450,7 @@ def max_over_mean(work: list[int]) -> float:
 
 # ---- correctness ---------------------------------------------------------------------------------------
 
-def _check_rank(rank: int, world_size: int) -> None:
+def _check_rank(rank: int, world_size: int, pieces: int) -> None:
     torch.set_num_threads(1)
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     seq_len = 90
@@ -424,7 +468,7 @@ def _check_rank(rank: int, world_size: int) -> None:
         for impl in ("ring", "gather"):
             inputs = [x.clone().requires_grad_() for x in (q, k, v, bk, bv)]
             if impl == "ring":
-                out = ring_branch_attention(*inputs, shard.cu_seqlens, group, SCALE)
+                out = ring_branch_attention(*inputs, shard.cu_seqlens, group, SCALE, pieces=pieces)
             else:
                 plan, row_index = gather_plan(shard, dist.get_rank(group))
                 out = GatherBranchAttention.apply(*inputs, plan, DistributedGather(group, row_index))
@@ -434,13 +478,13 @@ def _check_rank(rank: int, world_size: int) -> None:
                 torch.testing.assert_close(a, b, **TOL, msg=f"{impl}, W = {dist.get_world_size(group)}: {name}")
 
 
-def check_correctness(seq_len: int) -> list[str]:
+def check_correctness(seq_len: int, pieces: int) -> list[str]:
     sys.path.insert(0, str(ROOT))
     from tests.multiprocess import run_on_ranks
 
     failures = []
     try:
-        run_on_ranks(_check_rank, 4)
+        run_on_ranks(_check_rank, 4, pieces)
     except AssertionError as e:
         failures.append(f"ring/gather vs single-device branch_attention on gloo: {e}")
     tensors = full_inputs(seq_len, branch_sets=6)
@@ -448,7 +492,7 @@ def check_correctness(seq_len: int) -> list[str]:
         ref = branch_attention(*tensors[:5], cu_seqlens(seq_len), SCALE)
     for world in (2, 8):
         for rank in range(world):
-            r = run_rank("ring", "zigzag", world, seq_len, rank, tensors)
+            r = run_rank("ring", "zigzag", world, seq_len, rank, tensors, pieces, timed=False)
             want = r["shard"].shard(ref[None])[0]
             if not torch.allclose(r["out"] * r["shard"].valid[0][:, None, None], want, **TOL):
                 failures.append(f"simulated ring, W = {world}, rank {rank}: forward differs from single device")
@@ -457,7 +501,7 @@ def check_correctness(seq_len: int) -> list[str]:
 
 # ---- main ---------------------------------------------------------------------------------------------
 
-def measure(impl: str, layout: str, world: int, seq_len: int, tensors) -> dict:
+def measure(impl: str, layout: str, world: int, seq_len: int, tensors, pieces: int) -> dict:
     """One record: the simulated ranks' larger peak and time, and the schedule's balance."""
     if world == 1:
         ranks = [0]
@@ -465,11 +509,13 @@ def measure(impl: str, layout: str, world: int, seq_len: int, tensors) -> dict:
         ranks = [world - 1]
     else:
         ranks = [0, world - 1]
-    run_rank(impl, layout, world, seq_len, ranks[0], tensors)  # warm-up: first calls at new shapes are slow
-    runs = [run_rank(impl, layout, world, seq_len, rank, tensors) for rank in ranks]
+    # Warm-up: the first calls at new shapes are several times slower.
+    run_rank(impl, layout, world, seq_len, ranks[0], tensors, pieces, timed=False)
+    runs = [run_rank(impl, layout, world, seq_len, rank, tensors, pieces) for rank in ranks]
     work = schedule_work(layout, world, seq_len)
     return {
         "impl": impl, "sharding": layout, "world": world, "seq_len": seq_len, "branch_sets": tensors[3].shape[0],
+        "n_kv_heads": tensors[1].shape[1], "pieces": pieces if impl == "ring" else None,
         "peak_bytes_per_rank": max(r["peak_bytes"] for r in runs),
         "seconds": round(max(r["seconds"] for r in runs), 3),
         "work_max_over_mean": round(max_over_mean(work), 4),
@@ -486,14 +532,18 @@ def main() -> int:
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--branch-sets", type=int, nargs="+", default=[6, 0],
                         help="P per measured call: 6 = the last pass of a D = 7 unroll, 0 = pass 1 / the target")
+    parser.add_argument("--mha-seq-lens", type=int, nargs="*", default=[16384, 65536],
+                        help=f"also measure Hkv = Hq = {N_HEADS} (no GQA) at these S (none: skip)")
+    parser.add_argument("--pieces", type=int, default=DEFAULT_PIECES, help="messages per ring hop")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", type=Path, default=ROOT / "assets" / "bench_cp.json")
-    parser.add_argument("--png", type=Path, default=ROOT / "assets" / "bench_cp.png")
+    parser.add_argument("--png", type=Path, default=ROOT / "assets" / "bench_cp.png",
+                        help="P = first --branch-sets; the other P values get NAME_p<P>.png")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
 
-    failures = check_correctness(min(args.seq_lens))
+    failures = check_correctness(min(args.seq_lens), args.pieces)
     if failures:
         for failure in failures:
             print(f"FAIL: {failure}", file=sys.stderr)
@@ -501,35 +551,43 @@ def main() -> int:
     print(f"correctness checks passed ({time.perf_counter() - start:.0f} s)")
 
     records, singles, balance = [], [], []
+    configs = [(N_KV_HEADS, args.seq_lens)] + ([(N_HEADS, args.mha_seq_lens)] if args.mha_seq_lens else [])
+    for kv_heads, seq_lens in configs:
+        for seq_len in seq_lens:
+            for branch_sets in args.branch_sets:
+                tensors = full_inputs(seq_len, branch_sets, kv_heads=kv_heads)
+                singles.append(run_single_device(seq_len, tensors))
+                for world in args.worlds:
+                    impls = [("ring", "zigzag")] + ([("gather", "zigzag")] if world > 1 else [])
+                    if world > 1 and branch_sets == args.branch_sets[0] and kv_heads == N_KV_HEADS:
+                        impls.append(("ring", "contiguous"))
+                    for impl, layout in impls:
+                        records.append(measure(impl, layout, world, seq_len, tensors, args.pieces))
+                        r = records[-1]
+                        print(f"Hkv={kv_heads} P={branch_sets} {impl:>6} {layout:>10}  W={world}  S={seq_len:>6}  "
+                              f"peak/rank {r['peak_bytes_per_rank'] / 2**20:8.1f} MiB  {r['seconds']:7.2f} s  "
+                              f"work max/mean {r['work_max_over_mean']:.3f}", flush=True)
     for seq_len in args.seq_lens:
-        for branch_sets in args.branch_sets:
-            tensors = full_inputs(seq_len, branch_sets)
-            singles.append(run_single_device(seq_len, tensors))
-            for world in args.worlds:
-                configs = [("ring", "zigzag")] + ([("gather", "zigzag")] if world > 1 else [])
-                if world > 1 and branch_sets == args.branch_sets[0]:
-                    configs.append(("ring", "contiguous"))
-                for impl, layout in configs:
-                    records.append(measure(impl, layout, world, seq_len, tensors))
-                    r = records[-1]
-                    print(f"P={branch_sets} {impl:>6} {layout:>10}  W={world}  S={seq_len:>6}  peak/rank "
-                          f"{r['peak_bytes_per_rank'] / 2**20:8.1f} MiB  {r['seconds']:7.2f} s  "
-                          f"work max/mean {r['work_max_over_mean']:.3f}", flush=True)
         for world in args.worlds[1:]:
             balance.append({
                 "world": world, "seq_len": seq_len,
                 "zigzag": round(max_over_mean(schedule_work("zigzag", world, seq_len)), 4),
+                "zigzag_per_message": round(message_work_max_over_mean(world, seq_len, args.pieces), 4),
                 "contiguous_per_document": round(max_over_mean(schedule_work("contiguous", world, seq_len)), 4),
                 "contiguous_row": round(max_over_mean(row_contiguous_work(world, seq_len)), 4),
             })
 
     summary, failures = summarize(records, singles)
+    failures += [f"zigzag work per message max/mean {b['zigzag_per_message']} > {GOAL_WORK_MAX_OVER_MEAN} "
+                 f"at W = {b['world']}, S = {b['seq_len']}"
+                 for b in balance if b["zigzag_per_message"] > GOAL_WORK_MAX_OVER_MEAN]
     result = {
         "description": __doc__.split("\n\n")[1].replace("\n", " "),
-        "config": {"n_heads": N_HEADS, "n_kv_heads": N_KV_HEADS, "head_dim": HEAD_DIM, "branch_sets": args.branch_sets,
-                   "dtype": "float32", "doc_fractions": list(DOC_FRACTIONS), "threads": args.threads,
-                   "torch": torch.__version__},
+        "config": {"n_heads": N_HEADS, "n_kv_heads": [kv for kv, _ in configs], "head_dim": HEAD_DIM,
+                   "branch_sets": args.branch_sets, "pieces": args.pieces, "dtype": "float32",
+                   "doc_fractions": list(DOC_FRACTIONS), "threads": args.threads, "torch": torch.__version__},
         "method": " ".join(__doc__.split("\n\n")[3:6]).replace("\n", " "),
+        "goals": summary["goals"],
         "records": records,
         "single_device": singles,
         "work_balance": balance,
@@ -539,63 +597,93 @@ def main() -> int:
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
-    plot(records, summary).save(args.png)
-    print(json.dumps(summary, indent=2))
+    for i, p in enumerate(args.branch_sets):
+        png = args.png if i == 0 else args.png.with_name(f"{args.png.stem}_p{p}{args.png.suffix}")
+        plot(records, p).save(png)
+    for g in summary["goals"]:
+        ratios = "  ".join(f"W={w}: {r:.3f}" for w, r in g["ring_over_single_div_w"].items())
+        met = ", ".join(f"{name} {'MET' if ok else 'NOT met'}" for name, ok in g["met"].items())
+        print(f"Hkv={g['n_kv_heads']} P={g['branch_sets']} S={g['seq_len']}: ring / (single / W) {ratios}; "
+              f"gather / ring at W={g['gather_over_ring_at_max_w']['world']}: "
+              f"{g['gather_over_ring_at_max_w']['ratio']:.2f}; work max/mean {g['work_max_over_mean']:.3f}; {met}")
     for failure in failures:
         print(f"FAIL: {failure}", file=sys.stderr)
     return 1 if failures else 0
 
 
+GOAL_RING_OVER_SINGLE_DIV_W = 1.2   # (1) per-rank memory within 1.2x single-device / W
+GOAL_WORK_MAX_OVER_MEAN = 1.05      # (3) zigzag work balance
+
+
 def summarize(records: list[dict], singles: list[dict]) -> tuple[dict, list[str]]:
-    """The issue's goals per (S, P, W): ring vs single-device / W, gather vs ring, balance."""
+    """The issue's goals: per (Hkv, S, P, W) the ratios, and per (Hkv, P) at the largest S
+    whether each goal is met (``goals``)."""
     failures, rows = [], []
-    by_key = {(r["impl"], r["sharding"], r["world"], r["seq_len"], r["branch_sets"]): r for r in records}
-    single = {(s["seq_len"], s["branch_sets"]): s["peak_bytes"] for s in singles}
-    single_seconds = {(s["seq_len"], s["branch_sets"]): s["seconds"] for s in singles}
-    for (impl, layout, world, seq_len, p), ring in sorted(by_key.items()):
+    by_key = {(r["impl"], r["sharding"], r["world"], r["seq_len"], r["branch_sets"], r["n_kv_heads"]): r
+              for r in records}
+    single = {(s["seq_len"], s["branch_sets"], s["n_kv_heads"]): s for s in singles}
+    for (impl, layout, world, seq_len, p, kv), ring in sorted(by_key.items()):
         if impl != "ring" or layout != "zigzag" or world == 1:
             continue
-        gather = by_key[("gather", "zigzag", world, seq_len, p)]
-        per_rank_share = single[(seq_len, p)] / world
-        row = {"seq_len": seq_len, "branch_sets": p, "world": world,
+        gather = by_key[("gather", "zigzag", world, seq_len, p, kv)]
+        ref = single[(seq_len, p, kv)]
+        per_rank_share = ref["peak_bytes"] / world
+        row = {"n_kv_heads": kv, "seq_len": seq_len, "branch_sets": p, "world": world,
                "ring_over_single_div_w": round(ring["peak_bytes_per_rank"] / per_rank_share, 3),
                "ring_minus_1_2x_single_div_w_bytes": round(ring["peak_bytes_per_rank"] - 1.2 * per_rank_share),
                "gather_over_ring": round(gather["peak_bytes_per_rank"] / ring["peak_bytes_per_rank"], 3),
                # Gathering the whole sequence (the draft run unsharded on every rank) needs at
                # least the single-device op's memory on every rank.
-               "single_over_ring": round(single[(seq_len, p)] / ring["peak_bytes_per_rank"], 3),
-               "ring_speedup_over_single": round(single_seconds[(seq_len, p)] / ring["seconds"], 2),
+               "single_over_ring": round(ref["peak_bytes"] / ring["peak_bytes_per_rank"], 3),
+               "ring_speedup_over_single": round(ref["seconds"] / ring["seconds"], 2),
                "zigzag_work_max_over_mean": ring["work_max_over_mean"]}
-        contiguous = by_key.get(("ring", "contiguous", world, seq_len, p))
+        contiguous = by_key.get(("ring", "contiguous", world, seq_len, p, kv))
         if contiguous:
             row["contiguous_work_max_over_mean"] = contiguous["work_max_over_mean"]
             row["contiguous_over_zigzag_seconds"] = round(contiguous["seconds"] / ring["seconds"], 3)
         rows.append(row)
-        if ring["work_max_over_mean"] > 1.05:
-            failures.append(f"zigzag work max/mean {ring['work_max_over_mean']} > 1.05 at W = {world}, S = {seq_len}")
-    return {"per_size": rows}, failures
+        if ring["work_max_over_mean"] > GOAL_WORK_MAX_OVER_MEAN:
+            failures.append(f"zigzag work max/mean {ring['work_max_over_mean']} > {GOAL_WORK_MAX_OVER_MEAN} "
+                            f"at W = {world}, S = {seq_len}")
+    goals = []
+    for kv, p in sorted({(r["n_kv_heads"], r["branch_sets"]) for r in rows}):
+        mine = [r for r in rows if (r["n_kv_heads"], r["branch_sets"]) == (kv, p)]
+        largest = max(r["seq_len"] for r in mine)
+        at = {r["world"]: r for r in mine if r["seq_len"] == largest}
+        w_max = max(at)
+        ring_ratio = {w: r["ring_over_single_div_w"] for w, r in sorted(at.items())}
+        work = max(r["zigzag_work_max_over_mean"] for r in mine)
+        goals.append({
+            "n_kv_heads": kv, "branch_sets": p, "seq_len": largest,
+            "ring_over_single_div_w": ring_ratio,
+            "gather_over_ring_at_max_w": {"world": w_max, "ratio": at[w_max]["gather_over_ring"]},
+            "work_max_over_mean": work,
+            "met": {"ring_within_1.2x_single_div_w": max(ring_ratio.values()) <= GOAL_RING_OVER_SINGLE_DIV_W,
+                    "gather_over_ring_at_least_w_div_2": at[w_max]["gather_over_ring"] >= w_max / 2,
+                    "work_max_over_mean_at_most_1.05": work <= GOAL_WORK_MAX_OVER_MEAN},
+        })
+    return {"goals": goals, "per_size": rows}, failures
 
 
 # ---- plot ---------------------------------------------------------------------------------------------
 
-def plot(records: list[dict], summary: dict) -> Canvas:
-    """Peak bytes per rank against S (log-log): ring at every W, gather at every W > 1."""
+def plot(records: list[dict], p: int) -> Canvas:
+    """Peak bytes per rank against S (log-log), GQA config, ``P = p``: ring at every W, gather at every W > 1."""
     colors = {1: (0, 0, 0), 2: (40, 140, 60), 4: BLUE, 8: RED}
     series = {}
-    p = records[0]["branch_sets"]
     for r in records:
-        if r["sharding"] == "zigzag" and r["branch_sets"] == p:
+        if r["sharding"] == "zigzag" and r["branch_sets"] == p and r["n_kv_heads"] == N_KV_HEADS:
             series.setdefault((r["impl"], r["world"]), []).append((r["seq_len"], r["peak_bytes_per_rank"]))
     sizes = sorted({s for pts in series.values() for s, _ in pts})
-    values = [p for pts in series.values() for _, p in pts]
+    values = [b for pts in series.values() for _, b in pts]
     y_lo, y_hi = math.floor(math.log2(min(values))), math.ceil(math.log2(max(values)))
     canvas = Canvas(900, 620)
     left, right, top, bottom = 110, 880, 70, 520
     x_lo, x_hi = math.log2(sizes[0]) - 0.3, math.log2(sizes[-1]) + 0.3
 
-    def xy(s, p):
+    def xy(s, b):
         return (left + (math.log2(s) - x_lo) / (x_hi - x_lo) * (right - left),
-                bottom - (math.log2(p) - y_lo) / (y_hi - y_lo) * (bottom - top))
+                bottom - (math.log2(b) - y_lo) / (y_hi - y_lo) * (bottom - top))
 
     for s in sizes:
         x, _ = xy(s, 2**y_lo)
@@ -610,12 +698,13 @@ def plot(records: list[dict], summary: dict) -> Canvas:
     canvas.line(left, top, left, bottom, (0, 0, 0), 2)
     canvas.line(left, bottom, right, bottom, (0, 0, 0), 2)
     for (impl, world), pts in sorted(series.items()):
-        pixels = [xy(s, p) for s, p in sorted(pts)]
+        pixels = [xy(s, b) for s, b in sorted(pts)]
         for (x0, y0), (x1, y1) in zip(pixels, pixels[1:]):
             canvas.line(x0, y0, x1, y1, colors.get(world, GREY), 3, dash=0 if impl == "ring" else 8)
         for x, y in pixels:
             canvas.rect(round(x) - 4, round(y) - 4, 9, 9, colors.get(world, GREY))
-    title = f"PEAK BYTES PER RANK, ONE DRAFT ATTENTION PASS FWD+BWD (P={p}, CPU FP32)"
+    pieces = next(r["pieces"] for r in records if r["impl"] == "ring")
+    title = f"PEAK BYTES PER RANK, DRAFT ATTN FWD+BWD (P={p}, HKV={N_KV_HEADS}, {pieces} PIECES/HOP)"
     canvas.text((canvas.width - canvas.text_width(title)) // 2, 20, title)
     canvas.text((left + right - canvas.text_width("TOKENS PER ROW, S")) // 2, bottom + 45, "TOKENS PER ROW, S")
     legend = [(colors[w], 0, f"RING W={w}") for w in (1, 2, 4, 8)]

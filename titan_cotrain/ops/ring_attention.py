@@ -32,13 +32,30 @@ chunk ``b`` of the same document as::
 so after step 0 every rank does ``2 c^2`` query-key pairs per document of chunk ``c`` at
 every step: the load balance. Partial attentions merge in fp32 with ``merge_attention``.
 
+Pieces. A whole shard in flight would double the K/V a rank holds (in backward, K/V plus the
+travelling dK/dV), so every hop is cut into ``pieces`` messages and the ring runs piece by
+piece: piece ``j`` makes all ``W`` hops, each rank computing on it and passing it on, before
+piece ``j + 1`` starts, and while a rank computes on piece ``j`` at step ``i`` the piece of step
+``i + 1`` is on its way. In flight are then two pieces of K/V (in backward also about three of
+dK/dV), not two shards. A piece holds the same offsets of the first and of the second chunk of
+each document it spans; for one local document of chunk ``c = 4`` and two pieces::
+
+    local rows   [x0 x1 x2 x3 | y0 y1 y2 y3]      piece 0: x0 x1 y0 y1    piece 1: x2 x3 y2 y3
+
+so a step costs every rank the same on every piece of ``p`` offsets: against an earlier rank's
+piece, all ``2c`` local queries meet its ``p`` first-chunk keys; against a later rank's, the
+``c`` second-chunk queries meet all ``2p`` of its keys. Query rows, too, are taken a piece's
+worth at a time, so no kernel call's temporaries outgrow a piece.
+
 Backward recomputes each block's scores. Handed the *merged* ``(out, lse)``, every block's
-share of dQ/dK/dV is exact (see ``trunk_backward``). dQ stays home; dK/dV accumulate (fp32)
-in a buffer that travels the ring behind the K/V and, after ``W`` hops, reaches its owner.
+share of dQ/dK/dV is exact (see ``trunk_backward``). dQ stays home; each piece's dK/dV
+accumulate (fp32) in a buffer that travels the ring behind its K/V and, after ``W`` hops,
+reaches its owner while the owner computes the next piece's first step.
 
 The draft's branch attention (``branch_attention``) is rank-local: anchor ``t``'s branch
 keys live where ``t`` lives. It is merged into the ring's ``(out, lse)`` before the first
-step and differentiated against the same merged ``(out, lse)``; it never communicates.
+step and differentiated against the same merged ``(out, lse)``; it never communicates, and
+runs a piece's worth of query rows at a time (it is row-local).
 
 The ``contiguous`` layout (rank ``r`` holds chunk ``r`` of ``W``) follows the same rule; it
 is unbalanced (rank ``W-1`` does ``2W-1`` times the work of rank 0) and exists for torch's
@@ -164,15 +181,16 @@ class _Piece:
         exceeds a piece. A causal block (query rows = key rows) meets a key segment
         ``[x0, x1)`` as one causal square plus the full block of the queries below it."""
         for qs, qe, ks, ke, causal in blocks:
-            hits = [(max(ks, s), min(ke, e), o + max(ks, s) - s)
-                    for (s, e), o in zip(self.segments, self.offsets) if max(ks, s) < min(ke, e)]
-            if causal:
-                for x0, x1, b0 in hits:
-                    yield x0, x1, b0, b0 + x1 - x0, True
-                    yield from _runs(x1, qe, q_rows, b0, b0 + x1 - x0)
-                continue
-            for x0, x1, b0 in hits:
-                yield from _runs(qs, qe, q_rows, b0, b0 + x1 - x0)
+            for (s, e), o in zip(self.segments, self.offsets):
+                x0, x1 = max(ks, s), min(ke, e)
+                if x0 >= x1:
+                    continue
+                b0, b1 = o + x0 - s, o + x1 - s
+                if causal:
+                    yield x0, x1, b0, b1, True
+                    yield from _runs(x1, qe, q_rows, b0, b1)
+                else:
+                    yield from _runs(qs, qe, q_rows, b0, b1)
 
 
 def _runs(q_start: int, q_end: int, q_rows: int, b0: int, b1: int):

@@ -207,7 +207,8 @@ class Trainer:
         return minibatch.map(lambda t: torch.cat([t, t.new_zeros(extra, t.shape[1])])) if extra else minibatch
 
     def _update(self, batch: PackedBatch, loss_fn, train_draft: bool) -> dict[str, float]:
-        """One or more optimizer updates (``rl.updates_per_step`` minibatches of rows)."""
+        """One or more optimizer updates (``rl.updates_per_step`` minibatches of rows). Under
+        PP a minibatch is padded to whole schedule steps, which accumulate into its update."""
         cfg = self.config
         n = cfg.rl.updates_per_step if batch.advantages is not None else 1
         metrics: dict[str, float] = {}

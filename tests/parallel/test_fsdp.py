@@ -1,6 +1,7 @@
 """FSDP2 over 2 gloo ranks reproduces the single-device co-training step: gradients are
 summed across ranks and every loss divides by the global token count."""
 
+import pytest
 import torch
 
 from tests.multiprocess import run_on_ranks
@@ -31,7 +32,7 @@ def _grads(*models) -> dict[str, torch.Tensor]:
     return {f"{i}.{n}": p.grad for i, m in enumerate(models) for n, p in m.named_parameters()}
 
 
-def _fsdp_rank(rank, world_size, reference_grads, reference_metrics):
+def _fsdp_rank(rank, world_size, reference_grads, reference_metrics, mesh_shape):
     from torch.distributed.device_mesh import init_device_mesh
 
     from titan_cotrain.components.titan import init_torchtitan
@@ -39,7 +40,8 @@ def _fsdp_rank(rank, world_size, reference_grads, reference_metrics):
 
     init_torchtitan()
     policy, draft = _models()
-    mesh = init_device_mesh("cpu", (world_size,))
+    # (world,): FSDP; (replicas, shards): HSDP, as the trainer builds it from dp_replicate x fsdp.
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp_replicate", "fsdp")[-len(mesh_shape):])
     apply_fsdp(policy, mesh)
     apply_fsdp(draft, mesh)
     metrics = forward_backward(policy, draft, _batches(world_size)[rank], next_token_loss, **STEP)
@@ -50,7 +52,8 @@ def _fsdp_rank(rank, world_size, reference_grads, reference_metrics):
                                    msg=lambda m: f"{name}: {m}")
 
 
-def test_fsdp_cotrain_step_matches_single_device():
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 1)], ids=["fsdp", "hsdp_replicated"])
+def test_fsdp_cotrain_step_matches_single_device(mesh_shape):
     world_size = 2
     policy, draft = _models()
     batches = _batches(world_size)
@@ -59,4 +62,4 @@ def test_fsdp_cotrain_step_matches_single_device():
     metrics = forward_backward(policy, draft, whole, next_token_loss, **STEP)
     grads = {k: v.clone() for k, v in _grads(policy, draft).items()}
     assert all(g.abs().sum() > 0 for g in grads.values())
-    run_on_ranks(_fsdp_rank, world_size, grads, metrics)
+    run_on_ranks(_fsdp_rank, world_size, grads, metrics, mesh_shape)

@@ -16,8 +16,10 @@ def apply_fsdp(model: nn.Module, mesh, param_dtype: str = "float32", reduce_dtyp
     """Shard each of ``model.layers`` (if any) as a unit, then the root (for the target:
     embeddings, norm, head; the draft, one layer, is a single root unit).
 
-    ``mesh`` is the ``fsdp`` mesh (``dp_shard x cp``). Gradients are *summed* across it,
-    not averaged, so every loss is normalised by the global token count before backward.
+    ``mesh`` is the ``fsdp`` mesh (``dp_shard x cp``), or the 2-D ``dp_replicate x fsdp``
+    mesh for HSDP (parameters sharded over ``fsdp``, replicated over ``dp_replicate``).
+    Gradients are *summed* across it, not averaged, so every loss is normalised by the
+    global token count before backward.
     """
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
     for layer in getattr(model, "layers", ()):

@@ -145,7 +145,7 @@ class Trainer:
         elif world_size > 1:
             for module in (self.policy, self.draft):
                 if module is not None:
-                    apply_fsdp(module, self.parallel_dims.get_mesh("fsdp"), config.training.mixed_precision_param,
+                    apply_fsdp(module, self._fsdp_mesh(), config.training.mixed_precision_param,
                                config.training.mixed_precision_reduce)
         self.policy_opt = titan.build_optimizers([self.policy], config.optimizer, self.parallel_dims)
         self.policy_lr = titan.build_lr_schedulers(self.policy_opt, config.lr_scheduler, self.total_steps)
@@ -168,6 +168,12 @@ class Trainer:
             os.makedirs(config.job.dump_folder, exist_ok=True)
         if config.metrics.enable_tensorboard and rank == self.log_rank:
             self.tb = titan.tensorboard_logger(os.path.join(config.job.dump_folder, config.metrics.save_tb_folder))
+
+    def _fsdp_mesh(self):
+        """``fsdp`` (dp_shard x cp), or HSDP's ``dp_replicate x fsdp`` when there are replicas:
+        without the replicate dimension replicas would never reduce their gradients."""
+        dims = self.parallel_dims
+        return dims.get_mesh(["dp_replicate", "fsdp"]) if dims.dp_replicate_enabled else dims.get_mesh("fsdp")
 
     # ----------------------------------------------------------------- data
     def _rng(self, step: int, salt: str) -> random.Random:

@@ -1,5 +1,6 @@
 """Every bad config gives one ConfigError that names the key and the file."""
 
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,40 @@ def test_every_shipped_config_reads(sample):
     from titan_cotrain.config.loader import check_toml, read_toml
 
     check_toml(read_toml(sample), str(sample))
+
+
+def test_a_job_extends_another(tmp_path):
+    base = _write(tmp_path, '[job]\ndescription = "base"\n[rl]\ngroup_size = 4\nlr = 2e-4\n[draft]\nttt_steps = 5\n')
+    middle = tmp_path / "sub" / "middle.toml"
+    middle.parent.mkdir()
+    middle.write_text('[job]\nextends = "../job.toml"\n[rl]\nlr = 7e-4\n')
+    top = tmp_path / "sub" / "top.toml"
+    top.write_text('[job]\nextends = "middle.toml"\ndescription = "top"\n[draft]\nfreeze_after_sft = true\n')
+    config = _load(top, "--draft.ttt_steps", "6")
+    assert config.job.description == "top"
+    assert (config.rl.group_size, config.rl.lr) == (4, 7e-4)  # a table merges key by key
+    assert config.draft.freeze_after_sft is True and config.draft.ttt_steps == 6  # the command line wins
+    assert _load(base).job.description == "base"
+
+
+def test_the_frozen_draft_variant_is_the_default_with_the_draft_frozen():
+    frozen = _load(REPO / "train_configs" / "debug_cpu_frozen_draft.toml", world_size=2)
+    default = _load(DEFAULT, world_size=2)
+    assert frozen.draft.freeze_after_sft and not default.draft.freeze_after_sft
+    for section in ("model", "training", "optimizer", "rl", "rollout", "task"):
+        assert asdict(getattr(frozen, section)) == asdict(getattr(default, section)), section
+
+
+def test_extends_errors_name_the_file(tmp_path):
+    a, b = tmp_path / "a.toml", tmp_path / "b.toml"
+    a.write_text('[job]\nextends = "b.toml"\n')
+    b.write_text('[job]\nextends = "a.toml"\n')
+    _expect(a, "makes a cycle", "a.toml -> ", "b.toml")
+    a.write_text('[job]\nextends = "nowhere.toml"\n')
+    _expect(a, "a.toml", "job.extends = 'nowhere.toml'", "no such file")
+    b.write_text('[drfat]\nttt_steps = 3\n')
+    a.write_text('[job]\nextends = "b.toml"\n')
+    _expect(a, "b.toml", "drfat")  # a mistake in the extended file names that file
 
 
 def _expect(path: Path, *needles: str, overrides=(), world_size: int = 1):

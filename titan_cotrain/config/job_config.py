@@ -15,6 +15,14 @@ from typing import Literal
 
 
 @dataclass
+class Job:
+    extends: str = ""
+    """Another TOML job file, relative to this one, that this file starts from: its keys apply
+    first, this file's keys win, ``--section.key`` overrides win over both. Files may chain;
+    a cycle is an error. Variants of a job stay one short file (``debug_cpu_frozen_draft.toml``)."""
+
+
+@dataclass
 class Model:
     name: str = "llama3"
     """Target architecture: ``llama3`` or ``qwen3``."""
@@ -160,6 +168,7 @@ class Task:
 
 @dataclass
 class JobConfig:
+    job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)

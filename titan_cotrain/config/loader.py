@@ -124,6 +124,48 @@ def read_toml(path: Path) -> dict:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
 
 
+def _merge_tables(base: dict, top: dict) -> dict:
+    """``base`` with ``top``'s keys on top; tables merge key by key, anything else is replaced."""
+    merged = dict(base)
+    for key, value in top.items():
+        merged[key] = _merge_tables(base[key], value) if isinstance(value, dict) and isinstance(
+            base.get(key), dict) else value
+    return merged
+
+
+def read_job_toml(path: Path, _chain: tuple[Path, ...] = ()) -> dict:
+    """The job file's values, checked, with the files it ``[job] extends`` merged underneath."""
+    raw = read_toml(path)
+    check_toml(raw, str(path))
+    base = raw.get("job", {}).get("extends")
+    if not base:
+        return raw
+    chain = (*_chain, path.resolve())
+    base_path = (path.parent / base).resolve()
+    if base_path in chain:
+        raise ConfigError(f"{path}: job.extends = {base!r} makes a cycle: "
+                          + " -> ".join(str(p) for p in (*chain, base_path)))
+    if not base_path.is_file():
+        raise ConfigError(f"{path}: job.extends = {base!r}: no such file {base_path}")
+    try:
+        base_values = read_job_toml(base_path, chain)
+    except ConfigError as e:
+        raise ConfigError(f"{e}\n  (read because {path} has job.extends = {base!r})") from None
+    return _merge_tables(base_values, raw)
+
+
+def _parse_with_torchtitan(toml_values: dict, args: list[str]):
+    """torchtitan's ``ConfigManager.parse_args`` on the already merged TOML values (it would
+    otherwise read ``--job.config_file`` itself, without what that file extends)."""
+    from torchtitan.config import ConfigManager
+
+    class MergedTomlConfigManager(ConfigManager):
+        def _maybe_load_toml(self, args: list[str]) -> dict:
+            return toml_values
+
+    return MergedTomlConfigManager().parse_args(args)
+
+
 def load_job_config(args: list[str] | None = None, world_size: int | None = None):
     """Parse ``args`` (``--job.config_file F`` plus overrides) into a validated JobConfig.
 
@@ -131,14 +173,11 @@ def load_job_config(args: list[str] | None = None, world_size: int | None = None
     Raises ``ConfigError`` for anything wrong; tyro exits with its own message for a
     malformed command-line override.
     """
-    from torchtitan.config import ConfigManager
-
     args, path = _config_file(list(args or []))
-    raw = read_toml(path)
-    check_toml(raw, str(path))
+    raw = read_job_toml(path)
     if not raw.get("job", {}).get("custom_config_module"):
         args = [*args, "--job.custom_config_module", CUSTOM_CONFIG_MODULE]
-    config = ConfigManager().parse_args(args)
+    config = _parse_with_torchtitan(raw, args)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     from titan_cotrain.config.validate import validate_job_config

@@ -41,18 +41,16 @@ def rl_curve(metrics: list[dict], key: str) -> list[float]:
     return [m[key] for m in metrics if m["phase"] == "rl"]
 
 
-def plot(result: dict, path: Path) -> None:
-    canvas = Canvas(900, 560)
-    left, right, top, bottom = 90, 860, 60, 480
-    steps = result["steps"]
-    curves = {name: result[name]["acceptance_length"] for name in ("cotrain", "frozen")}
+def _panel(canvas: Canvas, box: tuple[int, int, int, int], curves: dict[str, list[float]], title: str) -> None:
+    """Two curves (co-trained blue, frozen red) over the RL steps in ``box`` = left, right, top, bottom."""
+    left, right, top, bottom = box
     lo = min(min(c) for c in curves.values())
     hi = max(max(c) for c in curves.values())
     lo, hi = lo - 0.05 * (hi - lo + 1e-6), hi + 0.05 * (hi - lo + 1e-6)
+    n = max(len(c) for c in curves.values())
 
     def xy(i: int, v: float) -> tuple[float, float]:
-        x = left + (right - left) * i / max(len(steps) - 1, 1)
-        return x, bottom - (bottom - top) * (v - lo) / (hi - lo)
+        return left + (right - left) * i / max(n - 1, 1), bottom - (bottom - top) * (v - lo) / (hi - lo)
 
     for k in range(5):
         y = top + (bottom - top) * k / 4
@@ -64,10 +62,19 @@ def plot(result: dict, path: Path) -> None:
         points = [xy(i, v) for i, v in enumerate(curves[name])]
         for (x0, y0), (x1, y1) in zip(points, points[1:]):
             canvas.line(x0, y0, x1, y1, color, 3)
-    canvas.text(left, 15, "ROLLOUT ACCEPTANCE LENGTH PER RL STEP", BLACK)
-    canvas.text(left + 10, top + 10, "CO-TRAINED DRAFT", BLUE)
-    canvas.text(left + 10, top + 30, "FROZEN AFTER WARM START", RED)
-    canvas.text(left, bottom + 20, f"RL STEP {steps[0]} TO {steps[-1]}", GREY)
+    canvas.text(left, top - 25, title, BLACK)
+
+
+def plot(result: dict, path: Path) -> None:
+    canvas = Canvas(900, 860)
+    steps = result["steps"]
+    _panel(canvas, (90, 860, 60, 430), {k: result[k]["acceptance_length"] for k in ("cotrain", "frozen")},
+           "ROLLOUT ACCEPTANCE LENGTH PER RL STEP")
+    canvas.text(100, 70, "CO-TRAINED DRAFT", BLUE)
+    canvas.text(100, 90, "FROZEN AFTER WARM START", RED)
+    _panel(canvas, (90, 860, 520, 790), {k: result[k]["reward"] for k in ("cotrain", "frozen")},
+           "MEAN REWARD PER RL STEP")
+    canvas.text(90, 810, f"RL STEP {steps[0]} TO {steps[-1]}", GREY)
     canvas.save(path)
 
 
@@ -77,15 +84,19 @@ def mean(xs: list[float]) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sft-steps", type=int, default=200)
-    parser.add_argument("--rl-steps", type=int, default=40)
+    parser.add_argument("--sft-steps", type=int, default=600)
+    parser.add_argument("--rl-steps", type=int, default=100)
     parser.add_argument("--warm-start", type=Path, default=None,
                         help="an existing warm-start checkpoint folder (step-<sft-steps>) both arms resume from, "
                              "instead of running the SFT phase in the co-trained arm")
     parser.add_argument("--work", type=Path, default=ROOT / "outputs" / "compare_cotrain")
     parser.add_argument("--json", type=Path, default=ROOT / "assets" / "compare_cotrain.json")
     parser.add_argument("--png", type=Path, default=ROOT / "assets" / "acceptance_vs_step.png")
+    parser.add_argument("--replot", action="store_true", help="only redraw --png from an existing --json")
     args, extra = parser.parse_known_args()
+    if args.replot:
+        plot(json.loads(args.json.read_text()), args.png)
+        return 0
     shutil.rmtree(args.work, ignore_errors=True)
     common = ["--task.sft_steps", str(args.sft_steps), "--training.steps", str(args.rl_steps),
               "--checkpoint.interval", str(args.sft_steps), "--checkpoint.keep_latest_k", "0", *extra]

@@ -320,3 +320,16 @@ def test_rollout_progress_bar_draws_after_its_delay_and_clears():
     text = bar.stream.getvalue()
     assert "   1/4 responses" in text and "   4/4 responses" in text and text.endswith("\r\033[K")
 
+
+
+def test_requests_the_engine_cannot_hold_fail_with_the_limits():
+    target, draft = _models()
+    engine = RolloutEngine(target, draft, max_batch_size=2, max_seq_len=16, max_draft_tokens=2)
+    params = SamplingParams(temperature=0, max_new_tokens=8)
+    with pytest.raises(ValueError, match=r"longest prompt \(9\) \+ max_new_tokens \(8\) exceeds .* max_seq_len 16"):
+        engine.generate(_prompts([3, 9], target.args.vocab_size), params)
+    with pytest.raises(ValueError, match="3 prompts exceed the engine's max_batch_size 2"):
+        engine.generate(_prompts([3, 3, 3], target.args.vocab_size), params)
+    with pytest.raises(ValueError, match=r"draft_tokens must be in 0..2"):
+        engine.generate(_prompts([3], target.args.vocab_size), params, draft_tokens=3)
+    assert engine.generate(_prompts([3, 8], target.args.vocab_size), params).tokens.shape[0] == 2  # 8 + 8 fits

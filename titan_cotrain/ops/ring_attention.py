@@ -297,7 +297,8 @@ def ring_forward(
             for q0, q1, b0, b1, block_causal in piece.blocks(step_blocks, q_rows):
                 # One statement, so that no block's temporaries outlive it.
                 out[q0:q1], lse[q0:q1] = merge_attention(
-                    out[q0:q1], lse[q0:q1], *block_forward(q[q0:q1], held[0][b0:b1], held[1][b0:b1], scale, block_causal)
+                    out[q0:q1], lse[q0:q1],
+                    *block_forward(q[q0:q1], held[0][b0:b1], held[1][b0:b1], scale, block_causal),
                 )
             if incoming is not None:
                 held = incoming.wait()
@@ -375,6 +376,7 @@ def ring_backward(
 
 
 def _accumulate(into: tuple[torch.Tensor, ...], arrived: tuple[torch.Tensor, ...]) -> None:
+    """``into[i] += arrived[i]``; ``arrived`` dies with the call (no loop variable keeps it)."""
     for total, part in zip(into, arrived):
         total += part
 

@@ -6,7 +6,8 @@ the gradient of every policy and draft parameter match ``forward_backward`` on t
 batch within 1e-5 (fp32, 4 microbatches, second step on the same pipeline); the taps the
 draft consumes are bitwise the single-device taps; every step finishes within a bound (a
 watchdog kills a hung rank and dumps its stacks). Also: the main job's config path with a
-tied-embedding model under activation checkpointing, and pp=2 x cp=2 on 4 ranks; and what
+tied-embedding model under activation checkpointing, pp=2 x cp=2 and pp=2 x dp=2 (replicated
+stages, gradients summed by the step) on 4 ranks; and what
 the trainer builds on the step: several schedule steps accumulated into one update, the
 policy loss switched per step, clipping by the global norms, the whole models gathered.
 """
@@ -309,8 +310,18 @@ CP_ROW_LEN = 32  # every test row's documents, each padded to a multiple of 2 x 
 PP_CP_SCHEDULES = {"ZBVZeroBubble": [2, 2, 2, 2]}
 
 
-def _pp_cp_rank(rank, world_size, reference):
-    """pp=2 x cp=2: every stage rides the CP ring, the taps stay within their CP rank's column."""
+def _check_grads(pipe, ref_grads, what: str) -> None:
+    for part in pipe.model_parts:
+        for name, param in part.named_parameters():
+            torch.testing.assert_close(param.grad, ref_grads[_reference_name(name, False)], **TOL_FP64,
+                                       msg=lambda m: f"{what} {name}: {m}")
+
+
+def _pp_cp_and_pp_dp_ranks(rank, world_size, reference):
+    """pp=2 x cp=2: every stage rides the CP ring, the taps stay within their CP rank's
+    column. pp=2 x dp=2: each replica of the stages trains half the rows; the step sums the
+    gradients over the replicas (the draft's over the last stage's). Either way every rank
+    ends with the whole batch's gradients of its stages."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from titan_cotrain.parallel.pipeline import make_pipeline
@@ -330,20 +341,28 @@ def _pp_cp_rank(rank, world_size, reference):
         for key, value in ref_metrics.items():  # forward_backward reports fp32 metrics
             torch.testing.assert_close(metrics[key], value, rtol=1e-6, atol=1e-7,
                                        msg=lambda m: f"{schedule} {key}: {m}")
-        for part in pipe.model_parts:
-            for name, param in part.named_parameters():
-                dist.all_reduce(param.grad, group=cp_group)  # CP ranks hold partial gradients (FSDP sums them)
-                torch.testing.assert_close(param.grad, ref_grads[_reference_name(name, False)], **TOL_FP64,
-                                           msg=lambda m: f"{schedule} {name}: {m}")
+        _check_grads(pipe, ref_grads, f"pp x cp {schedule}")  # partial per CP rank, summed by the step
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    dp_rank, half = mesh["dp"].get_local_rank(), ROWS // 2
+    policy, draft = (m.double() for m in _models())
+    plan = plan_pipeline(ARGS.n_layers, 2, "1F1B", layers_per_stage=[3, 5])
+    pipe = make_pipeline(policy, draft, mesh["pp"], plan, microbatch_size=1, n_microbatches=half, seq_len=SEQ,
+                         policy_loss_fn=POLICY_LOSS, loss_group=mesh["dp"].get_group(),
+                         tap_timeout=timedelta(seconds=STEP_BOUND_S), **STEP)
+    metrics = _bounded_step(pipe, _batch().map(lambda t: t[dp_rank * half:(dp_rank + 1) * half]))
+    for key, value in ref_metrics.items():
+        torch.testing.assert_close(metrics[key], value, rtol=1e-6, atol=1e-7, msg=lambda m: f"pp x dp {key}: {m}")
+    _check_grads(pipe, ref_grads, "pp x dp")
 
 
-def test_pipeline_composes_with_context_parallelism():
+def test_pipeline_composes_with_context_and_data_parallelism():
     """fp64, as the CP tests: the ring sums attention in another order, and fp32 rounding
     through 8 layers would hide a real error of 1e-5 (see ``TOL_FP64``)."""
     policy, draft = (m.double() for m in _models())
     with one_thread():
         metrics, grads, _ = _reference(policy, draft, _batch())
-    run_on_ranks(_pp_cp_rank, 4, (metrics, grads))
+    run_on_ranks(_pp_cp_and_pp_dp_ranks, 4, (metrics, grads))
 
 
 def test_plan_places_stages_and_taps():

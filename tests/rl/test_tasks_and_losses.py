@@ -117,6 +117,35 @@ def test_packing_skips_overlong_and_refuses_empty(caplog):
         pack_samples(_samples(), seq_len=2, pad_id=0)
 
 
+def _document_lengths(document_ids: torch.Tensor) -> list[list[int]]:
+    return [torch.unique_consecutive(row, return_counts=True)[1].tolist() for row in document_ids]
+
+
+def test_cp_packing_fills_each_rows_cp_layout_exactly():
+    """``pad_to = 2 cp``: a document spans its length rounded up to a multiple of 2 cp (the
+    padding inside it, out of the loss), so the zigzag layout of every row is exactly
+    ``seq_len`` tokens; plain packing can overflow it (the CP layout pads each document)."""
+    from titan_cotrain.parallel.context_parallel import plan_padded_rows
+
+    samples = _samples()  # lengths 5, 3, 9
+    plain = pack_samples(samples, seq_len=12, pad_id=0)
+    with pytest.raises(ValueError, match="more than the CP row"):
+        plan_padded_rows(_document_lengths(plain.document_ids), world=2, row_len=12)  # row 0: 9 + 3 -> 12 + 4
+    batch = pack_samples(samples, seq_len=12, pad_id=0, pad_to=4)
+    assert _document_lengths(batch.document_ids) == [[12], [8, 4]]
+    padded, row_len = plan_padded_rows(_document_lengths(batch.document_ids), world=2, row_len=12)
+    assert padded == [[12], [8, 4]] and row_len == 12  # the CP layout adds no padding
+    assert batch.tokens[1].tolist() == [5, 6, 7, 8, 2, 0, 0, 0, 5, 9, 2, 0]
+    assert batch.loss_mask[1].tolist() == [False] * 2 + [True] * 3 + [False] * 4 + [True] * 2 + [False]
+    # The in-document padding is out of every loss: the trained labels are plain packing's.
+    a, b = labels_of(plain), labels_of(batch)
+    for field in ("next_tokens", "next_advantages", "next_old_logprobs"):
+        trained = (sorted(getattr(rows, field)[rows.next_token_mask].tolist()) for rows in (a, b))
+        assert next(trained) == next(trained), field
+    with pytest.raises(ValueError, match="divisor of seq_len"):
+        pack_samples(samples, seq_len=10, pad_id=0, pad_to=4)
+
+
 def _token_logprobs(logits, tokens):
     """Independent reference: log p(tokens[b, t]) from logits[b, t - 1], by a loop."""
     out = torch.zeros(tokens.shape)

@@ -17,9 +17,9 @@ Layout, for ``pp`` ranks and ``v`` stages per rank (``pp * v`` stages)::
   ``document_ids`` (a kwarg the schedule splits per microbatch) to build its attention
   layout, and the loss reads the microbatch's rows of the batch (the schedule's ``target``
   is the row indices).
-* The draft is a submodule of the last stage's module, so checkpointing, FSDP's reduction at
-  the end of the schedule and ``Pipeline.draft_parameters`` find it there, but the schedule
-  never runs its backward: ``CotrainLoss`` runs the draft's forward *and* backward for microbatch ``m``
+* The draft is a submodule of the last stage's module, so checkpointing and
+  ``Pipeline.draft_parameters`` find it there, but the schedule never runs its backward:
+  ``CotrainLoss`` runs the draft's forward *and* backward for microbatch ``m``
   inside the last stage's loss function (its inputs are detached, its graph is its own).
   The taps' landing slots and the draft's activations are free when the loss returns,
   whatever the schedule, and zero-bubble weight passes (which only find parameters reached
@@ -44,13 +44,21 @@ rows over it (``shard_packed_rows``, the same cut on every stage) and attends ov
 ring; the TapChannel runs per PP column, so the taps of (stage s, CP rank c) go to (last
 stage, CP rank c) already sharded; the loss runs the CP policy loss and TTT (halo
 included). CP needs a fixed padded row length (``cp_row_len``) so that every microbatch
-has the same shapes. Gradients are then partial per CP rank, as in ``forward_backward``:
-FSDP (or the caller) sums them over the data-parallel x CP ranks.
+has the same shapes (the trainer packs rows in the CP layout, so that length is
+``seq_len``). Gradients are then partial per CP rank, as in ``forward_backward``.
+
+Data parallelism replicates the stages. The ranks of ``loss_group`` (data-parallel x CP, the
+same PP coordinate) hold the same stages and train other rows (or other CP shards of the
+same rows); ``pipeline_step`` sums their normalised gradients over that group, DDP-style, so
+every replica ends the step with the gradient of the whole global batch (the losses already
+divide by global counts) and takes the same optimizer step. The draft's gradients are summed
+the same way: its replicas are exactly the last stage's ranks of that group.
 
 Tied embeddings (Qwen-3's small sizes): the first and the last stage hold the same weight;
 its two gradient halves are summed over a two-rank group after the step, and clipping
 counts it once (``clip_and_step``). Not here yet: FSDP on the stage modules (the draft's
-backward runs in the loss, outside the schedule's switch of FSDP's gradient sync).
+backward runs in the loss, outside the schedule's switch of FSDP's gradient sync), so a
+stage's parameters and optimizer state are whole on each of its data-parallel replicas.
 
 What a trainer uses besides the step: ``Pipeline.local_policy`` (this rank's policy
 modules under the whole model's names: its optimizer and checkpoint), ``Pipeline.draft``
@@ -527,7 +535,8 @@ def make_pipeline(
 
     ``pp_mesh``: the 1-D ``pp`` device mesh of this rank's PP column. Batches must be
     ``[n_microbatches * microbatch_size, seq_len]``. ``loss_group``: the data-parallel
-    ranks (dp x cp) that share the global token counts (None: no data parallelism).
+    ranks (dp x cp) that hold replicas of this rank's stages: they share the global token
+    counts and sum their gradients (None: no data or context parallelism).
     ``cp_mesh``: this rank's 1-D ``cp`` mesh for context parallelism, with ``cp_row_len``,
     the fixed padded row length every microbatch is sharded to (see
     ``titan_cotrain.parallel.context_parallel.plan_padded_rows``). The
@@ -650,9 +659,10 @@ def pipeline_step(
     with, or the last one given) and ``train_draft`` (False: no taps sent, no draft step)
     hold from this call on; every rank must pass the same.
 
-    On return every rank's gradients are final and normalised exactly as
-    ``titan_cotrain.cotrain.step.forward_backward``'s over the whole batch, and every rank
-    holds the same metrics (the same keys as ``forward_backward``'s, detached).
+    On return every rank's gradients are final: normalised exactly as
+    ``titan_cotrain.cotrain.step.forward_backward``'s over the whole (global) batch and
+    summed over ``loss_group``'s replicas; and every rank holds the same metrics (the same
+    keys as ``forward_backward``'s, detached).
     """
     p = pipeline
     per_step = p.n_microbatches * p.microbatch_size
@@ -681,6 +691,8 @@ def pipeline_step(
     dist.broadcast_object_list(payload, group=p.pp_group, group_src=p.plan.stage_ranks[-1])
     policy_scale, draft_scale, metrics = payload[0]
     _normalise_gradients(p, policy_scale, draft_scale)
+    if p.loss_group is not None:
+        _sum_gradients(p.policy_parameters() + p.draft_parameters(), p.loss_group)
     return {name: torch.tensor(value) for name, value in metrics.items()}
 
 
@@ -743,6 +755,29 @@ def _normalise_gradients(p: Pipeline, policy_scale: float, draft_scale: float) -
         for param in params:
             if param.grad is not None:
                 param.grad.mul_(scale)
+
+
+def _sum_gradients(params: list[nn.Parameter], group, bucket_bytes: int = 2**28) -> None:
+    """Sum the gradients of ``params`` over ``group`` in place (the stages' data-parallel
+    replicas, which hold the same parameters in the same order: the same ones have
+    gradients), in flat buckets of one dtype of at most ``bucket_bytes`` (or one gradient)."""
+    grads = [param.grad for param in params if param.grad is not None]
+    bucket: list[torch.Tensor] = []
+
+    def flush() -> None:
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat, group=group)
+        for grad, summed in zip(bucket, flat.split([g.numel() for g in bucket])):
+            grad.copy_(summed.view_as(grad))
+        bucket.clear()
+
+    for grad in grads:
+        if bucket and (grad.dtype != bucket[0].dtype or
+                       (sum(g.numel() for g in bucket) + grad.numel()) * grad.element_size() > bucket_bytes):
+            flush()
+        bucket.append(grad)
+    if bucket:
+        flush()
 
 
 # -- after the step: clipping and whole-model weights --------------------------------------

@@ -4,6 +4,17 @@ A document is one sample: prompt tokens then response tokens (ending in EOS when
 model stopped). Only response tokens are trained on (``loss_mask``); each carries its
 behaviour log-prob and its sample's advantage. Rows are filled first-fit by decreasing
 length; the unused tail of a row is one padding document with an empty loss mask.
+
+Under context parallelism (``pad_to = 2 cp``) rows are packed in the CP layout: every
+document is padded *inside itself*, after its real tokens, to a multiple of ``2 cp``
+tokens (pad tokens, out of the loss), so every document and the padding tail are whole
+multiples of the zigzag layout's ``2 cp`` chunks and a row's CP layout is exactly
+``seq_len`` tokens (``parallel.context_parallel.plan_padded_rows`` adds nothing). A
+pipeline's stages need that fixed CP row length. The padding changes nothing a loss sees:
+it follows the document's last real token, so no real token attends to it (causal mask),
+and it is out of the loss mask, so neither the policy loss nor the draft's (on
+``draft.loss_on = "response"``) scores it; with ``loss_on = "all"`` the draft trains on it
+as it does on the padding tail.
 """
 
 import logging
@@ -33,13 +44,23 @@ class Sample:
         return len(self.prompt) + len(self.response)
 
 
-def pack_samples(samples: list[Sample], seq_len: int, pad_id: int, rows_multiple_of: int = 1) -> PackedBatch:
+def pack_samples(
+    samples: list[Sample], seq_len: int, pad_id: int, rows_multiple_of: int = 1, pad_to: int = 1
+) -> PackedBatch:
     """Pack ``samples`` into ``[R, seq_len]`` rows (``R`` rounded up to ``rows_multiple_of``).
 
+    Each sample's document spans its length rounded up to a multiple of ``pad_to`` (a
+    divisor of ``seq_len``; ``2 cp`` under context parallelism, see the module docstring).
     Samples longer than ``seq_len`` cannot be trained on whole: they are skipped with a
     logged warning rather than truncated (a truncated sample would train on a wrong
     advantage). Raises ``ValueError`` when nothing is left to train on.
     """
+    if pad_to < 1 or seq_len % pad_to:
+        raise ValueError(f"pad_to = {pad_to} must be a positive divisor of seq_len = {seq_len}")
+
+    def span(sample: Sample) -> int:
+        return -(-len(sample) // pad_to) * pad_to
+
     fitting = [s for s in samples if len(s) <= seq_len]
     if len(fitting) < len(samples):
         logger.warning("skipped %d of %d samples longer than training.seq_len = %d",
@@ -50,13 +71,13 @@ def pack_samples(samples: list[Sample], seq_len: int, pad_id: int, rows_multiple
     free: list[int] = []
     for sample in sorted(fitting, key=len, reverse=True):
         for i, space in enumerate(free):
-            if len(sample) <= space:
+            if span(sample) <= space:
                 rows[i].append(sample)
-                free[i] -= len(sample)
+                free[i] -= span(sample)
                 break
         else:
             rows.append([sample])
-            free.append(seq_len - len(sample))
+            free.append(seq_len - span(sample))
     n_rows = -(-len(rows) // rows_multiple_of) * rows_multiple_of
     tokens = torch.full((n_rows, seq_len), pad_id, dtype=torch.long)
     document_ids = torch.zeros(n_rows, seq_len, dtype=torch.long)
@@ -68,10 +89,10 @@ def pack_samples(samples: list[Sample], seq_len: int, pad_id: int, rows_multiple
         for doc, sample in enumerate(row):
             p, n = len(sample.prompt), len(sample)
             tokens[r, pos : pos + n] = torch.tensor(sample.prompt + sample.response)
-            document_ids[r, pos : pos + n] = doc
+            document_ids[r, pos : pos + span(sample)] = doc
             loss_mask[r, pos + p : pos + n] = True
             advantages[r, pos + p : pos + n] = sample.advantage
             old_logprobs[r, pos + p : pos + n] = torch.tensor(sample.logprobs, dtype=torch.float32)
-            pos += n
+            pos += span(sample)
         document_ids[r, pos:] = len(row)  # the padding tail is a document of its own
     return PackedBatch(tokens, document_ids, loss_mask, advantages, old_logprobs)

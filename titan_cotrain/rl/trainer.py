@@ -8,14 +8,21 @@ after each update. Step ``s`` is a warm-start (SFT) step for ``s <= task.sft_ste
 an RL step after; its prompts and sampling seeds derive from ``(debug.seed, s, dp rank)``, so
 a run resumed from a checkpoint of step ``s`` repeats the uninterrupted run exactly.
 
-With pipeline parallelism (``pipeline_parallel_degree > 1``; not combined with data or
-context parallelism yet) every PP rank generates the same rollouts with whole-model engine
-copies, refreshed each RL step by broadcasting every stage's weights from its rank; each
-minibatch is padded with empty rows (loss mask 0) to a multiple of the rows of one
-schedule step (``training.local_batch_size``) and runs as one ``pipeline_step`` (several
-schedule steps accumulate) and one optimizer update, as without PP. The policy optimizer
-and checkpoint hold this rank's stages under the whole model's names; the draft, its
-optimizer and its checkpoint live on the last stage's rank, which also logs.
+With pipeline parallelism (``pipeline_parallel_degree > 1``) every PP rank of a data-parallel
+(and CP) column generates the same rollouts with whole-model engine copies, refreshed each RL
+step by broadcasting every stage's weights from its rank; each minibatch is padded with empty
+rows (loss mask 0) to a multiple of the rows of one schedule step
+(``training.local_batch_size``) and runs as one ``pipeline_step`` (several schedule steps
+accumulate) and one optimizer update, as without PP. The data-parallel dimensions
+(``data_parallel_shard_degree`` and ``data_parallel_replicate_degree``) then *replicate* the
+stages (no FSDP sharding yet): ``pipeline_step`` sums their gradients over the data-parallel
+x CP ranks, DDP-style, before the global clipping. The policy optimizer and checkpoint hold
+this rank's stages under the whole model's names; the draft, its optimizer and its
+checkpoint live on the last stage's ranks. The last stage's rank of rank 0's PP column logs.
+
+Under context parallelism, rows are packed in the CP layout (``pack_samples(pad_to=2 cp)``):
+every row's zigzag layout is exactly ``training.seq_len`` tokens, the fixed CP row length the
+pipeline's stages are built for.
 """
 
 import copy
@@ -101,12 +108,6 @@ class Trainer:
     def __init__(self, config, world_size: int, rank: int) -> None:
         self.config, self.rank, self.world_size = config, rank, world_size
         self.parallel_dims = dims = titan.build_parallel_dims(config.parallelism, world_size)
-        if dims.pp_enabled and (dims.dp_enabled or dims.cp_enabled):
-            raise ValueError(
-                "parallelism.pipeline_parallel_degree > 1 runs without data or context parallelism for now: set "
-                "parallelism.data_parallel_shard_degree, data_parallel_replicate_degree and context_parallel_degree "
-                f"to 1 (got {dims.dp_shard}, {dims.dp_replicate}, {dims.cp}) and launch pipeline_parallel_degree "
-                "processes")
         if world_size > 1:
             dims.build_mesh()
         # Context-parallel peers train the same rows, sharded: they generate the same
@@ -137,11 +138,17 @@ class Trainer:
         self.pipeline = None
         self.log_rank = 0
         if dims.pp_enabled:
-            # The whole models were built on every rank; each keeps its stages' modules.
-            self.pipeline = build_pipeline(self.policy, self.draft, config, dims.get_mesh("pp"),
-                                           policy_loss_fn=next_token_loss)
+            # The whole models were built on every rank; each keeps its stages' modules. The
+            # stages' replicas (data-parallel x CP ranks) share the token counts and sum gradients.
+            replicas = dims.get_mesh("loss").get_group() if dims.dp_enabled or dims.cp_enabled else None
+            self.pipeline = build_pipeline(
+                self.policy, self.draft, config, dims.get_mesh("pp"), policy_loss_fn=next_token_loss,
+                loss_group=replicas, cp_mesh=dims.get_mesh("cp") if dims.cp_enabled else None,
+                cp_row_len=config.training.seq_len if dims.cp_enabled else None)
             self.policy, self.draft = self.pipeline.local_policy, self.pipeline.draft
-            self.log_rank = dist.get_global_rank(self.pipeline.pp_group, self.pipeline.plan.stage_ranks[-1])
+            # PP columns differ by an offset and rank 0's starts at 0: its last stage's rank.
+            pp_ranks = dims.get_mesh("pp").mesh.flatten().tolist()
+            self.log_rank = pp_ranks[self.pipeline.plan.stage_ranks[-1]] - pp_ranks[0]
         elif world_size > 1:
             for module in (self.policy, self.draft):
                 if module is not None:
@@ -193,10 +200,12 @@ class Trainer:
         return torch.bincount(torch.tensor(ids), minlength=self.policy.args.vocab_size)
 
     def _pack(self, samples: list[Sample]) -> PackedBatch:
-        """Pack this rank's samples; every rank ends up with the same number of rows
-        (FSDP's collectives need the same number of forwards everywhere)."""
+        """Pack this rank's samples (in the CP layout under CP); every rank ends up with the
+        same number of rows (FSDP's and the pipeline's collectives need the same number of
+        forwards everywhere)."""
+        cp = self.parallel_dims.cp
         batch = pack_samples(samples, self.config.training.seq_len, pad_id=0,
-                             rows_multiple_of=self.config.rl.updates_per_step)
+                             rows_multiple_of=self.config.rl.updates_per_step, pad_to=2 * cp if cp > 1 else 1)
         rows = torch.tensor(batch.tokens.shape[0])
         if dist.is_initialized():
             dist.all_reduce(rows, op=dist.ReduceOp.MAX)
@@ -308,7 +317,8 @@ class Trainer:
             "reward/mean": float(mean),
             "reward/std": float((stats[1] / stats[2] - mean ** 2).clamp(min=0).sqrt()),
             "rollout/acceptance_length": float(stats[3] / stats[5]),
-            "rollout/tokens_per_s": float(stats[4]) / self.parallel_dims.cp,  # CP peers generate the same
+            # CP and PP peers generate the same rollouts.
+            "rollout/tokens_per_s": float(stats[4]) / (self.parallel_dims.cp * self.parallel_dims.pp),
             "rollout/response_len": float(rollouts.response_lens.float().mean()),
             "time/rollout_s": t_rollout, "time/train_s": t_train, "time/refresh_s": t_refresh,
         }
@@ -327,7 +337,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ run
     def _log(self, step: int, phase: str, metrics: dict[str, float]) -> None:
-        """The logging rank (0; under PP the last stage's): TensorBoard, one JSON line in
+        """The logging rank (0; under PP the last stage's of rank 0's column): TensorBoard, one JSON line in
         ``<dump_folder>/metrics.jsonl``, one console line."""
         if self.rank != self.log_rank:
             return

@@ -7,7 +7,7 @@ batch within 1e-5 (fp32, 4 microbatches, second step on the same pipeline); the 
 draft consumes are bitwise the single-device taps; every step finishes within a bound (a
 watchdog kills a hung rank and dumps its stacks). Also: the main job's config path with a
 tied-embedding model under activation checkpointing, pp=2 x cp=2 and pp=2 x dp=2 (replicated
-stages, gradients summed by the step) on 4 ranks; and what
+stages, gradients summed by the step) on 4 ranks, all three on 8; and what
 the trainer builds on the step: several schedule steps accumulated into one update, the
 policy loss switched per step, clipping by the global norms, the whole models gathered.
 """
@@ -356,13 +356,42 @@ def _pp_cp_and_pp_dp_ranks(rank, world_size, reference):
     _check_grads(pipe, ref_grads, "pp x dp")
 
 
-def test_pipeline_composes_with_context_and_data_parallelism():
+def test_pipeline_composes_with_context_or_data_parallelism():
     """fp64, as the CP tests: the ring sums attention in another order, and fp32 rounding
     through 8 layers would hide a real error of 1e-5 (see ``TOL_FP64``)."""
     policy, draft = (m.double() for m in _models())
     with one_thread():
         metrics, grads, _ = _reference(policy, draft, _batch())
     run_on_ranks(_pp_cp_and_pp_dp_ranks, 4, (metrics, grads))
+
+
+def _pp_dp_cp_rank(rank, world_size, reference):
+    """pp=2 x dp=2 x cp=2 (the shipped Qwen3-32B layout, smaller): each data-parallel
+    replica trains half the rows, CP-sharded; the step sums over the 4 ranks of a stage."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titan_cotrain.parallel.pipeline import make_pipeline
+
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "cp"))
+    ref_metrics, ref_grads = reference
+    dp_rank, half = mesh["dp"].get_local_rank(), ROWS // 2
+    policy, draft = (m.double() for m in _models())
+    plan = plan_pipeline(ARGS.n_layers, 2, "1F1B", layers_per_stage=[3, 5])
+    replicas = dist.new_group(mesh["dp", "cp"].mesh.flatten().tolist(), use_local_synchronization=True)
+    pipe = make_pipeline(policy, draft, mesh["pp"], plan, microbatch_size=1, n_microbatches=half, seq_len=SEQ,
+                         policy_loss_fn=POLICY_LOSS, loss_group=replicas, cp_mesh=mesh["cp"], cp_row_len=CP_ROW_LEN,
+                         tap_timeout=timedelta(seconds=STEP_BOUND_S), **STEP)
+    metrics = _bounded_step(pipe, _batch().map(lambda t: t[dp_rank * half:(dp_rank + 1) * half]))
+    for key, value in ref_metrics.items():
+        torch.testing.assert_close(metrics[key], value, rtol=1e-6, atol=1e-7, msg=lambda m: f"{key}: {m}")
+    _check_grads(pipe, ref_grads, "pp x dp x cp")
+
+
+def test_pipeline_composes_with_data_and_context_parallelism_at_once():
+    policy, draft = (m.double() for m in _models())
+    with one_thread():
+        metrics, grads, _ = _reference(policy, draft, _batch())
+    run_on_ranks(_pp_dp_cp_rank, 8, (metrics, grads))
 
 
 def test_plan_places_stages_and_taps():

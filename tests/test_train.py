@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 SHORT = ("--task.sft_steps", "2", "--training.steps", "2", "--task.sft_batch_size", "8",
          "--rl.prompts_per_step", "2", "--rl.group_size", "2", "--rollout.max_new_tokens", "12",
@@ -169,3 +171,34 @@ def test_pipeline_with_data_parallelism_matches_fsdp_and_resumes_exactly(tmp_pat
         for key, value in a.items():
             if not key.startswith(volatile):
                 assert b[key] == value, (key, value, b[key])
+
+
+def test_a_step_a_rank_cannot_run_stops_every_rank_with_one_message(tmp_path):
+    """Nothing trainable after packing (every demonstration longer than the rows), or a
+    prompt that leaves no room for the rollout: each rank raises the same error naming the
+    failing ranks, instead of the healthy ones waiting at the next collective."""
+    packing = _run(*SHORT, "--training.seq_len", "16", "--rollout.max_new_tokens", "8",
+                   "--job.dump_folder", str(tmp_path / "packing"))
+    assert packing.returncode != 0
+    assert "step 1: rank 0: no trainable sample" in packing.stderr and "; rank 1: no trainable" in packing.stderr
+    rollout = _run(*SHORT, "--task.sft_steps", "0", "--training.seq_len", "16", "--rollout.max_new_tokens", "12",
+                   "--job.dump_folder", str(tmp_path / "rollout"))
+    assert rollout.returncode != 0
+    assert "plus rollout.max_new_tokens = 12 exceeds training.seq_len = 16" in rollout.stderr
+
+
+def _raise_on_rank_one(rank, world_size):
+    from types import SimpleNamespace
+
+    from titan_cotrain.rl.trainer import Trainer
+
+    fake = SimpleNamespace(state=SimpleNamespace(step=4))
+    with pytest.raises(ValueError) as err:
+        Trainer._raise_on_every_rank(fake, "boom" if rank == 1 else None)
+    assert str(err.value) == "step 5: rank 1: boom"
+
+
+def test_every_rank_raises_what_one_rank_met():
+    from tests.multiprocess import run_on_ranks
+
+    run_on_ranks(_raise_on_rank_one, 2)

@@ -187,18 +187,19 @@ def test_a_step_a_rank_cannot_run_stops_every_rank_with_one_message(tmp_path):
     assert "plus rollout.max_new_tokens = 12 exceeds training.seq_len = 16" in rollout.stderr
 
 
-def _raise_on_rank_one(rank, world_size):
+def _fail_on_rank_one(rank, world_size):
     from types import SimpleNamespace
 
     from titan_cotrain.rl.trainer import Trainer
 
     fake = SimpleNamespace(state=SimpleNamespace(step=4))
+    Trainer._stop_if_any_rank_failed(fake, None)  # nobody failed: every rank goes on
     with pytest.raises(ValueError) as err:
-        Trainer._raise_on_every_rank(fake, "boom" if rank == 1 else None)
+        Trainer._stop_if_any_rank_failed(fake, "boom" if rank == 1 else None)
     assert str(err.value) == "step 5: rank 1: boom"
 
 
 def test_every_rank_raises_what_one_rank_met():
     from tests.multiprocess import run_on_ranks
 
-    run_on_ranks(_raise_on_rank_one, 2)
+    run_on_ranks(_fail_on_rank_one, 2)

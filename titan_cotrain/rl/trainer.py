@@ -204,31 +204,34 @@ class Trainer:
         same number of rows (FSDP's and the pipeline's collectives need the same number of
         forwards everywhere)."""
         cp = self.parallel_dims.cp
+        batch = error = None
         try:
-            batch, error = pack_samples(samples, self.config.training.seq_len, pad_id=0,
-                                        rows_multiple_of=self.config.rl.updates_per_step,
-                                        pad_to=2 * cp if cp > 1 else 1), None
-        except ValueError as e:  # nothing trainable here: every rank must stop, not wait for this one
-            batch, error = None, str(e)
-        rows = torch.tensor([batch.tokens.shape[0] if batch is not None else 0, int(error is not None)])
+            batch = pack_samples(samples, self.config.training.seq_len, pad_id=0,
+                                 rows_multiple_of=self.config.rl.updates_per_step, pad_to=2 * cp if cp > 1 else 1)
+        except ValueError as e:  # nothing trainable on this rank
+            error = str(e)
+        self._stop_if_any_rank_failed(error)
+        rows = torch.tensor(batch.tokens.shape[0])
         if dist.is_initialized():
             dist.all_reduce(rows, op=dist.ReduceOp.MAX)
-        if rows[1]:
-            self._raise_on_every_rank(error)
-        extra = int(rows[0]) - batch.tokens.shape[0]
+        extra = int(rows) - batch.tokens.shape[0]
         if extra:
             batch = batch.map(lambda t: torch.cat([t, t.new_zeros(extra, t.shape[1])]))
         return batch.to(self.device)
 
-    def _raise_on_every_rank(self, error: str | None) -> None:
-        """Called by every rank once any rank has failed (``error``: this rank's message or
-        None): all raise one ``ValueError`` naming the failing ranks, so no rank is left
+    def _stop_if_any_rank_failed(self, error: str | None) -> None:
+        """Every rank calls this with its own ``error`` (None: fine). If any rank has one,
+        all raise the same ``ValueError`` naming the failing ranks, so no rank is left
         waiting at the next collective for one that has stopped."""
-        errors = [error]
+        failed, errors = torch.tensor(int(error is not None)), [error]
         if dist.is_initialized():
-            errors = [None] * dist.get_world_size()
-            dist.all_gather_object(errors, error)
-        raise ValueError(f"step {self.state.step + 1}: " + "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e))
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+            if failed:
+                errors = [None] * dist.get_world_size()
+                dist.all_gather_object(errors, error)
+        if failed:
+            raise ValueError(f"step {self.state.step + 1}: "
+                             + "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e))
 
     # ---------------------------------------------------------------- steps
     def _pad_to_schedule(self, minibatch: PackedBatch) -> PackedBatch:
@@ -286,15 +289,11 @@ class Trainer:
         rng = self._rng(step, "prompts")
         problems = [self.task.sample(rng) for _ in range(self.prompts_per_rank)]
         prompts = [self._encode_prompt(p.prompt) for p in problems for _ in range(cfg.rl.group_size)]
-        longest = max(prompts, key=len)
-        too_long = len(longest) + cfg.rollout.max_new_tokens > self.engine.max_seq_len
-        flag = torch.tensor(int(too_long))
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag:
-            self._raise_on_every_rank(
-                f"a prompt of {len(longest)} tokens plus rollout.max_new_tokens = {cfg.rollout.max_new_tokens} "
-                f"exceeds training.seq_len = {self.engine.max_seq_len}" if too_long else None)
+        longest = max(map(len, prompts))
+        self._stop_if_any_rank_failed(
+            f"a prompt of {longest} tokens plus rollout.max_new_tokens = {cfg.rollout.max_new_tokens} exceeds "
+            f"training.seq_len = {self.engine.max_seq_len}"
+            if longest + cfg.rollout.max_new_tokens > self.engine.max_seq_len else None)
         params = SamplingParams(temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
                                 top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens,
                                 eos_token_id=self.tokenizer.eos_id)

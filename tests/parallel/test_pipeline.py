@@ -344,16 +344,26 @@ def _pp_cp_and_pp_dp_ranks(rank, world_size, reference):
         _check_grads(pipe, ref_grads, f"pp x cp {schedule}")  # partial per CP rank, summed by the step
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    _check_replicated_stages(mesh, mesh["dp"].get_group(), reference, "pp x dp")
+
+
+def _check_replicated_stages(mesh, replicas, reference, what: str, **cp) -> None:
+    """pp=2 with the stages replicated over ``replicas`` (the data-parallel, and CP, ranks
+    of a stage): each data-parallel rank trains half the rows; every rank must end with the
+    whole batch's metrics and gradients of its stages."""
+    from titan_cotrain.parallel.pipeline import make_pipeline
+
+    ref_metrics, ref_grads = reference
     dp_rank, half = mesh["dp"].get_local_rank(), ROWS // 2
     policy, draft = (m.double() for m in _models())
     plan = plan_pipeline(ARGS.n_layers, 2, "1F1B", layers_per_stage=[3, 5])
     pipe = make_pipeline(policy, draft, mesh["pp"], plan, microbatch_size=1, n_microbatches=half, seq_len=SEQ,
-                         policy_loss_fn=POLICY_LOSS, loss_group=mesh["dp"].get_group(),
-                         tap_timeout=timedelta(seconds=STEP_BOUND_S), **STEP)
+                         policy_loss_fn=POLICY_LOSS, loss_group=replicas,
+                         tap_timeout=timedelta(seconds=STEP_BOUND_S), **cp, **STEP)
     metrics = _bounded_step(pipe, _batch().map(lambda t: t[dp_rank * half:(dp_rank + 1) * half]))
     for key, value in ref_metrics.items():
-        torch.testing.assert_close(metrics[key], value, rtol=1e-6, atol=1e-7, msg=lambda m: f"pp x dp {key}: {m}")
-    _check_grads(pipe, ref_grads, "pp x dp")
+        torch.testing.assert_close(metrics[key], value, rtol=1e-6, atol=1e-7, msg=lambda m: f"{what} {key}: {m}")
+    _check_grads(pipe, ref_grads, what)
 
 
 def test_pipeline_composes_with_context_or_data_parallelism():
@@ -370,21 +380,9 @@ def _pp_dp_cp_rank(rank, world_size, reference):
     replica trains half the rows, CP-sharded; the step sums over the 4 ranks of a stage."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from titan_cotrain.parallel.pipeline import make_pipeline
-
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "cp"))
-    ref_metrics, ref_grads = reference
-    dp_rank, half = mesh["dp"].get_local_rank(), ROWS // 2
-    policy, draft = (m.double() for m in _models())
-    plan = plan_pipeline(ARGS.n_layers, 2, "1F1B", layers_per_stage=[3, 5])
     replicas = dist.new_group(mesh["dp", "cp"].mesh.flatten().tolist(), use_local_synchronization=True)
-    pipe = make_pipeline(policy, draft, mesh["pp"], plan, microbatch_size=1, n_microbatches=half, seq_len=SEQ,
-                         policy_loss_fn=POLICY_LOSS, loss_group=replicas, cp_mesh=mesh["cp"], cp_row_len=CP_ROW_LEN,
-                         tap_timeout=timedelta(seconds=STEP_BOUND_S), **STEP)
-    metrics = _bounded_step(pipe, _batch().map(lambda t: t[dp_rank * half:(dp_rank + 1) * half]))
-    for key, value in ref_metrics.items():
-        torch.testing.assert_close(metrics[key], value, rtol=1e-6, atol=1e-7, msg=lambda m: f"{key}: {m}")
-    _check_grads(pipe, ref_grads, "pp x dp x cp")
+    _check_replicated_stages(mesh, replicas, reference, "pp x dp x cp", cp_mesh=mesh["cp"], cp_row_len=CP_ROW_LEN)
 
 
 def test_pipeline_composes_with_data_and_context_parallelism_at_once():

@@ -331,10 +331,7 @@ def plot(records: list[dict], numbers: dict, args: argparse.Namespace) -> Canvas
         (RED, 8, "DENSE, QUADRATIC FROM ITS LAST POINT"),
         (GREY, 8, "LINEAR GUIDE"),
     ]
-    for i, (color, dash, label) in enumerate(legend):
-        y = top + 18 + 26 * i
-        canvas.line(left + 20, y, left + 60, y, color, 3, dash)
-        canvas.text(left + 72, y - 7, label)
+    canvas.legend(left + 20, top + 18, legend, step=26)
     return canvas
 
 

@@ -709,10 +709,7 @@ def plot(records: list[dict], p: int) -> Canvas:
     canvas.text((left + right - canvas.text_width("TOKENS PER ROW, S")) // 2, bottom + 45, "TOKENS PER ROW, S")
     legend = [(colors[w], 0, f"RING W={w}") for w in (1, 2, 4, 8)]
     legend.append((GREY, 8, "DASHED: GATHER K/V, SAME COLOUR = SAME W"))
-    for i, (color, dash, label) in enumerate(legend):
-        y = top + 14 + 24 * i
-        canvas.line(left + 20, y, left + 60, y, color, 3, dash)
-        canvas.text(left + 72, y - 7, label)
+    canvas.legend(left + 20, top + 14, legend, step=24)
     return canvas
 
 

@@ -70,6 +70,14 @@ class Canvas:
                     if bit == "1":
                         self.rect(x + (6 * i + col) * scale, y + row * scale, scale, scale, color)
 
+    def legend(self, x: int, y: int, entries, step: int) -> None:
+        """One row per ``(color, dash, label)``, ``step`` pixels apart from ``y``: a line sample
+        as the curves draw it, then the label."""
+        for i, (color, dash, label) in enumerate(entries):
+            row = y + step * i
+            self.line(x, row, x + 40, row, color, 3, dash)
+            self.text(x + 52, row - 7, label)
+
     @staticmethod
     def text_width(s: str, scale: int = 2) -> int:
         return 6 * len(s) * scale - scale

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from titan_cotrain.models import HFCheckpointError, ModelArgs, RopeScaling, load_eagle3, save_eagle3
 from titan_cotrain.models.draft import Draft, DraftArgs, draft_vocab_from_counts
 from titan_cotrain.models.taps import default_tap_layers
+from tests.models.errors import assert_one_clear_error
 
 # Llama-3.1 RoPE scaling, so the rope_scaling round trip is exercised.
 TARGET = ModelArgs(
@@ -356,9 +357,4 @@ def test_bad_folder_is_one_clear_error(tmp_path, break_folder, where, expected):
     with pytest.raises(HFCheckpointError) as info:
         load_eagle3(folder)
 
-    message = str(info.value)
-    assert message.startswith(str(folder / where)), message
-    for part in expected:
-        assert part in message, message
-    error = info.value
-    assert error.__cause__ is None and (error.__context__ is None or error.__suppress_context__), "chained traceback"
+    assert_one_clear_error(info.value, folder / where, expected)

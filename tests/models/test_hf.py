@@ -26,6 +26,7 @@ from titan_cotrain.models import (
     save_hf,
 )
 from titan_cotrain.models.args import ARCHITECTURES, flavors
+from tests.models.errors import assert_one_clear_error
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing here may reach the Hub
 transformers = pytest.importorskip("transformers")
@@ -292,9 +293,4 @@ def test_bad_checkpoint_is_one_clear_error(good_folder, break_folder, where, exp
     with pytest.raises(HFCheckpointError) as info:
         load_hf(good_folder)
 
-    message = str(info.value)
-    assert message.startswith(str(good_folder / where)), message
-    for part in expected:
-        assert part in message, message
-    error = info.value
-    assert error.__cause__ is None and (error.__context__ is None or error.__suppress_context__), "chained traceback"
+    assert_one_clear_error(info.value, good_folder / where, expected)

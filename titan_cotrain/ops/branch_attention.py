@@ -39,10 +39,12 @@ __all__ = [
     "branch_attention_with_lse",
     "branch_backward",
     "branch_forward",
+    "check_branch",
 ]
 
 
-def _check_branch(k: torch.Tensor, branch_k: torch.Tensor, branch_v: torch.Tensor) -> None:
+def check_branch(k: torch.Tensor, branch_k: torch.Tensor, branch_v: torch.Tensor) -> None:
+    """``branch_k, branch_v`` are ``[P, T, Hkv, Dh]`` over the trunk keys ``k [T, Hkv, Dh]``."""
     if branch_k.dim() != 4 or branch_k.shape != branch_v.shape or branch_k.shape[1:] != k.shape:
         raise ValueError(
             f"branch_k{tuple(branch_k.shape)} and branch_v{tuple(branch_v.shape)} must both be "
@@ -228,7 +230,7 @@ def branch_attention_with_lse(
     """``branch_attention`` that also returns the merged ``lse [T, Hq]`` (fp32; fp64 for fp64
     inputs), for callers that merge it with further key sets. Both outputs are differentiable."""
     check_packed(q, k, v, cu_seqlens)
-    _check_branch(k, branch_k, branch_v)
+    check_branch(k, branch_k, branch_v)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     return _branch_attention(q, k, v, branch_k, branch_v, cu_seqlens.to(torch.int32), float(scale))

@@ -76,7 +76,7 @@ from titan_cotrain.ops.attention import (
     lse_dtype,
     merge_attention,
 )
-from titan_cotrain.ops.branch_attention import branch_backward, branch_forward
+from titan_cotrain.ops.branch_attention import branch_backward, branch_forward, check_branch
 
 __all__ = [
     "DEFAULT_PIECES",
@@ -481,11 +481,7 @@ def ring_branch_attention(
     """``branch_attention`` of a CP shard: the trunk over the ring, the branch
     ``branch_k, branch_v [P, T, Hkv, Dh]`` (the local anchors' own keys) rank-local,
     merged by log-sum-exp. Local tensors in, this rank's ``out [T, Hq, Dh]`` out."""
-    if branch_k.dim() != 4 or branch_k.shape != branch_v.shape or branch_k.shape[1:] != k.shape:
-        raise ValueError(
-            f"branch_k{tuple(branch_k.shape)} and branch_v{tuple(branch_v.shape)} must both be "
-            f"[P, T, Hkv, Dh] with [T, Hkv, Dh] = k's shape {tuple(k.shape)}"
-        )
+    check_branch(k, branch_k, branch_v)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return _RingAttention.apply(
         q, k, v, branch_k, branch_v, cu_seqlens.to(torch.int32), scale, _comm(group), layout, pieces

@@ -1,7 +1,8 @@
 """The main job: ``torchrun ... -m titan_cotrain.train --job.config_file F [--section.key value]``.
 
 Warm start (``task.sft_steps``), then RL with the EAGLE-3 draft co-trained in the policy's
-own forward; see ``titan_cotrain.rl.trainer``.
+own forward; see ``titan_cotrain.rl.trainer``. With ``--simulate.enable`` the same job runs
+under the scale simulator instead (``titan_cotrain.simulate.run``): one process, no GPU.
 """
 
 import os
@@ -24,11 +25,15 @@ def _init_distributed(config) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    simulating = any(a in ("--simulate.enable", "--simulate.enable=true", "--simulate.enable=True") for a in args)
     try:
-        config = load_job_config(sys.argv[1:] if argv is None else argv)
+        config = load_job_config(args, world_size="config" if simulating else None)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if config.simulate.enable:
+        return _simulate(config, args)
     world_size = _init_distributed(config)
     rank = dist.get_rank() if dist.is_initialized() else 0
     try:
@@ -36,6 +41,20 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    return 0
+
+
+def _simulate(config, args: list[str]) -> int:
+    """``--simulate.enable``: the scale simulator instead of training (one process, every
+    simulated rank in turn); exit 1 when a rank does not fit or a collective saw a host tensor."""
+    from titan_cotrain.config.loader import config_file_of
+    from titan_cotrain.simulate.run import SimulationFailed, simulate
+
+    try:
+        simulate(config, str(config_file_of(args)))
+    except SimulationFailed as e:
+        print(f"simulate: does not fit: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

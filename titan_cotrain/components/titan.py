@@ -35,6 +35,7 @@ __all__ = [
     "clip_grad_norm_",
     "device_memory_stats",
     "device_type",
+    "use_device_type",
     "fsdp_sum_gradients",
     "init_torchtitan",
     "load_tokenizer",
@@ -43,6 +44,7 @@ __all__ = [
 ]
 
 _initialized = False
+_device_override: str | None = None
 
 # torchtitan modules that copy ``device_type`` / ``device_module`` at import.
 _DEVICE_COPIES = (
@@ -54,8 +56,31 @@ _DEVICE_COPIES = (
 
 
 def device_type() -> str:
-    """``"cuda"`` when a GPU is visible, else ``"cpu"``."""
+    """``"cuda"`` when a GPU is visible, else ``"cpu"``; the scale simulator's stand-in
+    accelerator (``"simgpu"``) while it runs (``use_device_type``)."""
+    if _device_override is not None:
+        return _device_override
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def use_device_type(name: str | None) -> None:
+    """Make ``device_type()`` answer ``name`` (None: back to the real device), and rebind
+    torchtitan's import-time copies to it. Only the simulator calls this."""
+    global _device_override
+    _device_override = name
+    init_torchtitan()
+    _rebind_torchtitan_device()
+
+
+def _rebind_torchtitan_device() -> None:
+    kind = device_type()
+    module_of_kind = torch.cpu if kind == "cpu" else getattr(torch, kind, torch.cpu)
+    for name in _DEVICE_COPIES:
+        module = importlib.import_module(name)
+        if hasattr(module, "device_type"):
+            module.device_type = kind
+        if hasattr(module, "device_module"):
+            module.device_module = module_of_kind
 
 
 def init_torchtitan() -> None:
@@ -72,14 +97,9 @@ def init_torchtitan() -> None:
             f"titan_cotrain needs torchtitan=={TORCHTITAN_VERSION} (TOML JobConfig era), found {found}; "
             "reinstall with `bash scripts/setup_env.sh`"
         )
-    if device_type() == "cpu":
-        for name in _DEVICE_COPIES:
-            module = importlib.import_module(name)
-            if hasattr(module, "device_type"):
-                module.device_type = "cpu"
-            if hasattr(module, "device_module"):
-                module.device_module = torch.cpu
     _initialized = True
+    if device_type() != "cuda":
+        _rebind_torchtitan_device()
 
 
 def build_parallel_dims(parallelism, world_size: int):
@@ -153,6 +173,8 @@ def fsdp_sum_gradients(modules: Iterable[nn.Module]) -> None:
 
 def device_memory_stats() -> dict[str, float]:
     """Peak memory of this process in GiB: device allocator peak on GPU, peak RSS on CPU."""
+    if device_type() not in ("cuda", "cpu"):
+        return {}  # the simulator reports memory itself
     if device_type() == "cuda":
         return {
             "memory/max_active_gib": torch.cuda.max_memory_allocated() / 2**30,

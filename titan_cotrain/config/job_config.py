@@ -28,7 +28,7 @@ class Model:
     """Target architecture: ``llama3`` or ``qwen3``."""
 
     flavor: str = "debugmodel"
-    """Named size of ``name`` (llama3: debugmodel, 8B; qwen3: debugmodel, 0.6B, 1.7B, 8B, 32B).
+    """Named size of ``name`` (llama3: debugmodel, 8B, 70B; qwen3: debugmodel, 0.6B, 1.7B, 8B, 32B).
     Ignored when ``hf_path`` is set."""
 
     hf_path: str = ""
@@ -150,6 +150,16 @@ class Rollout:
     draft_tokens: int = 4
     """k: tokens the draft proposes per verify round."""
 
+    kv_cache_gib: float = 0.0
+    """GiB per rank for the rollout engine's KV caches (target + draft). They then hold
+    ``floor(kv_cache_gib / per-sequence bytes)`` sequences, at most the
+    ``prompts_per_step / dp x group_size`` a rank generates; the rest decode in later waves.
+    Per sequence, with ``S = [training] seq_len`` and ``k = draft_tokens``: ``2 (keys, values)
+    x bytes per element x (target layers x kv heads x head dim x (S + k + 1) + draft kv heads
+    x head dim x (S + 2k))``.
+    The caches and the engine's weights are bf16 on an accelerator and fp32 on CPU (no key
+    sets it). 0 sizes the caches for the whole batch at once."""
+
 
 @dataclass
 class Task:
@@ -167,6 +177,29 @@ class Task:
 
 
 @dataclass
+class Simulate:
+    enable: bool = False
+    """Run the scale simulator instead of training: the real job, rank by rank, on a fake
+    accelerator at the config's world size (no GPU, no memory used), reporting each rank's
+    peak memory by category; exits non-zero when a rank does not fit ``gpu_memory_gib``."""
+
+    gpu_memory_gib: float = 80.0
+    """Memory of one GPU, the budget every simulated rank must fit (80 for H100, 141 for H200)."""
+
+    ranks: list[int] = field(default_factory=list)
+    """Ranks to simulate. Empty: rank 0 and, under PP, a rank of the last stage."""
+
+    decode_rounds: int = 2
+    """Decoding rounds of the rollout engine to run (memory repeats from round to round)."""
+
+    microbatches: int = 2
+    """Training microbatches of the update to run (memory repeats from one to the next)."""
+
+    output: str = ""
+    """Where to write the JSON report. Empty: ``assets/scale/<config file stem>.json``."""
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -176,3 +209,4 @@ class JobConfig:
     rl: RL = field(default_factory=RL)
     rollout: Rollout = field(default_factory=Rollout)
     task: Task = field(default_factory=Task)
+    simulate: Simulate = field(default_factory=Simulate)

@@ -114,6 +114,11 @@ def _config_file(args: list[str]) -> tuple[list[str], Path]:
     return [*args, "--job.config_file", str(DEFAULT_CONFIG)], DEFAULT_CONFIG
 
 
+def config_file_of(args: list[str]) -> Path:
+    """The job file ``args`` name (``--job.config_file``), or the embedded default."""
+    return _config_file(list(args))[1]
+
+
 def read_toml(path: Path) -> dict:
     try:
         with open(path, "rb") as f:
@@ -169,7 +174,8 @@ def _parse_with_torchtitan(toml_values: dict, args: list[str]):
 def load_job_config(args: list[str] | None = None, world_size: int | None = None):
     """Parse ``args`` (``--job.config_file F`` plus overrides) into a validated JobConfig.
 
-    ``world_size`` defaults to the ``WORLD_SIZE`` environment variable (1 when unset).
+    ``world_size`` defaults to the ``WORLD_SIZE`` environment variable (1 when unset);
+    ``"config"`` takes the product of the config's parallel degrees (the simulator's world).
     Raises ``ConfigError`` for anything wrong; tyro exits with its own message for a
     malformed command-line override.
     """
@@ -178,6 +184,10 @@ def load_job_config(args: list[str] | None = None, world_size: int | None = None
     if not raw.get("job", {}).get("custom_config_module"):
         args = [*args, "--job.custom_config_module", CUSTOM_CONFIG_MODULE]
     config = _parse_with_torchtitan(raw, args)
+    if world_size == "config":  # the simulator: the world the config's degrees describe
+        p = config.parallelism
+        world_size = (p.data_parallel_replicate_degree * max(p.data_parallel_shard_degree, 1)
+                      * p.context_parallel_degree * p.pipeline_parallel_degree)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     from titan_cotrain.config.validate import validate_job_config

@@ -1,13 +1,21 @@
-"""One co-training step: a policy forward feeds both the policy loss and the draft's TTT.
+"""The co-training objective: a policy forward feeds both the policy loss and the draft's TTT.
 
-``forward_backward`` computes ``L = L_policy + lambda * L_draft`` and runs backward once.
-The draft reads only detached tensors of the policy (taps, embeddings, teacher logits),
-so the policy's gradients are exactly those of ``L_policy`` alone. ``clip_and_step``
-then clips the two gradient norms separately and steps two optimizers (each with its
-own LR schedule). Both losses divide by *global* counts (all-reduced over the
-data-parallel group), because FSDP sums gradients across ranks.
+``L = L_policy + lambda * L_draft``, both token means over the *global* batch (every
+microbatch, every data-parallel and CP rank). The draft reads only detached tensors of the
+policy (taps, embeddings, teacher), so the policy's gradients are exactly those of
+``L_policy`` alone, and the two parameter sets never share a gradient.
+
+That makes the normalisation exact after the fact: each microbatch backpropagates its loss
+*sums* (``policy_sum + sum_d w_d ce_sum_d``), gradients accumulate (FSDP sums them over
+ranks), and once the last microbatch is done one all-reduce of the counts gives the scales
+``1 / N_policy`` for the policy's gradients and ``lambda / sum_d w_d N_d`` for the draft's.
+The draft's count depends on the teacher's argmax, so it is only known after every forward:
+scaling afterwards is what lets an update be any number of microbatches and still equal one
+big batch. ``forward_backward`` is that update's gradient; ``clip_and_step`` clips the two
+gradient norms separately and steps two optimizers.
 """
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -16,12 +24,23 @@ import torch
 import torch.distributed as dist
 
 from titan_cotrain.components import titan
-from titan_cotrain.cotrain.ttt import draft_loss, pass_weights, tau, ttt_unroll
+from titan_cotrain.cotrain.ttt import pass_weights, tau, ttt_unroll
+from titan_cotrain.cotrain.vocab import chunked_policy_head
 from titan_cotrain.data.packing import LabelRows, layout_from_document_ids
 from titan_cotrain.models.draft import Draft
 from titan_cotrain.models.transformer import Transformer
 
-__all__ = ["PackedBatch", "PolicyLoss", "PolicyLossFn", "clip_and_step", "forward_backward", "labels_of"]
+__all__ = [
+    "CotrainSums",
+    "PackedBatch",
+    "PolicyLoss",
+    "PolicyLossFn",
+    "clip_and_step",
+    "forward_backward",
+    "labels_of",
+    "microbatch_sums",
+    "scales_and_metrics",
+]
 
 
 @dataclass
@@ -77,11 +96,149 @@ class PolicyLoss(NamedTuple):
 PolicyLossFn = Callable[[torch.Tensor, LabelRows], PolicyLoss]
 
 
-def _global_sum(x: torch.Tensor, group) -> torch.Tensor:
-    x = x.detach().clone().float()
-    if dist.is_initialized():
-        dist.all_reduce(x, group=group)
-    return x
+class CotrainSums:
+    """Detached fp32 sums of an update on this rank, kept on the device (no host sync):
+    ``policy/sum``, ``policy/count``, ``metric/<name>`` and, with the draft, the per-pass
+    ``draft/ce_sum``, ``draft/count``, ``draft/correct`` (``[D]`` each)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, value: torch.Tensor) -> None:
+        value = value.detach().float()
+        self.sums[name] = self.sums[name] + value if name in self.sums else value
+
+    def all_reduce(self, group) -> dict[str, torch.Tensor]:
+        """The sums over ``group`` (None: the default group; not distributed: as they are),
+        in one collective over one flat device tensor."""
+        names = sorted(self.sums)
+        if not names or not dist.is_initialized():
+            return dict(self.sums)
+        flat = torch.cat([self.sums[k].reshape(-1) for k in names])
+        dist.all_reduce(flat, group=group)
+        out, i = {}, 0
+        for k in names:
+            n = self.sums[k].numel()
+            out[k] = flat[i:i + n].view_as(self.sums[k])
+            i += n
+        return out
+
+
+def scales_and_metrics(sums: dict[str, torch.Tensor], ttt_steps: int, pass_decay: float,
+                       draft_loss_weight: float) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+    """``(policy gradient scale, draft gradient scale or None, metrics)`` from global sums;
+    all device tensors (no host sync)."""
+    count = sums["policy/count"].clamp(min=1)
+    metrics = {"loss/policy": sums["policy/sum"] / count}
+    metrics |= {name[len("metric/"):]: v / count for name, v in sums.items() if name.startswith("metric/")}
+    draft_scale = None
+    if "draft/count" in sums:
+        ce, counts = sums["draft/ce_sum"], sums["draft/count"]
+        weights = pass_weights(ttt_steps, pass_decay, device=ce.device)
+        weighted_count = (weights * counts).sum().clamp(min=1e-12)
+        draft_scale = draft_loss_weight / weighted_count
+        metrics["loss/draft"] = (weights * ce).sum() / weighted_count
+        accuracy = sums["draft/correct"] / counts.clamp(min=1)
+        for d in range(ttt_steps):
+            metrics[f"draft/loss_pass{d + 1}"] = ce[d] / counts[d].clamp(min=1)
+            metrics[f"draft/acc_pass{d + 1}"] = accuracy[d]
+        metrics["draft/tau"] = tau(accuracy)
+    return 1.0 / count, draft_scale, metrics
+
+
+@torch.no_grad()
+def scale_gradients(params, scale: torch.Tensor) -> None:
+    """``grad *= scale`` for every parameter with a gradient (FSDP shards: their local part)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    local = [g._local_tensor if hasattr(g, "_local_tensor") else g for g in grads]
+    if local:
+        torch._foreach_mul_(local, scale.to(local[0].dtype))
+
+
+def microbatch_sums(
+    policy: Transformer,
+    draft: Draft | None,
+    batch: PackedBatch,
+    policy_loss_fn: PolicyLossFn,
+    sums: CotrainSums,
+    *,
+    ttt_steps: int,
+    pass_decay: float,
+    draft_loss_on: str = "response",
+    cp_group=None,
+    device: torch.device | str | None = None,
+    chunk_tokens: int = 2048,
+) -> torch.Tensor:
+    """Forward one microbatch of host rows through the policy (and the draft's TTT), add its
+    detached sums to ``sums`` and return the loss *sum* to backpropagate
+    (``policy_sum + sum_d w_d ce_sum_d``; scaled after the update, see the module docstring).
+
+    ``batch`` is on the host: attention metadata (``cu_seqlens``, CP plans, positions) is
+    computed there once, and only the model inputs go to ``device`` (default: the policy's).
+    With ``cp_group``, the rows (the same on every rank of that group) are zigzag-sharded over it.
+    """
+    device = device or policy.embed_tokens.weight.device
+    if cp_group is not None:
+        from titan_cotrain.parallel.context_parallel import shard_batch_for_cp
+
+        labels, shard = shard_batch_for_cp(batch, cp_group)
+        tokens, positions, cu_seqlens = labels.tokens, shard.positions, shard.cu_seqlens
+        region = labels.loss_mask if draft_loss_on == "response" else shard.valid
+    else:
+        layout = layout_from_document_ids(batch.document_ids)
+        labels, shard = labels_of(batch), None
+        tokens, positions, cu_seqlens = batch.tokens, layout.positions, layout.cu_seqlens
+        region = batch.loss_mask if draft_loss_on == "response" else torch.ones_like(batch.loss_mask)
+    labels = dataclasses.replace(labels, **{f.name: getattr(labels, f.name).to(device)
+                                            for f in dataclasses.fields(labels) if getattr(labels, f.name) is not None})
+    tokens, positions, region = tokens.to(device), positions.to(device), region.to(device)
+    draft_ids = t2d = None
+    if draft is not None:
+        draft_ids = torch.arange(draft.args.draft_vocab_size, device=device) + draft.d2t
+        t2d = draft.t2d
+
+    def head(hidden: torch.Tensor, weight: torch.Tensor):
+        # The teacher in the compute dtype: bf16 under mixed precision, exact fp32 / fp64 otherwise.
+        return chunked_policy_head(hidden, weight, labels, policy_loss_fn, chunk_tokens=chunk_tokens,
+                                   draft_ids=draft_ids, t2d=t2d, teacher_dtype=hidden.dtype)
+
+    # Host metadata as ints: FSDP moves a root module's tensor inputs to the device.
+    packing = {"cp": shard} if shard is not None else {"cu_seqlens": tuple(cu_seqlens.tolist())}
+    out = policy(tokens, positions=positions, return_taps=draft is not None, head=head, **packing)
+    head_out = out.head
+    policy_sum, policy_count, metric_sums = head_out.policy
+    sums.add("policy/sum", policy_sum)
+    sums.add("policy/count", policy_count)
+    for name, value in metric_sums.items():
+        sums.add(f"metric/{name}", value)
+    loss = policy_sum
+    if draft is not None:
+        b, s = tokens.shape
+        stats = ttt_unroll(
+            draft,
+            taps=torch.cat(out.taps, dim=-1).reshape(b * s, -1),
+            embeddings=out.embeddings.reshape(b * s, -1),
+            tokens=tokens.reshape(-1),
+            positions=positions.reshape(-1),
+            cu_seqlens=cu_seqlens,
+            teacher=(head_out.teacher_logprobs, head_out.teacher_in_vocab),
+            loss_region=region.reshape(-1),
+            ttt_steps=ttt_steps,
+            cp=shard,
+            chunk_tokens=chunk_tokens,
+        )
+        sums.add("draft/ce_sum", stats.ce_sum)
+        sums.add("draft/count", stats.count)
+        sums.add("draft/correct", stats.correct)
+        loss = loss + (pass_weights(ttt_steps, pass_decay, device=stats.ce_sum.device) * stats.ce_sum).sum()
+    return loss
+
+
+def microbatches(batch: PackedBatch, rows: int) -> list[PackedBatch]:
+    """``batch`` cut into consecutive row slices of at most ``rows`` rows (0: one slice)."""
+    n = batch.tokens.shape[0]
+    rows = rows or n
+    return [batch.map(lambda t, lo=lo: t[lo:lo + rows]) for lo in range(0, n, rows)]
 
 
 def forward_backward(
@@ -96,60 +253,33 @@ def forward_backward(
     draft_loss_on: str = "response",
     group=None,
     cp_group=None,
+    device: torch.device | str | None = None,
+    microbatch_rows: int = 0,
+    max_microbatches: int | None = None,
+    chunk_tokens: int = 2048,
 ) -> dict[str, torch.Tensor]:
-    """Forward the policy once, add the draft's TTT loss, backward once. Returns detached metrics.
+    """The gradient of one update over ``batch`` (host rows), in microbatches of
+    ``microbatch_rows`` rows (0: all at once); returns detached metrics (device tensors).
 
     ``group`` holds every rank whose tokens share the global token mean: the data-parallel
     ranks times the context-parallel ones (None: the default group, or no communication
-    when not distributed). With ``cp_group``, ``batch`` (the same on every rank of that
-    group) is zigzag-sharded over it and policy and draft run context-parallel.
+    when not distributed). With ``cp_group``, every microbatch (the same on every rank of
+    that group) is zigzag-sharded over it. Every rank must run the same number of
+    microbatches (FSDP's collectives). ``max_microbatches`` stops early (the simulator's
+    bound; the scales then cover only the microbatches run).
     """
-    if cp_group is not None:
-        from titan_cotrain.parallel.context_parallel import shard_batch_for_cp
-
-        labels, shard = shard_batch_for_cp(batch, cp_group)
-        tokens, positions, cu_seqlens = labels.tokens, shard.positions, shard.cu_seqlens
-        region = labels.loss_mask if draft_loss_on == "response" else shard.valid
-        out = policy(tokens, cp=shard, return_taps=draft is not None)
-    else:
-        layout = layout_from_document_ids(batch.document_ids)
-        labels, shard = labels_of(batch), None
-        tokens, positions, cu_seqlens = batch.tokens, layout.positions, layout.cu_seqlens
-        region = batch.loss_mask if draft_loss_on == "response" else torch.ones_like(batch.loss_mask)
-        out = policy(tokens, cu_seqlens=cu_seqlens, return_taps=draft is not None)
-    logits = out.logits if draft is not None else out
-    policy_sum, policy_count, metric_sums = policy_loss_fn(logits, labels)
-    global_count = _global_sum(policy_count, group).clamp(min=1)
-    policy_loss = policy_sum / global_count
-    metrics = {"loss/policy": _global_sum(policy_loss, group)}
-    metrics |= {name: _global_sum(value, group) / global_count for name, value in metric_sums.items()}
-    loss = policy_loss
+    sums = CotrainSums()
+    parts = microbatches(batch, microbatch_rows)[:max_microbatches]
+    for mb in parts:
+        loss = microbatch_sums(policy, draft, mb, policy_loss_fn, sums, ttt_steps=ttt_steps, pass_decay=pass_decay,
+                               draft_loss_on=draft_loss_on, cp_group=cp_group, device=device,
+                               chunk_tokens=chunk_tokens)
+        loss.backward()
+    policy_scale, draft_scale, metrics = scales_and_metrics(sums.all_reduce(group), ttt_steps, pass_decay,
+                                                            draft_loss_weight)
+    scale_gradients(policy.parameters(), policy_scale)
     if draft is not None:
-        b, s = tokens.shape
-        stats = ttt_unroll(
-            draft,
-            taps=torch.cat(out.taps, dim=-1).reshape(b * s, -1),
-            embeddings=out.embeddings.reshape(b * s, -1),
-            tokens=tokens.reshape(-1),
-            positions=positions.reshape(-1),
-            cu_seqlens=cu_seqlens,
-            teacher_logits=logits.reshape(b * s, -1),
-            loss_region=region.reshape(-1),
-            ttt_steps=ttt_steps,
-            cp=shard,
-        )
-        weights = pass_weights(ttt_steps, pass_decay, device=stats.ce_sum.device)
-        counts = _global_sum(stats.count, group)
-        l_draft = draft_loss(stats, weights, (weights * counts).sum())
-        loss = loss + draft_loss_weight * l_draft
-        ce = _global_sum(stats.ce_sum, group)
-        accuracy = _global_sum(stats.correct, group) / counts.clamp(min=1)
-        metrics["loss/draft"] = _global_sum(l_draft, group)
-        for d in range(ttt_steps):
-            metrics[f"draft/loss_pass{d + 1}"] = ce[d] / counts[d].clamp(min=1)
-            metrics[f"draft/acc_pass{d + 1}"] = accuracy[d]
-        metrics["draft/tau"] = tau(accuracy)
-    loss.backward()
+        scale_gradients(draft.parameters(), draft_scale)
     return metrics
 
 

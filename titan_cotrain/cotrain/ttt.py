@@ -24,6 +24,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from titan_cotrain.cotrain.vocab import chunked_soft_ce
 from titan_cotrain.data.packing import shift_in_document
 from titan_cotrain.models.draft import Draft
 
@@ -72,44 +73,57 @@ def ttt_unroll(
     tokens: torch.Tensor,
     positions: torch.Tensor,
     cu_seqlens: torch.Tensor,
-    teacher_logits: torch.Tensor,
     loss_region: torch.Tensor,
     ttt_steps: int,
     cp=None,
+    *,
+    teacher_logits: torch.Tensor | None = None,
+    teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
+    chunk_tokens: int = 2048,
 ) -> TTTStats:
     """Run the D TTT passes and score each against the policy's teacher.
 
     ``taps [T, n_taps * H_t]`` and ``embeddings [T, H_t]`` (the policy's token embeddings)
-    and ``teacher_logits [T, V]`` come from the policy's forward and are detached here, so
-    no gradient of the draft ever reaches the policy. ``tokens, positions [T]`` (positions
-    restart per document), ``loss_region [T]`` bool.
+    come from the policy's forward and are detached here, so no gradient of the draft ever
+    reaches the policy. ``tokens, positions [T]`` (positions restart per document; on the
+    device), ``cu_seqlens`` (host), ``loss_region [T]`` bool.
+
+    The teacher is either ``teacher = (logprobs [T, V_d], in_vocab: bool [T])`` as the
+    policy's chunked head made it (``titan_cotrain.cotrain.vocab.chunked_policy_head``), or
+    whole ``teacher_logits [T, V]`` (tests and references). Each pass's soft CE runs in
+    chunks of ``chunk_tokens`` anchors inside ``Draft.forward``, at every anchor weighted by
+    its mask: static shapes, no ``[T, V_d]`` draft logits beyond one chunk.
 
     Context parallel (``cp`` a ``CPShard``): every input is this rank's shard (``positions``
     global, from ``cp.positions``); the shifted inputs past each chunk edge come from one
     halo exchange, and the returned sums cover the local anchors (sum them over the group).
     """
-    taps, embeddings, teacher_logits = taps.detach(), embeddings.detach(), teacher_logits.detach()
-    draft_ids = torch.arange(draft.args.draft_vocab_size, device=tokens.device) + draft.d2t
-    teacher_draft = teacher_logits.float()[:, draft_ids]  # [T, V_d]
-    teacher_in_vocab = draft.t2d[teacher_logits.argmax(dim=-1)]
+    taps, embeddings = taps.detach(), embeddings.detach()
+    if teacher is None:
+        if teacher_logits is None:
+            raise ValueError("ttt_unroll needs teacher=(logprobs, in_vocab) or teacher_logits")
+        teacher_logits = teacher_logits.detach()
+        draft_ids = torch.arange(draft.args.draft_vocab_size, device=tokens.device) + draft.d2t
+        teacher = (F.log_softmax(teacher_logits.float()[:, draft_ids], dim=-1),
+                   draft.t2d[teacher_logits.argmax(dim=-1)])
+    teacher_logprobs, teacher_in_vocab = (t.detach() for t in teacher)
     if cp is None:
         shift = partial(shift_in_document, cu_seqlens=cu_seqlens)
     else:
         halo = cp.ttt_halo(ttt_steps)
-        tokens, embeddings, teacher_draft, teacher_in_vocab, loss_region = halo.exchange(
-            tokens, embeddings, teacher_draft, teacher_in_vocab, loss_region
+        tokens, embeddings, teacher_logprobs, teacher_in_vocab, loss_region = halo.exchange(
+            tokens, embeddings, teacher_logprobs, teacher_in_vocab, loss_region
         )
         shift = halo.shift
     masks = ttt_masks(cu_seqlens, loss_region, teacher_in_vocab, ttt_steps, shift)
-    pass_logits = draft(taps, embeddings, tokens, positions, cu_seqlens, masks, cp=cp)
-    ce_sums, counts, corrects = [], [], []
-    for d, logits in enumerate(pass_logits, start=1):
-        mask = masks[d - 1]
-        teacher = shift(teacher_draft, d)[mask]
-        ce = -(F.softmax(teacher, dim=-1) * F.log_softmax(logits, dim=-1)).sum(-1)
-        ce_sums.append(ce.sum())
-        counts.append(mask.sum())
-        corrects.append((logits.argmax(-1) == teacher.argmax(-1)).sum())
+    rows = torch.arange(teacher_logprobs.shape[0], device=teacher_logprobs.device)
+
+    def score(d: int, hidden: torch.Tensor, head) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return chunked_soft_ce(hidden, head, teacher_logprobs, shift(rows, d), masks[d - 1], chunk_tokens=chunk_tokens)
+
+    # Python ints, so FSDP's moving of the root's tensor inputs to the device leaves them on the host.
+    host_cu = tuple(cu_seqlens.tolist()) if cu_seqlens.device.type == "cpu" else cu_seqlens
+    ce_sums, corrects, counts = zip(*draft(taps, embeddings, tokens, positions, host_cu, masks, cp=cp, score=score))
     return TTTStats(torch.stack(ce_sums), torch.stack(counts), torch.stack(corrects))
 
 

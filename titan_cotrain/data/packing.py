@@ -119,5 +119,5 @@ def shift_in_document(x: torch.Tensor, d: int, cu_seqlens: torch.Tensor, fill=0)
     idx = torch.arange(total, device=x.device) + d
     valid = idx < _doc_end(cu_seqlens, total).to(x.device)
     shifted = x[idx.clamp(max=total - 1)]
-    fill_t = torch.as_tensor(fill, dtype=x.dtype, device=x.device)
+    fill_t = torch.full((), fill, dtype=x.dtype, device=x.device)
     return torch.where(valid.view(-1, *([1] * (x.dim() - 1))), shifted, fill_t)

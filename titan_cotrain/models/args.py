@@ -65,6 +65,11 @@ _FLAVORS: dict[str, dict[str, ModelArgs]] = {
             ffn_dim=14336, vocab_size=128256, norm_eps=1e-5, rope_theta=500000.0,
             rope_scaling=_LLAMA31_SCALING, max_seq_len=131072,
         ),
+        "70B": ModelArgs(
+            architecture="llama3", dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128,
+            ffn_dim=28672, vocab_size=128256, norm_eps=1e-5, rope_theta=500000.0,
+            rope_scaling=_LLAMA31_SCALING, max_seq_len=131072,
+        ),
     },
     "qwen3": {
         "debugmodel": ModelArgs(architecture="qwen3", qk_norm=True, norm_eps=1e-6, rope_theta=1e6, tie_embeddings=True),

@@ -1,12 +1,23 @@
-"""Build the policy (target) and the draft a job config asks for."""
+"""Build the policy (target) and the draft a job config asks for.
+
+Two ways: ``build_target`` / ``build_draft`` make whole, initialised models on one device
+(tests, references, the pipeline split); the trainer instead builds them on the meta device
+(``device="meta"``), shards them, and fills each rank's shards with ``init_target_`` /
+``init_draft_``, one whole tensor at a time on the host, so no rank ever holds a whole model.
+"""
+
+from collections.abc import Callable
 
 import torch
 
 from titan_cotrain.config import resolve_model_args, resolve_tap_layers
 from titan_cotrain.models.draft import Draft, DraftArgs, draft_vocab_from_counts
-from titan_cotrain.models.transformer import Transformer
+from titan_cotrain.models.transformer import Transformer, rope_inv_freq
 
-__all__ = ["build_draft", "build_target", "job_seed"]
+__all__ = ["build_draft", "build_target", "init_draft_", "init_target_", "job_seed"]
+
+# fill(param, whole): copy a whole host tensor (or a reader of its slices) into ``param``.
+Fill = Callable[[torch.Tensor, object], None]
 
 
 def job_seed(config) -> int:
@@ -14,25 +25,43 @@ def job_seed(config) -> int:
     return config.debug.seed if config.debug.seed is not None else 0
 
 
+def _plain_fill(param: torch.Tensor, whole) -> None:
+    with torch.no_grad():
+        param.copy_(whole(tuple(slice(None) for _ in param.shape)) if callable(whole) else whole)
+
+
 def build_target(config, device: torch.device | str = "cpu") -> Transformer:
-    """The policy: loaded from ``[model] hf_path``, or ``flavor`` with a seeded random init."""
+    """The policy: loaded from ``[model] hf_path``, or ``flavor`` with a seeded random init.
+    On ``device="meta"`` it is left uninitialised (fill it with ``init_target_``)."""
     args = resolve_model_args(config)
     taps = resolve_tap_layers(config, args.n_layers)
-    if config.model.hf_path:
+    if str(device) != "meta" and config.model.hf_path:
         from titan_cotrain.models.hf import load_hf
 
         return load_hf(config.model.hf_path, dtype=torch.float32, tap_layers=taps, device=device)
-    seed = job_seed(config)
     with torch.device(device):
         model = Transformer(args, tap_layers=taps)
-    model.init_weights(generator=torch.Generator(device=device).manual_seed(seed))
+    if str(device) != "meta":
+        init_target_(model, config)
     return model
+
+
+def init_target_(model: Transformer, config, fill: Fill = _plain_fill) -> None:
+    """Fill ``model``'s parameters (plain or sharded, see ``fill``) from ``[model] hf_path``
+    (each rank reads only its slices) or the job's seeded random init."""
+    if config.model.hf_path:
+        from titan_cotrain.models.hf import load_hf_weights_
+
+        load_hf_weights_(model, config.model.hf_path, fill)
+        return
+    model.init_weights(generator=torch.Generator().manual_seed(job_seed(config)), fill=fill)
 
 
 def build_draft(config, target: Transformer, token_counts: torch.Tensor | None = None,
                 device: torch.device | str = "cpu") -> Draft | None:
     """The EAGLE-3 draft for ``target`` (None when ``[draft] enable = false``), loaded from
-    ``[draft] init_path`` (an EAGLE-3 folder) or freshly initialised.
+    ``[draft] init_path`` (an EAGLE-3 folder) or freshly initialised; on ``device="meta"``
+    left uninitialised (its vocabulary maps are host buffers; fill it with ``init_draft_``).
 
     A reduced vocabulary (``[draft] vocab_size`` below the target's) keeps the most
     frequent tokens of ``token_counts [V]``, which the caller counts on its corpus.
@@ -41,17 +70,12 @@ def build_draft(config, target: Transformer, token_counts: torch.Tensor | None =
     if not d.enable:
         return None
     if d.init_path:
-        from titan_cotrain.models.eagle3 import load_eagle3
-
-        draft, taps = load_eagle3(d.init_path, device=device, tap_layers=target.tap_layers)
-        if tuple(taps) != tuple(target.tap_layers) or draft.args.target_dim != target.args.dim:
-            raise ValueError(f"draft.init_path {d.init_path!r} taps layers {list(taps)} of a width-"
-                             f"{draft.args.target_dim} target; the policy taps {list(target.tap_layers)} at width "
-                             f"{target.args.dim}")
-        if draft.args.vocab_size != target.args.vocab_size:
-            raise ValueError(f"draft.init_path {d.init_path!r} was trained for a {draft.args.vocab_size}-token "
-                             f"vocabulary; the policy has {target.args.vocab_size}")
-        return draft
+        draft = _load_init_draft(config, target)
+        if str(device) == "meta":
+            with torch.device("meta"):
+                shell = Draft(draft.args, draft.d2t, draft.t2d)
+            return shell
+        return draft.to(device)
     args = DraftArgs.from_target(
         target.args, n_taps=len(target.tap_layers), draft_vocab_size=d.vocab_size, dim=d.hidden_size,
         n_heads=d.num_heads, n_kv_heads=d.num_kv_heads, ffn_dim=d.intermediate_size,
@@ -61,8 +85,35 @@ def build_draft(config, target: Transformer, token_counts: torch.Tensor | None =
         if token_counts is None:
             raise ValueError("a reduced draft vocabulary ([draft] vocab_size) needs token counts of a corpus")
         maps = draft_vocab_from_counts(token_counts, args.draft_vocab_size)
-    seed = job_seed(config)
     with torch.device(device):
         draft = Draft(args, *(maps or (None, None)))
-    draft.init_weights(generator=torch.Generator(device=device).manual_seed(seed + 1))
+    if str(device) != "meta":
+        init_draft_(draft, config, target)
+    return draft
+
+
+def init_draft_(draft: Draft, config, target: Transformer, fill: Fill = _plain_fill) -> None:
+    """Fill ``draft``'s parameters from ``[draft] init_path`` or the job's seeded random init."""
+    if config.draft.init_path:
+        state = _load_init_draft(config, target).state_dict()
+        for name, param in draft.named_parameters():
+            fill(param, state[name])
+        with torch.no_grad():
+            draft.rope_inv_freq.copy_(rope_inv_freq(draft.args.head_dim, draft.args.rope_theta, draft.args.rope_scaling))
+        return
+    draft.init_weights(generator=torch.Generator().manual_seed(job_seed(config) + 1), fill=fill)
+
+
+def _load_init_draft(config, target: Transformer) -> Draft:
+    from titan_cotrain.models.eagle3 import load_eagle3
+
+    path = config.draft.init_path
+    draft, taps = load_eagle3(path, device="cpu", tap_layers=target.tap_layers)
+    if tuple(taps) != tuple(target.tap_layers) or draft.args.target_dim != target.args.dim:
+        raise ValueError(f"draft.init_path {path!r} taps layers {list(taps)} of a width-"
+                         f"{draft.args.target_dim} target; the policy taps {list(target.tap_layers)} at width "
+                         f"{target.args.dim}")
+    if draft.args.vocab_size != target.args.vocab_size:
+        raise ValueError(f"draft.init_path {path!r} was trained for a {draft.args.vocab_size}-token "
+                         f"vocabulary; the policy has {target.args.vocab_size}")
     return draft

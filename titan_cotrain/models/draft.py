@@ -18,15 +18,17 @@ exporter maps them one to one.
 
 import copy
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from titan_cotrain.data.packing import shift_in_document
 from titan_cotrain.models.args import ModelArgs, RopeScaling
+from titan_cotrain.models.kv_cache import cached_attention
 from titan_cotrain.models.transformer import (
     FeedForward,
     RMSNorm,
@@ -84,7 +86,9 @@ class DraftArgs:
 
 def identity_vocab_maps(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``d2t`` (all zeros) and ``t2d`` (all true) of a draft vocabulary equal to the target's."""
-    return torch.zeros(vocab_size, dtype=torch.int64), torch.ones(vocab_size, dtype=torch.bool)
+    # On the host explicitly: a draft built on the meta device keeps its maps (host buffers).
+    return (torch.zeros(vocab_size, dtype=torch.int64, device="cpu"),
+            torch.ones(vocab_size, dtype=torch.bool, device="cpu"))
 
 
 def draft_vocab_from_counts(token_counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,7 +149,7 @@ class DraftLayer(nn.Module):
 
 
 class DraftKVCache:
-    """The draft's static inference cache: ``k, v [B, max_len + chain_len, Hkv, Dh]``, allocated once.
+    """The draft's static inference cache: ``k, v [B, Hkv, max_len + chain_len, Dh]``, allocated once.
 
     Slots ``[0, max_len)`` are the *trunk*: slot ``j`` holds the pass-1 key/value of anchor
     ``j`` (RoPE position ``j``). Slot ``max_len + c`` is the *chain*'s: the key/value of pass
@@ -155,7 +159,7 @@ class DraftKVCache:
 
     def __init__(self, batch: int, max_len: int, chain_len: int, n_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
-        shape = (batch, max_len + chain_len, n_kv_heads, head_dim)
+        shape = (batch, n_kv_heads, max_len + chain_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
@@ -164,10 +168,18 @@ class DraftKVCache:
     def batch(self) -> int:
         return self.k.shape[0]
 
-    def rows(self, batch: int) -> "DraftKVCache":
-        """A view of the first ``batch`` sequences: same storage, nothing allocated."""
+    @property
+    def n_slots(self) -> int:
+        return self.k.shape[2]
+
+    def rows(self, batch: int, trunk_len: int | None = None) -> "DraftKVCache":
+        """A view of the first ``batch`` sequences: same storage, nothing allocated. With
+        ``trunk_len``, only their first ``trunk_len`` trunk slots and no chain: what a
+        prefill over ``trunk_len`` anchors touches, so it attends to that many keys."""
         view = copy.copy(self)
-        view.k, view.v = self.k[:batch], self.v[:batch]
+        view.k, view.v = self.k[:batch, :, :trunk_len], self.v[:batch, :, :trunk_len]
+        if trunk_len is not None:
+            view.max_len = trunk_len
         return view
 
 
@@ -202,8 +214,8 @@ class Draft(nn.Module):
             "rope_inv_freq", rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling), persistent=False
         )
 
-    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
-        init_weights_(self, std, generator)
+    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None, fill=None) -> None:
+        init_weights_(self, std, generator, *([fill] if fill is not None else []))
 
     def embed(self, tokens: torch.Tensor, target_embeddings: torch.Tensor) -> torch.Tensor:
         """The draft's input embeddings: the policy's (given) or its own table."""
@@ -265,19 +277,27 @@ class Draft(nn.Module):
         cu_seqlens: torch.Tensor,
         select: torch.Tensor,
         cp=None,
-    ) -> list[torch.Tensor]:
+        score: Callable[[int, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]], Any] | None = None,
+    ) -> list:
         """The TTT unroll: ``D = select.shape[0]`` passes with teacher forcing.
 
         ``taps [T, n_taps * H_t]``, ``target_embeddings [T, H_t]`` (the policy's, detached),
-        ``tokens, positions [T]``, ``select: bool [D, T]`` (anchors scored at each pass).
+        ``tokens, positions [T]``, ``select: bool [D, T]`` (anchors scored at each pass),
+        ``cu_seqlens``: a host tensor or a sequence of ints (what FSDP's root-input moving
+        leaves on the host).
         Pass ``d`` reads ``e(x_{i+d})`` and ``h^{d-1}_i`` at RoPE position ``i + d - 1`` and
         attends to pass 1's keys at ``j <= i`` plus passes ``2..d``'s keys at ``i``.
-        Returns, per pass, the draft logits ``[n_d, V_d]`` (fp32) of the selected anchors.
+        Returns, per pass, the draft logits ``[n_d, V_d]`` (fp32) of the selected anchors, or
+        with ``score``, what ``score(d, h^d [T, H], head)`` returns for pass ``d``: it runs
+        here, inside the draft's forward, where FSDP has the head (``head``: ``[c, H] ->
+        [c, V_d]`` fp32 logits) gathered (the chunked soft CE of ``ttt_unroll``).
 
         Context parallel (``cp`` a ``CPShard``): all tensors are this rank's shard, except
         ``target_embeddings`` and ``tokens``, which carry the TTT halo rows after the local
         ones (``cp.ttt_halo(D).exchange``); the shifts read the halo, attention the ring.
         """
+        if not isinstance(cu_seqlens, torch.Tensor):  # host metadata passed as ints
+            cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int32)
         embeds = self.embed(tokens, target_embeddings)
         hidden = self.fuse(taps)
         shift = partial(shift_in_document, cu_seqlens=cu_seqlens) if cp is None else cp.ttt_halo(select.shape[0]).shift
@@ -289,7 +309,7 @@ class Draft(nn.Module):
                 trunk_kv = kv
             else:
                 branch_kv.append(kv)
-            logits.append(self.logits(hidden[select[d - 1]]))
+            logits.append(score(d, hidden, self.logits) if score is not None else self.logits(hidden[select[d - 1]]))
         return logits
 
     def new_kv_cache(self, batch: int, max_len: int, chain_len: int, dtype: torch.dtype | None = None) -> DraftKVCache:
@@ -315,7 +335,7 @@ class Draft(nn.Module):
         """
         b, s, _ = embeds.shape
         positions = start_pos.view(b, 1).to(torch.int64) + torch.arange(s, device=embeds.device)
-        slot = torch.arange(cache.k.shape[1], device=embeds.device)
+        slot = torch.arange(cache.n_slots, device=embeds.device)
         visible = (slot < cache.max_len) & (slot <= positions.unsqueeze(-1))  # [B, s, slots]
         return self._cached_pass(embeds, self.fuse(taps), positions, positions, visible, cache)
 
@@ -332,7 +352,7 @@ class Draft(nn.Module):
         """
         b, device = hidden.shape[0], hidden.device
         positions = (anchor.to(torch.int64) + depth - 1).view(b, 1)
-        slot = torch.arange(cache.k.shape[1], device=device)
+        slot = torch.arange(cache.n_slots, device=device)
         trunk = slot <= anchor.view(b, 1)
         chain = (slot >= cache.max_len) & (slot < cache.max_len + depth - 1)
         chain_slot = torch.full((b, 1), cache.max_len + depth - 2, dtype=torch.int64, device=device)
@@ -350,13 +370,8 @@ class Draft(nn.Module):
         cos, sin = self.rope(positions.reshape(-1), hidden.dtype)
         q, k, v = attn.qkv(layer.attention_input(embeds, hidden).reshape(b * s, -1), cos, sin)
         rows = torch.arange(b, device=slots.device).unsqueeze(1)
-        cache.k[rows, slots] = k.view(b, s, *k.shape[1:]).to(cache.k.dtype)
-        cache.v[rows, slots] = v.view(b, s, *v.shape[1:]).to(cache.v.dtype)
-        out = F.scaled_dot_product_attention(
-            q.view(b, s, *q.shape[1:]).transpose(1, 2),
-            cache.k.transpose(1, 2),
-            cache.v.transpose(1, 2),
-            attn_mask=visible.unsqueeze(1),
-            enable_gqa=attn.n_heads != attn.n_kv_heads,
-        )
-        return layer.finish(hidden, out.transpose(1, 2))
+        # The two index tensors sandwich the head slice, so the indexed shape is [B, s, Hkv, Dh].
+        cache.k[rows, :, slots] = k.view(b, s, *k.shape[1:]).to(cache.k.dtype)
+        cache.v[rows, :, slots] = v.view(b, s, *v.shape[1:]).to(cache.v.dtype)
+        out = cached_attention(q.view(b, s, *q.shape[1:]), cache.k, cache.v, visible)
+        return layer.finish(hidden, out)

@@ -30,6 +30,7 @@ __all__ = [
     "HFCheckpointError",
     "hf_config_from_model_args",
     "load_hf",
+    "load_hf_weights_",
     "model_args_from_hf_config",
     "save_hf",
 ]
@@ -193,6 +194,30 @@ def load_hf(
     # Non-persistent, so still on meta: compute it (fp32, like HF) where the weights landed.
     model.rope_inv_freq = rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling).to(device)
     return model
+
+
+def load_hf_weights_(model: Transformer, path: PathLike, fill) -> None:
+    """Fill ``model``'s (possibly sharded) parameters from the HF folder ``path``, reading
+    only what each parameter needs: ``fill(param, read)`` calls ``read(index)`` with the
+    index of this rank's slice, which is read from the safetensors file as a slice. Names
+    and shapes are checked against the model before any weight is read."""
+    folder = Path(path)
+    expected = {_hf_name(name): tuple(t.shape) for name, t in model.state_dict().items()}
+    tolerated = set()
+    if model.args.tie_embeddings:
+        del expected["lm_head.weight"]
+        tolerated = {"lm_head.weight"}
+    files = _weight_files(folder)
+    _check_tensors(folder, _stored_shapes(files), expected, tolerated)
+    params = dict(model.named_parameters())
+    for file in files:
+        with _open(file) as f:
+            for name in f.keys():
+                if name not in expected:
+                    continue
+                stored = f.get_slice(name)
+                fill(params[name.removeprefix("model.")], lambda index, stored=stored: stored[index])
+    model.rope_inv_freq.copy_(rope_inv_freq(model.args.head_dim, model.args.rope_theta, model.args.rope_scaling))
 
 
 def save_hf(model: Transformer, path: PathLike, max_shard_bytes: int | None = None) -> None:

@@ -15,8 +15,8 @@ Two forwards:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,12 +29,12 @@ from titan_cotrain.data.packing import (
     layout_one_doc_per_row,
 )
 from titan_cotrain.models.args import ModelArgs, RopeScaling
-from titan_cotrain.models.kv_cache import KVCache
+from titan_cotrain.models.kv_cache import KVCache, cached_attention
 from titan_cotrain.models.taps import default_tap_layers, validate_tap_layers
 from titan_cotrain.ops.attention import varlen_causal_attention
 from titan_cotrain.ops.ring_attention import ring_attention
 
-__all__ = ["RMSNorm", "TargetOutput", "Transformer", "apply_rope", "rope_inv_freq"]
+__all__ = ["RMSNorm", "init_weights_", "TargetOutput", "TrainOutput", "Transformer", "apply_rope", "rope_inv_freq"]
 
 
 class TargetOutput(NamedTuple):
@@ -42,6 +42,15 @@ class TargetOutput(NamedTuple):
     order; ``embeddings``: the detached token-embedding output ``[B, S, H]``."""
 
     logits: torch.Tensor
+    taps: tuple[torch.Tensor, ...]
+    embeddings: torch.Tensor
+
+
+class TrainOutput(NamedTuple):
+    """``forward(..., head=fn)``: ``head`` is what ``fn`` returned (e.g. chunked loss sums);
+    ``taps`` and ``embeddings`` as in ``TargetOutput``."""
+
+    head: Any
     taps: tuple[torch.Tensor, ...]
     embeddings: torch.Tensor
 
@@ -82,13 +91,24 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     return torch.where(medium, interpolated, scaled)
 
 
+def _copy_whole(param: torch.Tensor, whole: torch.Tensor) -> None:
+    param.copy_(whole)
+
+
 @torch.no_grad()
-def init_weights_(model: nn.Module, std: float, generator: torch.Generator | None) -> None:
+def init_weights_(model: nn.Module, std: float, generator: torch.Generator | None,
+                  fill: Callable[[torch.Tensor, torch.Tensor], None] = _copy_whole) -> None:
     """Normal(0, std) linears and embeddings, unit norms, fresh RoPE frequencies;
-    deterministic under ``generator``. Shared by the target and the draft."""
+    deterministic under ``generator`` (a CPU generator). Shared by the target and the draft.
+
+    Every weight is drawn whole on the host, one at a time, and handed to ``fill(param,
+    whole)``: a plain copy here; for sharded parameters the caller passes a fill that keeps
+    only this rank's slice, so a rank never holds more than one whole tensor and every
+    sharding gives the same values."""
     for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            module.weight.normal_(0.0, std, generator=generator)
+            whole = torch.empty(module.weight.shape, dtype=module.weight.dtype).normal_(0.0, std, generator=generator)
+            fill(module.weight, whole)
         elif isinstance(module, RMSNorm):
             module.weight.fill_(1.0)
     args = model.args
@@ -151,17 +171,9 @@ class Attention(nn.Module):
         """``x [B, s, dim]`` at ``positions [B, s]``; writes k/v into ``cache`` then attends
         to every cached key at a position ``<=`` the query's own."""
         q, k, v = self._qkv(x, cos, sin)
-        keys, values = cache.write(layer, positions, k, v)  # [B, L, Hkv, Dh]
-        key_pos = torch.arange(keys.shape[1], device=x.device)
-        mask = key_pos.view(1, 1, -1) <= positions.unsqueeze(-1)  # [B, s, L]
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=mask.unsqueeze(1),
-            enable_gqa=self.n_heads != self.n_kv_heads,
-        )
-        return self.o_proj(out.transpose(1, 2).flatten(-2))
+        keys, values = cache.write(layer, positions, k, v)  # [B, Hkv, L, Dh]
+        visible = torch.arange(keys.shape[2], device=x.device) <= positions.unsqueeze(-1)  # [B, s, L]
+        return self.o_proj(cached_attention(q, keys, values, visible).flatten(-2))
 
 
 class FeedForward(nn.Module):
@@ -217,8 +229,8 @@ class Transformer(nn.Module):
             "rope_inv_freq", rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling), persistent=False
         )
 
-    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
-        init_weights_(self, std, generator)
+    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None, fill=_copy_whole) -> None:
+        init_weights_(self, std, generator, fill)
 
     def _layout(self, tokens, document_ids, cu_seqlens) -> PackedLayout:
         b, s = tokens.shape
@@ -238,15 +250,25 @@ class Transformer(nn.Module):
         *,
         document_ids: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
         return_taps: bool = False,
         cp=None,
-    ) -> torch.Tensor | TargetOutput:
+        head: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+    ) -> torch.Tensor | TargetOutput | TrainOutput:
         """Training forward over packed rows.
 
         ``tokens: int64 [B, S]``; packing given as ``document_ids [B, S]`` or ``cu_seqlens``
-        over the flattened ``B * S`` tokens (neither: one document per row). Positions
+        over the flattened ``B * S`` tokens (neither: one document per row). ``cu_seqlens``
+        is read on the host: pass a sequence of ints (FSDP moves a root module's tensor
+        inputs to the device, which would cost a sync per layer), and with it the
+        in-document ``positions [B, S]`` already on the device if you have them. Positions
         restart at each document start. Returns ``logits [B, S, V]`` (fp32), or
         ``TargetOutput`` when ``return_taps``.
+
+        ``head(hidden [B*S, H], lm_head weight [V, H])`` replaces the head: it gets the
+        final-normed hidden states *inside* this forward (where FSDP has the head's weight
+        gathered) and its result comes back as ``TrainOutput.head``; no ``[B, S, V]``
+        logits are made (the chunked losses of ``titan_cotrain.cotrain.vocab``).
 
         Context parallel: ``cp``, a ``titan_cotrain.parallel.context_parallel.CPShard``,
         gives the packing (``tokens`` are then this rank's ``[B, local_len]`` zigzag shard,
@@ -257,15 +279,23 @@ class Transformer(nn.Module):
         b, s = tokens.shape
         if cp is not None and (document_ids is not None or cu_seqlens is not None):
             raise ValueError("under context parallelism the CPShard gives the packing; pass no document_ids/cu_seqlens")
-        layout = self._layout(tokens, document_ids, cu_seqlens) if cp is None else cp
+        if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
+            cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int32)  # host metadata passed as ints
+        if cp is not None:
+            cu_seqlens, positions = cp.cu_seqlens, cp.positions if positions is None else positions
+        elif positions is None:
+            layout = self._layout(tokens, document_ids, cu_seqlens)
+            cu_seqlens, positions = layout.cu_seqlens, layout.positions
         h = self.embed_tokens(tokens)
-        cos, sin = rope_cos_sin(self.rope_inv_freq, layout.positions.reshape(-1), h.dtype)
+        cos, sin = rope_cos_sin(self.rope_inv_freq, positions.to(h.device).reshape(-1), h.dtype)
         x = h.reshape(b * s, -1)
         taps = []
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, layout.cu_seqlens, cp)
+            x = layer(x, cos, sin, cu_seqlens, cp)
             if return_taps and i in self.tap_layers:
                 taps.append(x.detach().view(b, s, -1))
+        if head is not None:
+            return TrainOutput(head=head(self.norm(x), self.lm_head.weight), taps=tuple(taps), embeddings=h.detach())
         # Reshape before the head so the logits are a fresh tensor, not a view (FSDP's
         # pre-backward hook on a view is lost by in-place use downstream).
         logits = self.lm_head(self.norm(x.view(b, s, -1))).float()

@@ -2,8 +2,10 @@
 
 Layout: packed ``[T, H, Dh]`` tensors, where the ``T`` tokens are the concatenation of
 documents whose boundaries are ``cu_seqlens: int32 [n_docs + 1]`` (``cu_seqlens[0] == 0``,
-``cu_seqlens[-1] == T``). Query ``t`` of a document attends to the keys ``j <= t`` of the
-same document only ("the document-mask rule"). GQA: ``Hq`` is a multiple of ``Hkv``.
+``cu_seqlens[-1] == T``), a *host* tensor: the kernels read the bounds on the host and copy
+them to the device themselves, so the accelerator path never reads a device tensor. Query
+``t`` of a document attends to the keys ``j <= t`` of the same document only ("the
+document-mask rule"). GQA: ``Hq`` is a multiple of ``Hkv``.
 
 Two layers live here:
 
@@ -15,10 +17,14 @@ Two layers live here:
   attention), which is how merged attentions reuse these kernels for their backward;
 * ``varlen_causal_attention``, the differentiable op the target model calls.
 
-On CPU the kernels call ATen's fused CPU flash-attention kernel one document at a time
-(no ``T x T`` mask is ever built). Elsewhere they fall back to an exact blockwise
-implementation in plain PyTorch (per document, O(n_doc^2) scores); a fused GPU kernel
-can replace it behind the same two functions.
+On the accelerator (any device but the CPU) the kernels are ATen's varlen flash kernels
+(``aten::_flash_attention_forward`` / ``_backward``, private, behind ``titan_cotrain.ops.flash``;
+fp16/bf16 only): one call over the whole packed batch for the trunk, one per block for the
+ring. Their shapes are checked on CPU with the ops' meta kernels; their numerics have not yet
+been verified on a GPU. On CPU the kernels call ATen's fused CPU flash kernel
+(``aten::_scaled_dot_product_flash_attention_for_cpu``, private) one document at a time. An
+exact einsum implementation (per document, O(n_doc^2) scores) is the reference the CPU tests
+switch to (``_use_cpu_flash_kernel``). No path builds a ``T x T`` mask.
 
 ``merge_attention`` is the one log-sum-exp merge of two partial attentions used by
 branch and ring attention.
@@ -28,9 +34,12 @@ from __future__ import annotations
 
 import torch
 
+from titan_cotrain.ops import flash
+
 __all__ = [
     "block_backward",
     "block_forward",
+    "host_cu_seqlens",
     "merge_attention",
     "trunk_backward",
     "trunk_forward",
@@ -55,16 +64,42 @@ def check_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
         raise ValueError("cu_seqlens must be a 1-D tensor [n_docs + 1]")
 
 
+def host_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``cu_seqlens`` as the int32 host tensor the kernels read. The trainer passes host
+    tensors; a device tensor is copied to the host here, once (on a GPU, a sync)."""
+    return cu_seqlens.to("cpu", torch.int32)
+
+
+def _on_accelerator(q: torch.Tensor) -> bool:
+    return q.device.type != "cpu"
+
+
 def _use_cpu_flash_kernel(q: torch.Tensor) -> bool:
+    """CPU tensors take ATen's CPU flash kernel; tests patch this to False for the einsum reference."""
     return q.device.type == "cpu"
 
 
 def _doc_bounds(cu_seqlens: torch.Tensor, total: int) -> list[tuple[int, int]]:
-    """Non-empty ``(start, end)`` of every document; the documents must cover ``[0, total)``."""
+    """Non-empty ``(start, end)`` of every document; the documents must cover ``[0, total)``.
+    Reads ``cu_seqlens`` on the host: free for a host tensor, a sync for a device one."""
     cu = cu_seqlens.tolist()
     if cu[0] != 0 or cu[-1] != total or any(e < s for s, e in zip(cu[:-1], cu[1:])):
         raise ValueError(f"cu_seqlens must rise from 0 to T = {total}, got {cu}")
     return [(s, e) for s, e in zip(cu[:-1], cu[1:]) if e > s]
+
+
+def _device_segments(bounds: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, int]:
+    """The flash kernel's ``cu_seqlens`` (int32, on ``device``) and longest segment for the
+    documents ``bounds``, from host values: one host-to-device copy, no sync. Empty documents
+    were dropped from ``bounds``, so they never reach the kernel."""
+    cu = torch.tensor([0] + [e for _, e in bounds], dtype=torch.int32)
+    return cu.to(device, non_blocking=True), max((e - s for s, e in bounds), default=0)
+
+
+def _block_segments(n: int, m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device ``cu_seqlens`` of a one-segment call, ``[0, n]`` for q and ``[0, m]`` for k, in one copy."""
+    cu = torch.tensor([[0, n], [0, m]], dtype=torch.int32).to(device, non_blocking=True)
+    return cu[0], cu[1]
 
 
 def _expand_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -99,9 +134,12 @@ def block_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One block of one document: ``q [n, Hq, Dh]`` over ``k, v [m, Hkv, Dh]``, all keys
     (``causal``: ``n == m`` and key ``j <= i``). Returns ``out [n, Hq, Dh]`` (q's dtype) and
-    ``lse [n, Hq]`` (fp32). The trunk runs one causal block per document; the ring runs
-    one block per document and chunk pair. On CPU this is ATen's fused flash kernel (the
-    one private op of the project's attention, used only here and in ``block_backward``)."""
+    ``lse [n, Hq]`` (fp32). The ring runs one block per document and chunk pair; on CPU the
+    trunk runs one causal block per document."""
+    if _on_accelerator(q):
+        n, m = q.shape[0], k.shape[0]
+        cu_q, cu_k = _block_segments(n, m, q.device)
+        return flash.varlen_forward(q, k, v, cu_q, cu_k, n, m, scale, causal)
     n_rep = q.shape[1] // k.shape[1]
     k, v = _expand_kv(k, n_rep), _expand_kv(v, n_rep)
     if _use_cpu_flash_kernel(q):
@@ -127,7 +165,12 @@ def block_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's share of ``(dq, dk, dv)`` for an attention whose final (merged) output and
     log-sum-exp are ``out``, ``lse``: ``dS = P (dO V^T - rowsum(dO * O))`` with ``P = e^(S - lse)``,
-    what a flash backward computes when handed the merged pair (see ``trunk_backward``)."""
+    what a flash backward computes when handed the merged pair (see ``trunk_backward``).
+    Gradients are fp32 on CPU and in the inputs' dtypes from the accelerator's kernel."""
+    if _on_accelerator(q):
+        n, m = q.shape[0], k.shape[0]
+        cu_q, cu_k = _block_segments(n, m, q.device)
+        return flash.varlen_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, n, m, scale, causal)
     n_rep = q.shape[1] // k.shape[1]
     acc = lse_dtype(q.dtype)
     ke, ve = _expand_kv(k, n_rep), _expand_kv(v, n_rep)
@@ -151,11 +194,16 @@ def block_backward(
 def trunk_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Document-causal attention. Returns ``out [T, Hq, Dh]`` (q's dtype) and ``lse [T, Hq]`` (fp32)."""
+    """Document-causal attention. Returns ``out [T, Hq, Dh]`` (q's dtype) and ``lse [T, Hq]`` (fp32).
+    On the accelerator, one flash call over every document of the batch."""
     check_packed(q, k, v, cu_seqlens)
+    bounds = _doc_bounds(cu_seqlens, q.shape[0])
+    if _on_accelerator(q):
+        cu, max_len = _device_segments(bounds, q.device)
+        return flash.varlen_forward(q, k, v, cu, cu, max_len, max_len, scale, causal=True)
     out = torch.empty_like(q)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
-    for s, e in _doc_bounds(cu_seqlens, q.shape[0]):
+    for s, e in bounds:
         out[s:e], lse[s:e] = block_forward(q[s:e], k[s:e], v[s:e], scale, causal=True)
     return out, lse
 
@@ -176,10 +224,14 @@ def trunk_backward(
     belongs to (the trunk alone, or the trunk merged with other key sets). With
     ``P = exp(S - lse)`` and ``delta = rowsum(grad_out * out)``, the trunk's share of the
     gradient is ``dS = P * (grad_out @ V^T - delta)``, which is exactly what a flash
-    backward computes when handed the merged ``(out, lse)``.
+    backward computes when handed the merged ``(out, lse)``. On the accelerator, one flash call.
     """
+    bounds = _doc_bounds(cu_seqlens, q.shape[0])
+    if _on_accelerator(q):
+        cu, max_len = _device_segments(bounds, q.device)
+        return flash.varlen_backward(grad_out, q, k, v, out, lse, cu, cu, max_len, max_len, scale, causal=True)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for s, e in _doc_bounds(cu_seqlens, q.shape[0]):
+    for s, e in bounds:
         gq, gk, gv = block_backward(grad_out[s:e], q[s:e], k[s:e], v[s:e], out[s:e], lse[s:e], scale, causal=True)
         dq[s:e], dk[s:e], dv[s:e] = gq.to(q.dtype), gk.to(k.dtype), gv.to(v.dtype)
     return dq, dk, dv
@@ -224,8 +276,8 @@ def _setup_context(ctx, inputs, output):
 
 
 # The backward is an op of its own so that AOTAutograd (torch.compile's aot_eager and
-# inductor backends) traces it as one opaque node: traced through, trunk_backward's
-# per-document loop would read cu_seqlens on fake tensors and fail.
+# inductor backends) traces it as one opaque node: traced through, trunk_backward would
+# read the document bounds from a fake cu_seqlens and fail.
 @torch.library.custom_op("titan_cotrain::varlen_causal_attention_backward", mutates_args=())
 def _varlen_causal_attention_backward(
     grad_out: torch.Tensor,
@@ -259,9 +311,10 @@ def varlen_causal_attention(
 ) -> torch.Tensor:
     """Differentiable document-causal attention over packed ``[T, H, Dh]`` tensors.
 
-    Returns ``out [T, Hq, Dh]``. Gradients flow to q, k and v (not through the lse).
+    ``cu_seqlens`` is a host tensor (see ``host_cu_seqlens``). Returns ``out [T, Hq, Dh]``.
+    Gradients flow to q, k and v (not through the lse).
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    out, _ = _varlen_causal_attention(q, k, v, cu_seqlens.to(torch.int32), float(scale))
+    out, _ = _varlen_causal_attention(q, k, v, host_cu_seqlens(cu_seqlens), float(scale))
     return out

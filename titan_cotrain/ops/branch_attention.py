@@ -32,7 +32,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from titan_cotrain.ops.attention import check_packed, lse_dtype, merge_attention, trunk_backward, trunk_forward
+from titan_cotrain.ops.attention import (
+    check_packed,
+    host_cu_seqlens,
+    lse_dtype,
+    merge_attention,
+    trunk_backward,
+    trunk_forward,
+)
 
 __all__ = [
     "branch_attention",
@@ -167,7 +174,7 @@ def _(q, k, v, branch_k, branch_v, cu_seqlens, scale):
 
 
 # An op of its own so that AOTAutograd traces the backward as one opaque node (the trunk
-# kernel's per-document loop cannot be traced on fake tensors).
+# kernel reads the document bounds from cu_seqlens, which a fake tensor does not hold).
 @torch.library.custom_op("titan_cotrain::branch_attention_backward", mutates_args=())
 def _branch_attention_backward(
     grad_out: torch.Tensor,
@@ -233,7 +240,7 @@ def branch_attention_with_lse(
     check_branch(k, branch_k, branch_v)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    return _branch_attention(q, k, v, branch_k, branch_v, cu_seqlens.to(torch.int32), float(scale))
+    return _branch_attention(q, k, v, branch_k, branch_v, host_cu_seqlens(cu_seqlens), float(scale))
 
 
 def branch_attention(
@@ -249,11 +256,12 @@ def branch_attention(
 
     ``q [T, Hq, Dh]``; trunk ``k, v [T, Hkv, Dh]`` (the pass-1 keys/values); branch
     ``branch_k, branch_v [P, T, Hkv, Dh]``, ``P >= 0`` (the keys/values of TTT passes
-    ``2..d`` at each anchor); ``cu_seqlens: int32 [n_docs + 1]``. Query ``t`` attends to
-    the keys ``j <= t`` of its document and to ``branch_k[p, t]`` for every ``p``, under
-    one softmax. GQA when ``Hq`` is a multiple of ``Hkv``; default ``scale = Dh ** -0.5``.
-    Returns ``out [T, Hq, Dh]``; gradients flow to q, k, v, branch_k and branch_v. Memory
-    beyond the trunk attention is ``O(T * P)``. ``P = 0`` is plain document-causal attention.
+    ``2..d`` at each anchor); ``cu_seqlens: int32 [n_docs + 1]``, a host tensor (see
+    ``host_cu_seqlens``). Query ``t`` attends to the keys ``j <= t`` of its document and to
+    ``branch_k[p, t]`` for every ``p``, under one softmax. GQA when ``Hq`` is a multiple of
+    ``Hkv``; default ``scale = Dh ** -0.5``. Returns ``out [T, Hq, Dh]``; gradients flow to q,
+    k, v, branch_k and branch_v. Memory beyond the trunk attention is ``O(T * P)``. ``P = 0``
+    is plain document-causal attention.
     """
     out, _ = branch_attention_with_lse(q, k, v, branch_k, branch_v, cu_seqlens, scale)
     return out

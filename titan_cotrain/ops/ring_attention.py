@@ -73,6 +73,7 @@ from titan_cotrain.ops.attention import (
     block_backward,
     block_forward,
     check_packed,
+    host_cu_seqlens,
     lse_dtype,
     merge_attention,
 )
@@ -270,7 +271,8 @@ def ring_forward(
     pieces: int = DEFAULT_PIECES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward kernel. ``q [T, Hq, Dh]``, ``k, v [T, Hkv, Dh]``: this rank's shard in
-    ``layout``; ``cu_seqlens: int32`` the local documents (the same on every rank).
+    ``layout``; ``cu_seqlens: int32`` the local documents (the same on every rank), read on
+    the host (see ``host_cu_seqlens``).
 
     Returns ``out [T, Hq, Dh]`` (q's dtype) and ``lse [T, Hq]`` (fp32; fp64 for fp64) of
     every local query over all keys of its document on all ranks (``causal=False``: the
@@ -462,7 +464,7 @@ def ring_attention(
     the number of messages each ring hop is cut into.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _RingAttention.apply(q, k, v, None, None, cu_seqlens.to(torch.int32), scale, _comm(group), layout, pieces)
+    return _RingAttention.apply(q, k, v, None, None, host_cu_seqlens(cu_seqlens), scale, _comm(group), layout, pieces)
 
 
 def ring_branch_attention(
@@ -484,5 +486,5 @@ def ring_branch_attention(
     check_branch(k, branch_k, branch_v)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return _RingAttention.apply(
-        q, k, v, branch_k, branch_v, cu_seqlens.to(torch.int32), scale, _comm(group), layout, pieces
+        q, k, v, branch_k, branch_v, host_cu_seqlens(cu_seqlens), scale, _comm(group), layout, pieces
     )

@@ -194,7 +194,7 @@ class CPShard:
         flat = x.reshape(self.batch * self.seq_len, *x.shape[2:])
         picked = flat[source.clamp(min=0)]
         keep = (source >= 0).view(-1, *([1] * (x.dim() - 2)))
-        out = torch.where(keep, picked, torch.as_tensor(fill, dtype=x.dtype, device=x.device))
+        out = torch.where(keep, picked, torch.full((), fill, dtype=x.dtype, device=x.device))
         return out.view(self.batch, self.local_len, *x.shape[2:])
 
     # -- per-token tensors -----------------------------------------------------------------
@@ -324,7 +324,7 @@ class TTTHalo:
         from_halo = self._halo_base + self._offset + d - self._chunk_len
         index = torch.where(inside_chunk, torch.arange(n_local) + d, from_halo)
         valid = (d < self._room).to(device).view(-1, *([1] * (x.dim() - 1)))
-        return torch.where(valid, x[index.to(device)], torch.as_tensor(fill, dtype=x.dtype, device=device))
+        return torch.where(valid, x[index.to(device)], torch.full((), fill, dtype=x.dtype, device=device))
 
 
 def shard_packed_rows(

@@ -1,12 +1,14 @@
-"""FSDP2 for the target and the draft: one FSDP unit per decoder layer plus the root."""
+"""FSDP2 for the target and the draft: one FSDP unit per decoder layer plus the root, and
+filling sharded parameters from whole tensors one at a time (initialisation, loading)."""
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from titan_cotrain.components.titan import fsdp_sum_gradients
 
-__all__ = ["apply_fsdp"]
+__all__ = ["apply_fsdp", "copy_whole_into_", "local_slices"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -27,3 +29,37 @@ def apply_fsdp(model: nn.Module, mesh, param_dtype: str = "float32", reduce_dtyp
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fsdp_sum_gradients(model.modules())
     return model
+
+
+def local_slices(param: torch.Tensor) -> tuple[slice, ...] | None:
+    """The index of this rank's part of ``param`` in the whole tensor: a DTensor's
+    (FSDP2 shards: ``Shard(d)`` cuts like ``torch.chunk``, the last chunks possibly short or
+    empty), or everything for a plain tensor. None when this rank holds nothing of it."""
+    if not isinstance(param, DTensor):
+        return tuple(slice(None) for _ in param.shape)
+    index = [slice(None)] * param.dim()
+    for mesh_dim, placement in enumerate(param.placements):
+        if not isinstance(placement, Shard):
+            continue
+        d, n = placement.dim, param.device_mesh.size(mesh_dim)
+        size = index[d].stop - index[d].start if index[d].start is not None else param.shape[d]
+        start = index[d].start or 0
+        chunk = -(-size // n)
+        lo = min(start + chunk * param.device_mesh.get_local_rank(mesh_dim), start + size)
+        index[d] = slice(lo, min(lo + chunk, start + size))
+    if any(s.start is not None and s.stop <= s.start for s in index):
+        return None
+    return tuple(index)
+
+
+@torch.no_grad()
+def copy_whole_into_(param: torch.Tensor, whole) -> None:
+    """Fill ``param`` (a DTensor shard or a plain tensor) from the whole tensor: ``whole`` is
+    a host tensor, or a function of an index tuple that reads just that part (a safetensors
+    slice). One tensor at a time, so a rank never holds a whole model."""
+    index = local_slices(param)
+    local = param.to_local() if isinstance(param, DTensor) else param
+    if index is None or local.numel() == 0:
+        return
+    part = whole(index) if callable(whole) else whole[index]
+    local.copy_(part.to(dtype=local.dtype).reshape(local.shape))

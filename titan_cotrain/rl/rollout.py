@@ -31,19 +31,20 @@ their outputs are dropped, so there is no Python loop over sequences.
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import TypeVar
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titan_cotrain.models.draft import Draft, DraftKVCache
+from titan_cotrain.models.args import ModelArgs
+from titan_cotrain.models.draft import Draft, DraftArgs, DraftKVCache
 from titan_cotrain.models.kv_cache import KVCache
-from titan_cotrain.models.transformer import Transformer
+from titan_cotrain.models.transformer import Transformer, rope_inv_freq
 from titan_cotrain.rl.sampling import (
     SamplingParams,
     draw,
@@ -53,7 +54,7 @@ from titan_cotrain.rl.sampling import (
     speculative_accept,
 )
 
-__all__ = ["RolloutEngine", "RolloutStats", "Rollouts"]
+__all__ = ["RolloutEngine", "RolloutStats", "Rollouts", "kv_bytes_per_sequence"]
 
 
 @dataclass
@@ -144,6 +145,12 @@ class _Sequences:
             logprobs=torch.zeros(b, max_new_tokens + k + 1, device=device),
         )
 
+    @classmethod
+    def cat(cls, waves: Sequence[_Sequences]) -> _Sequences:
+        """The rows of ``waves``, in order; ``draft_hidden`` is dropped (decoding is over)."""
+        names = [f.name for f in fields(cls) if f.name != "draft_hidden"]
+        return cls(**{name: torch.cat([getattr(w, name) for w in waves]) for name in names})
+
     def result(self, prompt_lens: torch.Tensor, max_new_tokens: int, stats: RolloutStats) -> Rollouts:
         mask = torch.arange(max_new_tokens, device=self.tokens.device) < self.response_len.unsqueeze(1)
         return Rollouts(prompt_lens=prompt_lens, tokens=self.tokens[:, :max_new_tokens] * mask,
@@ -153,10 +160,11 @@ class _Sequences:
 
 @dataclass
 class _Counters:
-    """Per-round ``n_accepted`` and ``active`` ([B] each), kept on the device and reduced once
-    at the end (no host sync per round), and the time split."""
+    """Per-round ``n_accepted`` and ``active`` ([B] each, B the wave's size), kept on the
+    device and reduced once at the end (no host sync per round), and the time split.
+    ``synchronize`` waits for the device (a no-op on CPU)."""
 
-    cuda: bool
+    synchronize: Callable[[], None]
     n_accepted: list[torch.Tensor] = field(default_factory=list)
     active: list[torch.Tensor] = field(default_factory=list)
     times: dict[str, float] = field(default_factory=lambda: {"prefill": 0.0, "draft": 0.0, "verify": 0.0})
@@ -169,12 +177,13 @@ class _Counters:
     def stats(self, new_tokens: int, k: int) -> RolloutStats:
         length, rates = 0.0, []
         if self.active:
-            n, active = torch.stack(self.n_accepted), torch.stack(self.active)  # [rounds, B]
+            # One entry per (round, sequence) pair of every wave, so waves of any size pool.
+            n, active = torch.cat(self.n_accepted), torch.cat(self.active)
             length = float(((n + 1) * active).sum() / active.sum())
             depth = torch.arange(k, device=n.device)
             judged = (n.unsqueeze(-1) >= depth) & active.unsqueeze(-1)  # drafted token d + 1 was judged
             accepted = judged & (n.unsqueeze(-1) > depth)
-            rates = (accepted.flatten(0, 1).sum(0) / judged.flatten(0, 1).sum(0).clamp(min=1)).tolist()
+            rates = (accepted.sum(0) / judged.sum(0).clamp(min=1)).tolist()
         return RolloutStats(
             new_tokens=new_tokens, target_forwards=len(self.active), acceptance_length=length, acceptance_rate=rates,
             prefill_s=self.times["prefill"], draft_s=self.times["draft"], verify_s=self.times["verify"],
@@ -183,19 +192,17 @@ class _Counters:
 
     @contextmanager
     def timed(self, name: str):
-        """Add the wall time of the block to ``times[name]``; CUDA is synchronised at both
-        ends so GPU work is charged to the block that launched it."""
-        if self.cuda:
-            torch.cuda.synchronize()
+        """Add the wall time of the block to ``times[name]``; the device is synchronised at
+        both ends so its work is charged to the block that launched it."""
+        self.synchronize()
         start = time.perf_counter()
         yield
-        if self.cuda:
-            torch.cuda.synchronize()
+        self.synchronize()
         self.times[name] += time.perf_counter() - start
 
 
-def _pad_prompts(prompts: Sequence[torch.Tensor | Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad ragged prompts with token 0: ``tokens [B, P_max]``, ``lens [B]``."""
+def _pad_prompts(prompts: Sequence[torch.Tensor | Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad ragged prompts with token 0: host ``tokens [B, P_max]``, ``lens [B]``."""
     rows = [torch.as_tensor(p, dtype=torch.int64).flatten() for p in prompts]
     if not rows or any(r.numel() == 0 for r in rows):
         raise ValueError("generate needs at least one prompt, and every prompt at least one token")
@@ -203,7 +210,7 @@ def _pad_prompts(prompts: Sequence[torch.Tensor | Sequence[int]], device) -> tup
     tokens = torch.zeros(len(rows), int(lens.max()), dtype=torch.int64)
     for i, r in enumerate(rows):
         tokens[i, : r.numel()] = r
-    return tokens.to(device), lens.to(device)
+    return tokens, lens
 
 
 def _state_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -222,14 +229,59 @@ def _copy_state(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
         dst.copy_(_state_tensor(state[name]))
 
 
+def _cache_slots(max_seq_len: int, max_draft_tokens: int) -> tuple[int, int]:
+    """``(positions, chain slots)`` of the engine's caches. A round writes ``k + 1`` positions
+    past the last committed one, even for a sequence that is finished and no longer moves;
+    the draft's chain holds passes ``2..k``."""
+    return max_seq_len + max_draft_tokens + 1, max(max_draft_tokens - 1, 0)
+
+
+def kv_bytes_per_sequence(policy: ModelArgs, draft: DraftArgs | None, max_seq_len: int, max_draft_tokens: int,
+                          dtype: torch.dtype) -> int:
+    """KV-cache bytes one sequence takes in a ``RolloutEngine``: keys and values of every
+    target layer over ``L = max_seq_len + k + 1`` positions plus, with a draft, the draft's
+    over ``L`` trunk and ``k - 1`` chain slots (``k = max_draft_tokens``), in ``dtype``."""
+    positions, chain = _cache_slots(max_seq_len, max_draft_tokens)
+    elements = policy.n_layers * policy.n_kv_heads * policy.head_dim * positions
+    if draft is not None:
+        elements += draft.n_kv_heads * draft.head_dim * (positions + chain)
+    return 2 * elements * dtype.itemsize
+
+
+_Model = TypeVar("_Model", Transformer, Draft)
+
+
+def _empty_copy(build: Callable[[], _Model], device: torch.device, dtype: torch.dtype) -> _Model:
+    """``build()`` on the meta device, materialised uninitialised on ``device`` with its
+    parameters in ``dtype``; the weights are the caller's to load. The RoPE frequencies (a
+    non-persistent buffer, in no state dict) are recomputed, in fp32 as the trainer's are."""
+    with torch.device("meta"):
+        model = build().to(dtype)
+    # to_empty gives each alias of a shared parameter (tied embeddings) a tensor of its own.
+    ties: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        ties.setdefault(id(param), []).append(name)
+    model.to_empty(device=device)
+    for first, *aliases in ties.values():
+        for alias in aliases:
+            owner, _, leaf = alias.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, model.get_parameter(first))
+    a = model.args
+    model.rope_inv_freq = rope_inv_freq(a.head_dim, a.rope_theta, a.rope_scaling).to(device)
+    return model
+
+
 class RolloutEngine:
     """Batched generation for the RL loop, plain or with the EAGLE-3 draft.
 
     ``policy`` and ``draft`` are the engine's own inference copies (plain modules, not
-    FSDP-wrapped); ``load_weights`` refreshes them in place from the trainer's state after
-    every step. KV caches for ``max_batch_size`` sequences of ``max_seq_len`` tokens
-    (prompt + response) and chains of up to ``max_draft_tokens`` are allocated here, once;
-    a smaller batch uses their leading rows.
+    FSDP-wrapped; ``from_models`` makes them from the trainer's models); ``load_weights``
+    refreshes them in place from the trainer's state after every step. KV caches for
+    ``max_batch_size`` sequences of ``max_seq_len`` tokens (prompt + response) and chains of
+    up to ``max_draft_tokens`` are allocated here, once, in the policy's dtype. A
+    ``kv_cache_gib`` budget (0: none) lowers ``max_batch_size`` to the sequences that fit
+    (``kv_bytes_per_sequence`` each); ``generate`` runs more prompts in waves of at most
+    ``max_batch_size``, a smaller batch using the caches' leading rows.
 
     ``compile`` wraps the fixed-shape steps (target decode / verify, draft chain step and
     catch-up) in ``torch.compile``: one graph per ``(batch, k)``, worth it on GPU, slow to
@@ -237,24 +289,59 @@ class RolloutEngine:
     """
 
     def __init__(self, policy: Transformer, draft: Draft | None = None, *, max_batch_size: int, max_seq_len: int,
-                 max_draft_tokens: int = 4, compile: bool = False) -> None:
+                 max_draft_tokens: int = 4, kv_cache_gib: float = 0.0, compile: bool = False) -> None:
         if draft is not None and draft.args.target_dim != policy.args.dim:
             raise ValueError(f"draft expects target width {draft.args.target_dim}, policy has {policy.args.dim}")
         self.policy, self.draft = policy.eval(), draft.eval() if draft is not None else None
-        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.max_seq_len = max_seq_len
         self.max_draft_tokens = max_draft_tokens if draft is not None else 0
-        # A round writes k + 1 positions past the last committed one, even for a sequence
-        # that is finished and no longer moves.
-        cache_len = max_seq_len + self.max_draft_tokens + 1
-        self.target_cache = policy.new_kv_cache(max_batch_size, cache_len)
+        dtype = policy.embed_tokens.weight.dtype
+        if kv_cache_gib:
+            per_sequence = kv_bytes_per_sequence(policy.args, draft.args if draft is not None else None, max_seq_len,
+                                                 self.max_draft_tokens, dtype)
+            fits = int(kv_cache_gib * 2**30 // per_sequence)
+            if fits < 1:
+                raise ValueError(
+                    f"[rollout] kv_cache_gib = {kv_cache_gib} holds no sequence: one needs "
+                    f"{per_sequence / 2**30:.4f} GiB ({per_sequence} bytes: max_seq_len {max_seq_len} + "
+                    f"{self.max_draft_tokens} draft tokens + 1 positions in {dtype})")
+            max_batch_size = min(max_batch_size, fits)
+        self.max_batch_size = max_batch_size
+        positions, chain = _cache_slots(max_seq_len, self.max_draft_tokens)
+        self.target_cache = policy.new_kv_cache(max_batch_size, positions, dtype)
         self.draft_cache = (
-            draft.new_kv_cache(max_batch_size, cache_len, chain_len=max(self.max_draft_tokens - 1, 0))
-            if draft is not None else None
+            draft.new_kv_cache(max_batch_size, positions, chain_len=chain, dtype=dtype) if draft is not None else None
         )
         maybe_compile = (lambda fn: torch.compile(fn, dynamic=False)) if compile else (lambda fn: fn)
         self._target_step = maybe_compile(policy.forward_cached)
         self._draft_chain_step = maybe_compile(draft.chain_step) if draft is not None else None
         self._draft_extend = maybe_compile(draft.extend) if draft is not None else None
+
+    @classmethod
+    def from_models(cls, policy: Transformer, draft: Draft | None = None, *, device: torch.device | str,
+                    dtype: torch.dtype | None = None, max_batch_size: int, max_seq_len: int,
+                    max_draft_tokens: int = 4, kv_cache_gib: float = 0.0, compile: bool = False) -> RolloutEngine:
+        """An engine with its own copies of the trainer's ``policy`` and ``draft`` on ``device``.
+
+        The sources may be FSDP-wrapped (DTensor shards), plain, or on another device; they
+        are never copied whole. The copies are built on the meta device, materialised on
+        ``device`` in ``dtype`` (default: fp32 on CPU, so CPU rollouts match the trainer's
+        fp32 policy exactly; bf16 on an accelerator), and filled by ``load_weights``, one
+        tensor at a time, buffers (``d2t``, ``t2d``) included. With sharded sources this is
+        a collective: every rank of their mesh calls it. Other arguments as ``__init__``.
+        """
+        device = torch.device(device)
+        dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
+        own_policy = _empty_copy(lambda: Transformer(policy.args, policy.tap_layers), device, dtype)
+        own_draft = None
+        if draft is not None:
+            d2t, t2d = draft.d2t, draft.t2d
+            own_draft = _empty_copy(lambda: Draft(draft.args, torch.empty(d2t.shape, dtype=d2t.dtype),
+                                                  torch.empty(t2d.shape, dtype=t2d.dtype)), device, dtype)
+        engine = cls(own_policy, own_draft, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                     max_draft_tokens=max_draft_tokens, kv_cache_gib=kv_cache_gib, compile=compile)
+        engine.load_weights(policy.state_dict(), draft.state_dict() if draft is not None else None)
+        return engine
 
     @property
     def device(self) -> torch.device:
@@ -265,9 +352,10 @@ class RolloutEngine:
         """Copy new weights into the engine's models in place; caches and compiled graphs stay.
 
         The states are ``state_dict()``s of the trained models (same names; values are cast
-        to the engine's dtype). FSDP2-sharded entries (DTensors) are gathered one tensor at a
-        time, so the peak is one full parameter; the gather is a collective: every rank of
-        the training mesh calls this, in the same order, generating or not.
+        to the engine's dtype and moved to its device). FSDP2-sharded entries (DTensors) are
+        gathered one tensor at a time, so the peak is one full parameter; the gather is a
+        collective: every rank of the training mesh calls this, in the same order,
+        generating or not.
         """
         _copy_state(self.policy, policy_state)
         if draft_state is not None:
@@ -275,35 +363,65 @@ class RolloutEngine:
                 raise ValueError("this engine has no draft to load weights into")
             _copy_state(self.draft, draft_state)
 
+    def cache_tensors(self) -> list[torch.Tensor]:
+        """The KV caches' storage (target and draft keys and values), for memory reports."""
+        caches = [self.target_cache] + ([self.draft_cache] if self.draft_cache is not None else [])
+        return [t for cache in caches for t in (cache.k, cache.v)]
+
     @torch.no_grad()
     def generate(self, prompts: Sequence[torch.Tensor | Sequence[int]], params: SamplingParams, *,
                  draft_tokens: int | None = None, generator: torch.Generator | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> Rollouts:
+                 progress: Callable[[int, int], None] | None = None,
+                 max_rounds: int | None = None) -> Rollouts | None:
         """Sample one response per prompt.
 
-        ``prompts``: token ids, ragged. ``draft_tokens`` is ``k`` (default: the engine's
-        ``max_draft_tokens``; 0 decodes without the draft). ``generator`` (on the engine's
-        device) seeds every draw. ``progress(finished, total)``, if given, is called after
-        every decoding round with the number of finished responses.
+        ``prompts``: token ids, ragged, any number: beyond ``max_batch_size`` they run in
+        waves of that many, in order, each reusing the caches. ``draft_tokens`` is ``k``
+        (default: the engine's ``max_draft_tokens``; 0 decodes without the draft).
+        ``generator`` (on the engine's device) seeds every draw; it is consumed wave after
+        wave, so greedy results do not depend on the waves but sampled ones do (same
+        distribution, other draws). ``progress(finished, total)``, if given, is called after
+        every decoding round with the number of finished responses of the whole call.
+        ``max_rounds``: run exactly that many decoding rounds per wave and return None,
+        reading nothing back from the device (the scale simulator's bounded rollout, whose
+        device values are unknown).
         """
         k = self.max_draft_tokens if draft_tokens is None else draft_tokens
         if not 0 <= k <= self.max_draft_tokens:
             raise ValueError(f"draft_tokens must be in 0..{self.max_draft_tokens} for this engine, got {k}")
-        prompt, prompt_lens = _pad_prompts(prompts, self.device)
-        b = prompt.shape[0]
-        if b > self.max_batch_size:
-            raise ValueError(f"{b} prompts exceed the engine's max_batch_size {self.max_batch_size}")
+        prompt, prompt_lens = _pad_prompts(prompts)
         if prompt.shape[1] + params.max_new_tokens > self.max_seq_len:
             raise ValueError(f"longest prompt ({prompt.shape[1]}) + max_new_tokens ({params.max_new_tokens}) "
                              f"exceeds the engine's max_seq_len {self.max_seq_len}")
-        target_cache, draft_cache = self._cache_rows(b, k)
         draft_to_target = self.draft.d2t + torch.arange(self.draft.args.draft_vocab_size, device=self.device) if k else None
+        counters = _Counters(synchronize=torch.get_device_module(self.device).synchronize)
+        total, waves = len(prompt_lens), []
+        for start in range(0, total, self.max_batch_size):
+            lens = prompt_lens[start: start + self.max_batch_size]
+            report = None if progress is None else (lambda done, _, start=start: progress(start + done, total))
+            waves.append(self._generate_wave(prompt[start: start + len(lens), : int(lens.max())].to(self.device),
+                                             lens.to(self.device), k, params, generator, draft_to_target, counters,
+                                             report, max_rounds))
+        if max_rounds is not None:
+            return None
+        seqs = _Sequences.cat(waves)
+        return seqs.result(prompt_lens.to(self.device), params.max_new_tokens,
+                           counters.stats(int(seqs.response_len.sum()), k))
 
-        counters = _Counters(cuda=self.device.type == "cuda")
+    def _generate_wave(self, prompt: torch.Tensor, prompt_lens: torch.Tensor, k: int, params: SamplingParams,
+                       generator, draft_to_target: torch.Tensor | None, counters: _Counters,
+                       progress: Callable[[int, int], None] | None, max_rounds: int | None = None) -> _Sequences:
+        """Decode ``prompt [b, P]`` (``b <= max_batch_size``) to the end in the caches' first ``b`` rows."""
+        b = prompt.shape[0]
+        target_cache = self.target_cache.rows(b)
+        draft_cache = self.draft_cache.rows(b) if k else None
         seqs = _Sequences.start(prompt_lens, params.max_new_tokens, k)
         with counters.timed("prefill"):
             self._prefill(seqs, prompt, prompt_lens, params, generator, target_cache, draft_cache)
-        while bool(seqs.active.any()):  # the one host sync per round
+        rounds = 0
+        # The one host sync per round (none with max_rounds).
+        while (rounds < max_rounds) if max_rounds is not None else bool(seqs.active.any()):
+            rounds += 1
             if k:
                 self._speculative_round(seqs, k, params, generator, target_cache, draft_cache, draft_to_target,
                                         counters)
@@ -312,21 +430,17 @@ class RolloutEngine:
                     self._decode_one_token(seqs, params, generator, target_cache, counters)
             if progress is not None:
                 progress(b - int(seqs.active.sum()), b)
-        return seqs.result(prompt_lens, params.max_new_tokens, counters.stats(int(seqs.response_len.sum()), k))
-
-    def _cache_rows(self, b: int, k: int) -> tuple[KVCache, DraftKVCache | None]:
-        """Views of the first ``b`` rows of the static caches (nothing is allocated)."""
-        target_cache = copy.copy(self.target_cache)
-        target_cache.k, target_cache.v = self.target_cache.k[:, :b], self.target_cache.v[:, :b]
-        return target_cache, self.draft_cache.rows(b) if k else None
+        return seqs
 
     def _prefill(self, seqs: _Sequences, prompt: torch.Tensor, prompt_lens: torch.Tensor, params: SamplingParams,
                  generator, target_cache: KVCache, draft_cache: DraftKVCache | None) -> None:
         """Target forward over the (right-padded) prompts, the first response token, and,
-        when drafting, TTT pass 1 over the prompt positions."""
-        rows = torch.arange(prompt.shape[0], device=prompt.device)
+        when drafting, TTT pass 1 over the prompt positions. Both attend only to the first
+        ``P`` cache positions (views), not the whole cache."""
+        b, width = prompt.shape
+        rows = torch.arange(b, device=prompt.device)
         last = prompt_lens - 1
-        out = self.policy.forward_cached(prompt, target_cache, torch.zeros_like(prompt_lens),
+        out = self.policy.forward_cached(prompt, target_cache.rows(b, width), torch.zeros_like(prompt_lens),
                                          return_taps=draft_cache is not None)
         logits = processed_logits((out.logits if draft_cache is not None else out)[rows, last], params)
         token = draw(logits, params, generator)
@@ -337,7 +451,7 @@ class RolloutEngine:
             next_tokens = torch.roll(prompt, -1, dims=1)
             next_tokens[rows, last] = token
             hidden = self.draft.extend(torch.cat(out.taps, -1), self._draft_embed(next_tokens),
-                                       torch.zeros_like(prompt_lens), draft_cache)
+                                       torch.zeros_like(prompt_lens), draft_cache.rows(b, width))
             seqs.draft_hidden = hidden[rows, last]
 
     def _decode_one_token(self, seqs: _Sequences, params: SamplingParams, generator, target_cache: KVCache,

@@ -25,7 +25,6 @@ every row's zigzag layout is exactly ``training.seq_len`` tokens, the fixed CP r
 pipeline's stages are built for.
 """
 
-import copy
 import json
 import os
 import random
@@ -37,11 +36,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from titan_cotrain.components import titan
+from titan_cotrain.config import resolve_model_args
 from titan_cotrain.cotrain.step import PackedBatch, PolicyLoss, clip_and_step, forward_backward
-from titan_cotrain.data.packing import LabelRows
-from titan_cotrain.models.build import build_draft, build_target, job_seed
+from titan_cotrain.data.packing import LabelRows, layout_from_document_ids
+from titan_cotrain.models.build import build_draft, build_target, init_draft_, init_target_, job_seed
 from titan_cotrain.parallel.activation_checkpoint import apply_activation_checkpointing
-from titan_cotrain.parallel.fsdp import apply_fsdp
+from titan_cotrain.parallel.fsdp import apply_fsdp, copy_whole_into_
 from titan_cotrain.parallel.pipeline import build_pipeline, gather_state_dict, pipeline_step
 from titan_cotrain.parallel.pipeline import clip_and_step as pipeline_clip_and_step
 from titan_cotrain.rl.batching import Sample, pack_samples
@@ -101,13 +101,75 @@ class _TrainerState:
         self.step = int(state["step"])
 
 
+def _training_device() -> torch.device:
+    """This rank's accelerator (``cuda:LOCAL_RANK``, made current), the simulator's, or the CPU."""
+    kind = titan.device_type()
+    if kind == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device(kind, 0) if kind != "cpu" else torch.device("cpu")
+
+
+def _load_tokenizer(config, simulation=None):
+    path = config.model.hf_path or config.model.hf_assets_path
+    if not path and simulation is not None:
+        # The simulator needs token ids, not the real vocabulary: the project's own tokenizer.
+        path = os.path.join(os.path.dirname(__file__), "..", "..", "assets", "tokenizer")
+    if not path:
+        raise ValueError("no tokenizer: set [model] hf_path (a Hugging Face folder with tokenizer.json) "
+                         "or [model] hf_assets_path")
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        raise ValueError(f"[model] {'hf_path' if config.model.hf_path else 'hf_assets_path'} = {path!r} has no "
+                         "tokenizer.json")
+    return titan.load_tokenizer(path)
+
+
+def _take_host_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Swap a meta-built module's host buffers (the draft's vocabulary maps) for meta ones and
+    return them: FSDP moves buffers to the device by ``.data =``, which host tensors refuse."""
+    host = {}
+    for name, buffer in list(module.named_buffers()):
+        if buffer.device.type == "cpu":
+            owner_name, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(owner_name)
+            host[name] = buffer
+            owner.register_buffer(leaf, torch.empty_like(buffer, device="meta"),
+                                  persistent=leaf not in owner._non_persistent_buffers_set)
+    return host
+
+
+def _materialize(module: torch.nn.Module, device: torch.device, host: dict[str, torch.Tensor]) -> None:
+    """A meta-built (and possibly sharded) module's storage on ``device``, uninitialised,
+    with the ``host`` buffers ``_take_host_buffers`` kept copied back."""
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for name, buffer in module.named_buffers():
+            if name in host:
+                buffer.copy_(host[name])
+
+
+@torch.no_grad()
+def _copy_shards(source: torch.nn.Module, target: torch.nn.Module) -> None:
+    """``target``'s parameters <- ``source``'s, shard by shard (both sharded alike)."""
+    for dst, src in zip(target.parameters(), source.parameters()):
+        (dst.to_local() if hasattr(dst, "to_local") else dst).copy_(src.to_local() if hasattr(src, "to_local") else src)
+
+
 class Trainer:
     """Builds everything a job config asks for; ``run()`` trains to ``task.sft_steps +
-    training.steps`` steps, resuming from the latest checkpoint when there is one."""
+    training.steps`` steps, resuming from the latest checkpoint when there is one.
 
-    def __init__(self, config, world_size: int, rank: int) -> None:
+    ``simulation`` (the ``[simulate]`` section, set by the scale simulator only): the same
+    code on the simulated accelerator, whose device values are unknown, so host reads
+    answer zeros and rollouts are the worst case (see ``titan_cotrain.simulate``).
+    """
+
+    def __init__(self, config, world_size: int, rank: int, simulation=None) -> None:
         self.config, self.rank, self.world_size = config, rank, world_size
+        self.simulation = simulation
         self.parallel_dims = dims = titan.build_parallel_dims(config.parallelism, world_size)
+        self.device = _training_device()
         if world_size > 1:
             dims.build_mesh()
         # Context-parallel peers train the same rows, sharded: they generate the same
@@ -115,45 +177,25 @@ class Trainer:
         self.cp_group = dims.get_mesh("cp").get_group() if dims.cp_enabled else None
         self.dp_degree = dims.dp_replicate * dims.dp_shard
         self.dp_rank = dims.get_mesh("batch").get_local_rank() if dims.dp_enabled else 0
-        self.device = titan.device_type()
         self.seed = job_seed(config)
-        self.tokenizer = titan.load_tokenizer(config.model.hf_path or config.model.hf_assets_path)
+        self.tokenizer = _load_tokenizer(config, simulation)
         self.task = get_task(config.task.name)
         self.total_steps = config.task.sft_steps + config.training.steps
-
-        self.policy = build_target(config, device=self.device)
-        if self.tokenizer.get_vocab_size() > self.policy.args.vocab_size:
-            raise ValueError(f"tokenizer has {self.tokenizer.get_vocab_size()} tokens but the model's vocabulary "
-                             f"is {self.policy.args.vocab_size}")
-        self.draft = build_draft(config, self.policy, token_counts=self._demonstration_counts(), device=self.device)
-        self.cotrain = self.draft is not None  # under PP, self.draft is None off the last stage
         self.prompts_per_rank = config.rl.prompts_per_step // self.dp_degree
-        self.engine = RolloutEngine(
-            copy.deepcopy(self.policy), copy.deepcopy(self.draft),
-            max_batch_size=max(self.prompts_per_rank * config.rl.group_size, 1),
-            max_seq_len=config.training.seq_len, max_draft_tokens=config.rollout.draft_tokens,
-        )
-        self.reference = copy.deepcopy(self.policy).requires_grad_(False) if config.rl.kl_coef > 0 else None
-        apply_activation_checkpointing(self.policy, config.activation_checkpoint.mode)
+
         self.pipeline = None
         self.log_rank = 0
         if dims.pp_enabled:
-            # The whole models were built on every rank; each keeps its stages' modules. The
-            # stages' replicas (data-parallel x CP ranks) share the token counts and sum gradients.
-            replicas = dims.get_mesh("loss").get_group() if dims.dp_enabled or dims.cp_enabled else None
-            self.pipeline = build_pipeline(
-                self.policy, self.draft, config, dims.get_mesh("pp"), policy_loss_fn=next_token_loss,
-                loss_group=replicas, cp_mesh=dims.get_mesh("cp") if dims.cp_enabled else None,
-                cp_row_len=config.training.seq_len if dims.cp_enabled else None)
-            self.policy, self.draft = self.pipeline.local_policy, self.pipeline.draft
-            # PP columns differ by an offset and rank 0's starts at 0: its last stage's rank.
-            pp_ranks = dims.get_mesh("pp").mesh.flatten().tolist()
-            self.log_rank = pp_ranks[self.pipeline.plan.stage_ranks[-1]] - pp_ranks[0]
-        elif world_size > 1:
-            for module in (self.policy, self.draft):
-                if module is not None:
-                    apply_fsdp(module, self._fsdp_mesh(), config.training.mixed_precision_param,
-                               config.training.mixed_precision_reduce)
+            self._build_pipeline(config, dims)
+        else:
+            self._build_sharded(config, world_size)
+        self.cotrain = self.draft is not None  # under PP, self.draft is None off the last stage
+        self.engine = RolloutEngine.from_models(
+            self.engine_policy_source, self.engine_draft_source, device=self.device,
+            max_batch_size=max(self.prompts_per_rank * config.rl.group_size, 1),
+            max_seq_len=config.training.seq_len, max_draft_tokens=config.rollout.draft_tokens,
+            kv_cache_gib=config.rollout.kv_cache_gib,
+        )
         self.policy_opt = titan.build_optimizers([self.policy], config.optimizer, self.parallel_dims)
         self.policy_lr = titan.build_lr_schedulers(self.policy_opt, config.lr_scheduler, self.total_steps)
         self.draft_opt = self.draft_lr = None
@@ -171,16 +213,75 @@ class Trainer:
         self.checkpointer = titan.build_checkpointer(config.checkpoint, config.job.dump_folder, self.policy,
                                                      self.policy_opt, self.policy_lr, states)
         self.tb = None
-        if rank == self.log_rank:
+        if simulation is None and rank == self.log_rank:
             os.makedirs(config.job.dump_folder, exist_ok=True)
-        if config.metrics.enable_tensorboard and rank == self.log_rank:
-            self.tb = titan.tensorboard_logger(os.path.join(config.job.dump_folder, config.metrics.save_tb_folder))
+            if config.metrics.enable_tensorboard:
+                self.tb = titan.tensorboard_logger(os.path.join(config.job.dump_folder,
+                                                                config.metrics.save_tb_folder))
+
+    def _build_sharded(self, config, world_size: int) -> None:
+        """Policy, draft and KL reference built on the meta device, activation-checkpointed and
+        FSDP-sharded there, then materialised on the device and filled one whole tensor at a
+        time on the host (each rank keeps its slices): no rank ever holds a whole model."""
+        self.policy = build_target(config, device="meta")
+        if self.tokenizer.get_vocab_size() > self.policy.args.vocab_size:
+            raise ValueError(f"tokenizer has {self.tokenizer.get_vocab_size()} tokens but the model's vocabulary "
+                             f"is {self.policy.args.vocab_size}")
+        counts = self._demonstration_counts() if config.draft.enable and config.draft.vocab_size else None
+        self.draft = build_draft(config, self.policy, token_counts=counts, device="meta")
+        self.reference = build_target(config, device="meta").requires_grad_(False) if config.rl.kl_coef > 0 else None
+        apply_activation_checkpointing(self.policy, config.activation_checkpoint.mode)
+        for module in (self.policy, self.draft, self.reference):
+            if module is None:
+                continue
+            host = _take_host_buffers(module)
+            if world_size > 1:
+                apply_fsdp(module, self._fsdp_mesh(), config.training.mixed_precision_param,
+                           config.training.mixed_precision_reduce)
+            _materialize(module, self.device, host)
+        init_target_(self.policy, config, fill=copy_whole_into_)
+        if self.draft is not None:
+            init_draft_(self.draft, config, self.policy, fill=copy_whole_into_)
+        if self.reference is not None:
+            init_target_(self.reference, config, fill=copy_whole_into_)
+        self.engine_policy_source, self.engine_draft_source = self.policy, self.draft
+
+    def _build_pipeline(self, config, dims) -> None:
+        """PP: the whole models are built on every rank, each keeps its stages' modules; the
+        stages' replicas (data-parallel x CP ranks) share the token counts and sum gradients."""
+        policy = build_target(config, device=self.device)
+        counts = self._demonstration_counts() if config.draft.enable and config.draft.vocab_size else None
+        draft = build_draft(config, policy, token_counts=counts, device=self.device)
+        self.reference = build_target(config, device=self.device).requires_grad_(False) if config.rl.kl_coef > 0 else None
+        self.engine_policy_source, self.engine_draft_source = policy, draft
+        apply_activation_checkpointing(policy, config.activation_checkpoint.mode)
+        replicas = dims.get_mesh("loss").get_group() if dims.dp_enabled or dims.cp_enabled else None
+        self.pipeline = build_pipeline(
+            policy, draft, config, dims.get_mesh("pp"), policy_loss_fn=next_token_loss,
+            loss_group=replicas, cp_mesh=dims.get_mesh("cp") if dims.cp_enabled else None,
+            cp_row_len=config.training.seq_len if dims.cp_enabled else None)
+        self.policy, self.draft = self.pipeline.local_policy, self.pipeline.draft
+        # PP columns differ by an offset and rank 0's starts at 0: its last stage's rank.
+        pp_ranks = dims.get_mesh("pp").mesh.flatten().tolist()
+        self.log_rank = pp_ranks[self.pipeline.plan.stage_ranks[-1]] - pp_ranks[0]
 
     def _fsdp_mesh(self):
         """``fsdp`` (dp_shard x cp), or HSDP's ``dp_replicate x fsdp`` when there are replicas:
         without the replicate dimension replicas would never reduce their gradients."""
         dims = self.parallel_dims
         return dims.get_mesh(["dp_replicate", "fsdp"]) if dims.dp_replicate_enabled else dims.get_mesh("fsdp")
+
+    @property
+    def role(self) -> str:
+        """``"pp stage s / dp d / cp c"``: where this rank sits in the mesh (for reports)."""
+        dims, parts = self.parallel_dims, []
+        if self.pipeline is not None:
+            parts.append(f"pp stages {self.pipeline.plan.stages_of(dims.get_mesh('pp').get_local_rank())}")
+        if dims.dp_enabled:
+            parts.append(f"dp {self.dp_rank}/{self.dp_degree}")
+        if dims.cp_enabled:
+            parts.append(f"cp {dims.get_mesh('cp').get_local_rank()}/{dims.cp}")
+        return ", ".join(parts) or "single"
 
     # ----------------------------------------------------------------- data
     def _rng(self, step: int, salt: str) -> random.Random:
@@ -197,12 +298,33 @@ class Trainer:
             problem = self.task.sample(rng)
             ids += self._encode_prompt(problem.prompt) + self.tokenizer.encode(
                 self.task.demonstration(problem, rng), add_bos=False, add_eos=True)
-        return torch.bincount(torch.tensor(ids), minlength=self.policy.args.vocab_size)
+        return torch.bincount(torch.tensor(ids), minlength=resolve_model_args(self.config).vocab_size)
+
+    def _to_host(self, values: dict[str, torch.Tensor | float]) -> dict[str, float]:
+        """Device scalars -> floats in one transfer (the step's one host sync for metrics).
+        Simulated: the values are unknown, every one reads 0."""
+        names = list(values)
+        if not names:
+            return {}
+        if self.simulation is not None:
+            return dict.fromkeys(names, 0.0)
+        flat = torch.stack([torch.full((), values[k], dtype=torch.float32, device=self.device)
+                            if not isinstance(values[k], torch.Tensor) else values[k].float().reshape(())
+                            for k in names])
+        return dict(zip(names, flat.tolist()))
+
+    def _all_reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
+        """Host numbers summed (or maxed) over every rank, through one device collective."""
+        t = torch.tensor(values, dtype=torch.float64).to(self.device)
+        if dist.is_initialized():
+            dist.all_reduce(t, op=op)
+        return list(self._to_host({str(i): v for i, v in enumerate(t)}).values())
 
     def _pack(self, samples: list[Sample]) -> PackedBatch:
-        """Pack this rank's samples (in the CP layout under CP); every rank ends up with the
-        same number of rows (FSDP's and the pipeline's collectives need the same number of
-        forwards everywhere)."""
+        """Pack this rank's samples on the host (in the CP layout under CP); every rank ends up
+        with the same number of rows (FSDP's and the pipeline's collectives need the same
+        number of forwards everywhere). The batch stays on the host: the update moves each
+        microbatch to the device after computing its attention metadata."""
         cp = self.parallel_dims.cp
         batch = error = None
         try:
@@ -211,24 +333,24 @@ class Trainer:
         except ValueError as e:  # nothing trainable on this rank
             error = str(e)
         self._stop_if_any_rank_failed(error)
-        rows = torch.tensor(batch.tokens.shape[0])
-        if dist.is_initialized():
-            dist.all_reduce(rows, op=dist.ReduceOp.MAX)
-        extra = int(rows) - batch.tokens.shape[0]
+        rows = batch.tokens.shape[0]
+        most = self._all_reduce([rows], dist.ReduceOp.MAX)[0]
+        most = rows if self.simulation is not None else int(most)
+        extra = most - rows
         if extra:
             batch = batch.map(lambda t: torch.cat([t, t.new_zeros(extra, t.shape[1])]))
-        return batch.to(self.device)
+        return batch
 
     def _stop_if_any_rank_failed(self, error: str | None) -> None:
         """Every rank calls this with its own ``error`` (None: fine). If any rank has one,
         all raise the same ``ValueError`` naming the failing ranks, so no rank is left
         waiting at the next collective for one that has stopped."""
-        failed, errors = torch.tensor(int(error is not None)), [error]
-        if dist.is_initialized():
-            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-            if failed:
-                errors = [None] * dist.get_world_size()
-                dist.all_gather_object(errors, error)
+        failed = bool(self._all_reduce([float(error is not None)], dist.ReduceOp.MAX)[0]) if dist.is_initialized() \
+            else error is not None
+        errors = [error]
+        if failed and dist.is_initialized():
+            errors = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
         if failed:
             raise ValueError(f"step {self.state.step + 1}: "
                              + "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e))
@@ -241,10 +363,13 @@ class Trainer:
         return minibatch.map(lambda t: torch.cat([t, t.new_zeros(extra, t.shape[1])])) if extra else minibatch
 
     def _update(self, batch: PackedBatch, loss_fn, train_draft: bool) -> dict[str, float]:
-        """One or more optimizer updates (``rl.updates_per_step`` minibatches of rows). Under
-        PP a minibatch is padded to whole schedule steps, which accumulate into its update."""
+        """One or more optimizer updates (``rl.updates_per_step`` minibatches of rows). Without
+        PP each minibatch runs in microbatches of ``training.local_batch_size`` rows whose
+        gradients accumulate into one update; under PP a minibatch is padded to whole
+        schedule steps, which accumulate into its update."""
         cfg = self.config
         n = cfg.rl.updates_per_step if batch.advantages is not None else 1
+        sim = self.simulation
         metrics: dict[str, float] = {}
         draft = self.draft if train_draft else None
         for chunk in range(n):
@@ -253,16 +378,20 @@ class Trainer:
             if self.pipeline is None:
                 out = forward_backward(self.policy, draft, minibatch, loss_fn, ttt_steps=cfg.draft.ttt_steps,
                                        pass_decay=cfg.draft.pass_decay, draft_loss_weight=cfg.draft.loss_weight,
-                                       draft_loss_on=cfg.draft.loss_on, cp_group=self.cp_group)
+                                       draft_loss_on=cfg.draft.loss_on, cp_group=self.cp_group, device=self.device,
+                                       microbatch_rows=cfg.training.local_batch_size,
+                                       max_microbatches=sim.microbatches if sim is not None else None)
                 out |= clip_and_step(self.policy, draft, self.policy_opt, self.draft_opt, cfg.training.max_norm,
                                      cfg.draft.grad_clip)
             else:
-                out = pipeline_step(self.pipeline, self._pad_to_schedule(minibatch), policy_loss_fn=loss_fn,
-                                    train_draft=train_draft)
+                out = pipeline_step(self.pipeline, self._pad_to_schedule(minibatch.to(self.device)),
+                                    policy_loss_fn=loss_fn, train_draft=train_draft)
                 out |= pipeline_clip_and_step(self.pipeline, self.policy_opt, self.draft_opt, cfg.training.max_norm,
                                               cfg.draft.grad_clip, train_draft=train_draft)
-            for key, value in out.items():  # the mean over minibatches
-                metrics[key] = metrics.get(key, 0.0) + float(value) / n
+            for key, value in self._to_host(out).items():  # the mean over minibatches
+                metrics[key] = metrics.get(key, 0.0) + value / n
+            if sim is not None:
+                break
         return metrics
 
     def sft_step(self, step: int) -> dict[str, float]:
@@ -278,14 +407,19 @@ class Trainer:
         return self._update(batch, next_token_loss, train_draft=self.cotrain)
 
     def rl_step(self, step: int) -> dict[str, float]:
-        cfg = self.config
+        """Refresh the engine, generate and score (``rollout_phase``), update (``update_phase``)."""
         t0 = time.perf_counter()
-        self._refresh_engine()
+        self.refresh_engine()
+        if self.reference is not None and step == self.config.task.sft_steps + 1:
+            _copy_shards(self.policy, self.reference)  # the reference of the KL term: the policy RL starts from
         t_refresh = time.perf_counter() - t0
-        if self.reference is not None and step == cfg.task.sft_steps + 1:
-            # The reference of the KL term is the policy RL starts from.
-            self.reference.load_state_dict(self.engine.policy.state_dict())
+        samples, metrics = self.rollout_phase(step)
+        metrics |= self.update_phase(step, samples)
+        metrics["time/refresh_s"] = t_refresh
+        return metrics
 
+    def _prompts(self, step: int):
+        cfg = self.config
         rng = self._rng(step, "prompts")
         problems = [self.task.sample(rng) for _ in range(self.prompts_per_rank)]
         prompts = [self._encode_prompt(p.prompt) for p in problems for _ in range(cfg.rl.group_size)]
@@ -294,70 +428,101 @@ class Trainer:
             f"a prompt of {longest} tokens plus rollout.max_new_tokens = {cfg.rollout.max_new_tokens} exceeds "
             f"training.seq_len = {self.engine.max_seq_len}"
             if longest + cfg.rollout.max_new_tokens > self.engine.max_seq_len else None)
+        return problems, prompts
+
+    def rollout_phase(self, step: int) -> tuple[list[Sample], dict[str, float]]:
+        """This rank's rollouts of step ``step``, scored and turned into GRPO samples (host
+        lists), and the rollout metrics (reduced over every rank)."""
+        cfg = self.config
+        problems, prompts = self._prompts(step)
         params = SamplingParams(temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
                                 top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens,
                                 eos_token_id=self.tokenizer.eos_id)
-        generator = torch.Generator(device=self.device).manual_seed((self.seed * 1_000_003 + step) * 1009 + self.dp_rank)
+        generator = None  # the simulated device has no generators (and its draws are fake)
+        if self.simulation is None:
+            generator = torch.Generator(device=self.device).manual_seed(
+                (self.seed * 1_000_003 + step) * 1009 + self.dp_rank)
         t0 = time.perf_counter()
-        progress = RolloutProgress() if self.rank == self.log_rank else None
-        rollouts = self.engine.generate(prompts, params, generator=generator, progress=progress,
-                                        draft_tokens=cfg.rollout.draft_tokens if cfg.rollout.speculative else 0)
+        progress = RolloutProgress() if self.rank == self.log_rank and self.simulation is None else None
+        k = cfg.rollout.draft_tokens if cfg.rollout.speculative and self.engine.draft is not None else 0
+        rollouts = self.engine.generate(prompts, params, generator=generator, progress=progress, draft_tokens=k,
+                                        max_rounds=self.simulation.decode_rounds if self.simulation else None)
         if progress is not None:
             progress.close()
         t_rollout = time.perf_counter() - t0
+        if self.simulation is not None:
+            # Unknown contents: train on the worst case, every response as long as allowed.
+            n = cfg.rollout.max_new_tokens
+            samples = [Sample(prompt, [1] * n, [0.0] * n, 0.0, 0.0) for prompt in prompts]
+            return samples, {}
 
         lengths = rollouts.response_lens.tolist()
         responses = [rollouts.tokens[i, :n].tolist() for i, n in enumerate(lengths)]
+        logprobs = [rollouts.logprobs[i, :n].tolist() for i, n in enumerate(lengths)]
         texts = [self.tokenizer.decode(ids) for ids in responses]
         sample_problems = [problems[i // cfg.rl.group_size] for i in range(len(prompts))]
         rewards, details = score(self.task, sample_problems, texts)
         detail_keys = sorted(details[0]) if details else []
         rewards_t = torch.tensor(rewards)
         advantages = group_advantages(rewards_t, cfg.rl.group_size)
-        samples = [
-            Sample(prompt, responses[i], rollouts.logprobs[i, : lengths[i]].tolist(), rewards[i], float(advantages[i]))
-            for i, prompt in enumerate(prompts)
-        ]
+        samples = [Sample(prompt, responses[i], logprobs[i], rewards[i], float(advantages[i]))
+                   for i, prompt in enumerate(prompts)]
+        stats = self._all_reduce([float(rewards_t.sum()), float((rewards_t ** 2).sum()), float(len(rewards)),
+                                  rollouts.stats.acceptance_length, rollouts.stats.tokens_per_s, 1.0,
+                                  *(sum(d[key] for d in details) for key in detail_keys)])
+        mean = stats[0] / stats[2]
+        metrics = {
+            "reward/mean": mean,
+            "reward/std": max(stats[1] / stats[2] - mean ** 2, 0.0) ** 0.5,
+            "rollout/acceptance_length": stats[3] / stats[5],
+            # CP and PP peers generate the same rollouts.
+            "rollout/tokens_per_s": stats[4] / (self.parallel_dims.cp * self.parallel_dims.pp),
+            "rollout/response_len": sum(lengths) / len(lengths),
+            "time/rollout_s": t_rollout,
+        }
+        metrics |= {f"task/{key}": total / stats[2] for key, total in zip(detail_keys, stats[6:])}
+        metrics |= {k: v for k, v in rollouts.stats.metrics().items() if "acceptance_rate" in k}
+        return samples, metrics
+
+    def update_phase(self, step: int, samples: list[Sample]) -> dict[str, float]:
+        """Pack ``samples`` and run the RL update(s) on them (policy and, unless frozen, draft)."""
+        cfg = self.config
         batch = self._pack(samples)
         if self.reference is not None:
-            with torch.no_grad():
-                ref_logits = self.reference(batch.tokens, document_ids=batch.document_ids)
-            temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
-            # Token-aligned, like old_logprobs: the log-prob of token t from the logits at t - 1.
-            batch.ref_logprobs = F.pad(next_token_logprobs(ref_logits[:, :-1] / temperature, batch.tokens[:, 1:]), (1, 0))
-
+            batch.ref_logprobs = self._reference_logprobs(batch)
         t0 = time.perf_counter()
         loss_fn = ppo_loss(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high, cfg.rl.kl_coef, cfg.rollout.temperature)
         metrics = self._update(batch, loss_fn, train_draft=self.cotrain and not cfg.draft.freeze_after_sft)
-        t_train = time.perf_counter() - t0
-
-        stats = torch.tensor([rewards_t.sum(), (rewards_t ** 2).sum(), float(len(rewards)),
-                              rollouts.stats.acceptance_length, rollouts.stats.tokens_per_s, 1.0,
-                              *(sum(d[key] for d in details) for key in detail_keys)])
-        if dist.is_initialized():
-            dist.all_reduce(stats)
-        mean = stats[0] / stats[2]
-        metrics |= {
-            "reward/mean": float(mean),
-            "reward/std": float((stats[1] / stats[2] - mean ** 2).clamp(min=0).sqrt()),
-            "rollout/acceptance_length": float(stats[3] / stats[5]),
-            # CP and PP peers generate the same rollouts.
-            "rollout/tokens_per_s": float(stats[4]) / (self.parallel_dims.cp * self.parallel_dims.pp),
-            "rollout/response_len": float(rollouts.response_lens.float().mean()),
-            "time/rollout_s": t_rollout, "time/train_s": t_train, "time/refresh_s": t_refresh,
-        }
-        metrics |= {f"task/{key}": float(total / stats[2]) for key, total in zip(detail_keys, stats[6:])}
-        metrics |= {k: v for k, v in rollouts.stats.metrics().items() if "acceptance_rate" in k}
+        metrics["time/train_s"] = time.perf_counter() - t0
         return metrics
 
-    def _refresh_engine(self) -> None:
-        """The rollout engine's whole models <- the trained weights (a collective: every rank
-        calls it; FSDP shards are gathered, PP stages broadcast)."""
+    @torch.no_grad()
+    def _reference_logprobs(self, batch: PackedBatch) -> torch.Tensor:
+        """Token-aligned, like old_logprobs: the log-prob of token t under the (sharded)
+        reference's logits at t - 1, at the rollout temperature; a host ``[B, S]`` tensor,
+        computed once per step before the update, row by row."""
+        temperature = self.config.rollout.temperature if self.config.rollout.temperature > 0 else 1.0
+        out = torch.zeros(batch.tokens.shape)
+        for row in range(batch.tokens.shape[0]):
+            tokens = batch.tokens[row:row + 1].to(self.device)
+            layout = layout_from_document_ids(batch.document_ids[row:row + 1])
+            logits = self.reference(tokens, cu_seqlens=layout.cu_seqlens, positions=layout.positions.to(self.device))
+            logp = next_token_logprobs(logits[:, :-1] / temperature, tokens[:, 1:])
+            out[row, 1:] = logp[0].to("cpu", torch.float32)
+        return out
+
+    def refresh_engine(self) -> None:
+        """The rollout engine's models <- the trained weights (a collective: every rank
+        calls it; FSDP shards are gathered one tensor at a time, PP stages broadcast)."""
         if self.pipeline is not None:
             self.engine.load_weights(*gather_state_dict(self.pipeline, self.engine.policy, self.engine.draft))
         else:
             self.engine.load_weights(self.policy.state_dict(),
                                      self.draft.state_dict() if self.draft is not None else None)
+
+    def checkpoint_state_dicts(self) -> dict:
+        """What a checkpoint save reads from every ``Stateful`` (the simulator's checkpoint call)."""
+        return {key: value.state_dict() for key, value in self.checkpointer.states.items() if value is not None}
 
     # ------------------------------------------------------------------ run
     def _log(self, step: int, phase: str, metrics: dict[str, float]) -> None:
@@ -417,7 +582,7 @@ class Trainer:
         from titan_cotrain.models.eagle3 import save_eagle3
         from titan_cotrain.models.hf import save_hf
 
-        self._refresh_engine()
+        self.refresh_engine()
         if self.rank != self.log_rank:
             return
         folder = os.path.join(self.config.job.dump_folder, "export")

@@ -1,0 +1,187 @@
+"""The rollout engine's memory: its own copies built from the trainer's models (meta, then
+one tensor at a time), a KV budget that sizes the caches and the waves that follow from it,
+decode attention that never repeats K/V off CPU, and the whole engine on the simulated
+accelerator (bf16, fake tensors, vocabulary maps on the device, KV bytes as counted)."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+from tests.rl.test_rollout import _eos_for_some_rows, _models, _prompts
+from titan_cotrain.models import kv_cache
+from titan_cotrain.models.args import model_args_for
+from titan_cotrain.models.draft import Draft, DraftArgs, draft_vocab_from_counts
+from titan_cotrain.models.transformer import Transformer
+from titan_cotrain.rl.rollout import RolloutEngine, kv_bytes_per_sequence
+from titan_cotrain.rl.sampling import SamplingParams
+from titan_cotrain.simulate.device import SimulatedDevice, sim_device
+
+GIB = 2**30
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models are launch-bound: one thread, so shared cores do not spin-wait."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _kv_bytes(engine: RolloutEngine) -> int:
+    caches = [engine.target_cache.k, engine.target_cache.v, engine.draft_cache.k, engine.draft_cache.v]
+    return sum(t.numel() * t.element_size() for t in caches)
+
+
+def _per_sequence(target_args, draft_args, max_seq_len: int, k: int, itemsize: int) -> int:
+    """Counted by hand: target layers x kv heads x head dim x (S + k + 1) positions, the
+    draft's kv heads x head dim x (S + k + 1 trunk + k - 1 chain) slots, keys and values."""
+    target = target_args.n_layers * target_args.n_kv_heads * target_args.head_dim * (max_seq_len + k + 1)
+    draft = draft_args.n_kv_heads * draft_args.head_dim * (max_seq_len + 2 * k)
+    return 2 * (target + draft) * itemsize
+
+
+def test_from_models_copies_weights_and_generates_like_the_models():
+    """fp32 on CPU: an engine built from the models decodes exactly what an engine around
+    the models themselves decodes, greedy and sampled; the sources are left alone and the
+    copies share nothing with them but keep their own tied embeddings tied."""
+    target, draft = _models(vocab=6, draft_vocab=5)
+    engine = RolloutEngine.from_models(target, draft, device="cpu", max_batch_size=6, max_seq_len=30,
+                                       max_draft_tokens=3)
+    reference = RolloutEngine(target, draft, max_batch_size=6, max_seq_len=30, max_draft_tokens=3)
+    assert engine.policy is not target and engine.draft is not draft
+    assert engine.policy.embed_tokens.weight.dtype == torch.float32
+    assert torch.equal(engine.draft.d2t, draft.d2t) and torch.equal(engine.draft.t2d, draft.t2d)
+    assert torch.equal(engine.policy.rope_inv_freq, target.rope_inv_freq)
+    assert engine.policy.rope_inv_freq.dtype == torch.float32
+    prompts = _prompts([2, 8, 5, 1, 6, 3], 6, seed=1)
+    for params in (SamplingParams(temperature=0, max_new_tokens=16),
+                   SamplingParams(temperature=0.7, max_new_tokens=16, eos_token_id=5)):
+        for k in (0, 3):
+            got, want = (e.generate(prompts, params, draft_tokens=k, generator=torch.Generator().manual_seed(0))
+                         for e in (engine, reference))
+            assert torch.equal(got.tokens, want.tokens) and torch.equal(got.logprobs, want.logprobs)
+
+    tied = Transformer(model_args_for("qwen3", "debugmodel"))
+    tied.init_weights(generator=torch.Generator().manual_seed(0))
+    copy = RolloutEngine.from_models(tied, device="cpu", max_batch_size=1, max_seq_len=8).policy
+    assert copy.lm_head.weight is copy.embed_tokens.weight
+    assert torch.equal(copy.lm_head.weight, tied.lm_head.weight)
+
+
+def test_kv_cache_gib_sizes_the_caches():
+    target, draft = _models()
+    per_sequence = _per_sequence(target.args, draft.args, 40, 3, itemsize=4)
+    assert kv_bytes_per_sequence(target.args, draft.args, 40, 3, torch.float32) == per_sequence
+    whole = RolloutEngine(target, draft, max_batch_size=8, max_seq_len=40, max_draft_tokens=3)
+    assert whole.max_batch_size == 8 and _kv_bytes(whole) == 8 * per_sequence
+    budget = RolloutEngine(target, draft, max_batch_size=8, max_seq_len=40, max_draft_tokens=3,
+                           kv_cache_gib=2.5 * per_sequence / GIB)
+    assert budget.max_batch_size == 2 and _kv_bytes(budget) == 2 * per_sequence
+    roomy = RolloutEngine(target, draft, max_batch_size=8, max_seq_len=40, max_draft_tokens=3, kv_cache_gib=1.0)
+    assert roomy.max_batch_size == 8
+    with pytest.raises(ValueError, match=rf"\[rollout\] kv_cache_gib = .* holds no sequence: .*\({per_sequence} "
+                                         r"bytes: max_seq_len 40 \+ 3 draft tokens \+ 1 positions"):
+        RolloutEngine(target, draft, max_batch_size=8, max_seq_len=40, max_draft_tokens=3,
+                      kv_cache_gib=0.9 * per_sequence / GIB)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_waves_decode_what_one_batch_decodes(k):
+    """Greedy, ragged prompts, an EOS that stops some rows: 7 prompts in waves of 3, 3, 1
+    give the one-batch result, and acceptance statistics pooled over the waves equal the
+    one batch's (each sequence accepts the same tokens in the same rounds). Sampling is not
+    compared: the generator is drawn from wave after wave, so other draws, same law."""
+    target, draft = _models(vocab=6, draft_vocab=5)
+    prompts = _prompts([3, 9, 5, 1, 7, 4, 2], 6)
+    one = RolloutEngine(target, draft, max_batch_size=8, max_seq_len=40, max_draft_tokens=3)
+    per_sequence = _per_sequence(target.args, draft.args, 40, 3, itemsize=4)
+    waves = RolloutEngine(target, draft, max_batch_size=8, max_seq_len=40, max_draft_tokens=3,
+                          kv_cache_gib=3.5 * per_sequence / GIB)
+    assert waves.max_batch_size == 3
+    eos = _eos_for_some_rows(one.generate(prompts, SamplingParams(temperature=0, max_new_tokens=24)).tokens)
+    params = SamplingParams(temperature=0, max_new_tokens=24, eos_token_id=eos)
+    calls = []
+    want = one.generate(prompts, params, draft_tokens=k)
+    got = waves.generate(prompts, params, draft_tokens=k, progress=lambda done, total: calls.append((done, total)))
+    assert want.finished.any() and not want.finished.all()
+    for name in ("prompt_lens", "tokens", "response_lens", "finished"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)
+    assert got.stats.new_tokens == want.stats.new_tokens
+    assert got.stats.acceptance_length == pytest.approx(want.stats.acceptance_length, rel=1e-6)
+    assert got.stats.acceptance_rate == pytest.approx(want.stats.acceptance_rate, rel=1e-6)
+    assert got.stats.target_forwards > want.stats.target_forwards  # the waves' rounds add up
+    # Progress counts the whole call: never falls, reaches 3 after the first wave, ends at 7.
+    assert {t for _, t in calls} == {7} and calls[-1] == (7, 7) and (3, 7) in calls
+    assert all(a <= b for (a, _), (b, _) in zip(calls, calls[1:]))
+
+
+def test_grouped_decode_attention_equals_sdpa(monkeypatch):
+    """The accelerator path (query heads of a KV head stacked as rows, fp32 softmax) against
+    SDPA with ``enable_gqa``, forced on CPU: one attention call over a cache view with
+    ragged visibility, then whole greedy rollouts through the target and the draft."""
+    g = torch.Generator().manual_seed(0)
+    b, s, hq, hkv, dh, length = 3, 4, 6, 2, 8, 11
+    q = torch.randn(b, s, hq, dh, generator=g)
+    cache = torch.randn(2, b + 1, hkv, length + 3, dh, generator=g)
+    keys, values = cache[0, :b, :, :length], cache[1, :b, :, :length]  # strided, as the engine's views
+    visible = torch.rand(b, s, length, generator=g) < 0.6
+    visible[..., 0] = True
+    sdpa = kv_cache.cached_attention(q, keys, values, visible)
+    monkeypatch.setattr(kv_cache, "_use_sdpa", lambda q: False)
+    grouped = kv_cache.cached_attention(q, keys, values, visible)
+    torch.testing.assert_close(grouped, sdpa, rtol=1e-5, atol=1e-5)
+
+    target, draft = _models(draft_vocab=200)
+    prompts = _prompts([3, 9, 5, 1], 256, seed=2)
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+    engine = RolloutEngine(target, draft, max_batch_size=4, max_seq_len=24, max_draft_tokens=3)
+    monkeypatch.setattr(kv_cache, "_use_sdpa", lambda q: True)
+    want = engine.generate(prompts, params)
+    monkeypatch.setattr(kv_cache, "_use_sdpa", lambda q: False)
+    got = engine.generate(prompts, params)
+    assert torch.equal(got.tokens, want.tokens)
+    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)
+
+
+def _tiny_models(device) -> tuple[Transformer, Draft]:
+    """The llama3 debug model and a reduced-vocabulary draft built on ``device`` (weights
+    uninitialised: on the simulated device they are fake anyway)."""
+    args = model_args_for("llama3", "debugmodel")
+    draft_args = DraftArgs.from_target(args, n_taps=3, draft_vocab_size=200)
+    maps = draft_vocab_from_counts(torch.arange(args.vocab_size).float(), 200)
+    with torch.device(device):
+        return Transformer(args), Draft(draft_args, *(m.to(device) for m in maps))
+
+
+@pytest.mark.parametrize("source", ["device", "cpu"])
+def test_the_engine_on_the_simulated_accelerator(source):
+    """From models on the device (the trainer's case) or on the host: bf16 fake copies, the
+    draft's vocabulary maps on the device, KV bytes exactly the analytic count, and one
+    verify forward, catch-up and chain step through the grouped attention."""
+    with SimulatedDevice():
+        device = sim_device()
+        target, draft = _tiny_models(device if source == "device" else "cpu")
+        per_sequence = _per_sequence(target.args, draft.args, 64, 3, itemsize=2)
+        engine = RolloutEngine.from_models(target, draft, device=device, max_batch_size=8, max_seq_len=64,
+                                           max_draft_tokens=3, kv_cache_gib=5.5 * per_sequence / GIB)
+        tensors = [*engine.policy.state_dict().values(), *engine.draft.state_dict().values(),
+                   engine.policy.rope_inv_freq, engine.draft.rope_inv_freq]
+        assert all(isinstance(t, FakeTensor) and t.device == device for t in tensors)
+        assert engine.policy.embed_tokens.weight.dtype == engine.draft.fc.weight.dtype == torch.bfloat16
+        assert engine.policy.rope_inv_freq.dtype == torch.float32
+        assert engine.draft.d2t.device == engine.draft.t2d.device == device
+        assert engine.max_batch_size == 5
+        assert _kv_bytes(engine) == 5 * per_sequence
+        assert engine.target_cache.k.dtype == engine.draft_cache.k.dtype == torch.bfloat16
+
+        start = torch.full((5,), 10, device=device)
+        out = engine.policy.forward_cached(torch.zeros(5, 4, dtype=torch.int64, device=device),
+                                           engine.target_cache, start, return_taps=True)
+        assert out.logits.shape == (5, 4, target.args.vocab_size)
+        embeds = engine.draft.embed(None, engine.policy.embed_tokens(torch.zeros(5, 4, dtype=torch.int64,
+                                                                                 device=device)))
+        hidden = engine.draft.extend(torch.cat(out.taps, -1), embeds, start, engine.draft_cache)
+        hidden = engine.draft.chain_step(embeds[:, 0], hidden[:, 0], start, 2, engine.draft_cache)
+        assert hidden.shape == (5, draft.args.dim) and hidden.dtype == torch.bfloat16

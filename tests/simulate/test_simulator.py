@@ -1,0 +1,63 @@
+"""The scale simulator: it runs the real job on the fake accelerator, counts what the code
+allocates (checked against the analytic count of sharded parameters and AdamW state),
+refuses a rank over budget naming its biggest category, and flags a collective handed a
+host tensor with its file and line."""
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from titan_cotrain.config import load_job_config
+from titan_cotrain.models.build import build_draft, build_target
+from titan_cotrain.simulate.run import SimulationFailed, simulate
+
+WORLD = 8
+
+
+def _config(tmp_path, *extra):
+    args = ["--job.config_file", "train_configs/debug_cpu.toml", "--job.dump_folder", str(tmp_path / "out"),
+            "--parallelism.data_parallel_shard_degree", str(WORLD), "--training.mixed_precision_param", "bfloat16",
+            "--simulate.enable", "--simulate.output", str(tmp_path / "report.json"), "--simulate.decode_rounds", "1",
+            "--simulate.microbatches", "1", *extra]
+    return load_job_config(args, world_size="config")
+
+
+def test_parameter_and_optimizer_bytes_match_the_analytic_count(tmp_path):
+    # A real shape (Qwen3-0.6B), so that allocator rounding of the debug model's tiny norms
+    # does not dominate; on fake tensors it costs nothing.
+    config = _config(tmp_path, "--model.name", "qwen3", "--model.flavor", "0.6B")
+    result = simulate(config, "debug_cpu.toml")
+    assert json.loads((tmp_path / "report.json").read_text()) == json.loads(json.dumps(result))
+    rank = result["ranks"][0]
+    policy = build_target(config, device="meta")
+    draft = build_draft(config, policy, device="meta")
+    n_params = sum(p.numel() for m in (policy, draft) for p in m.parameters())
+    shard_gib = n_params * 4 / WORLD / 2**30  # fp32 masters, sharded 8 ways
+    after = rank["after_step_gib"]
+    assert after["parameters"] == pytest.approx(shard_gib, rel=0.05)
+    assert after["optimizer state"] == pytest.approx(2 * shard_gib, rel=0.05)  # AdamW: exp_avg, exp_avg_sq
+    assert after["KV cache"] > 0 and after["engine weights"] > 0
+    assert rank["peak_gib"] >= sum(after.values()) * 0.99
+    assert result["host_collectives"] == []
+
+
+def test_a_rank_over_budget_is_refused_naming_its_biggest_category(tmp_path):
+    config = _config(tmp_path, "--simulate.gpu_memory_gib", "0.001")
+    with pytest.raises(SimulationFailed, match=r"rank 0 .* over the 0\.001 GiB budget; the biggest category is "):
+        simulate(config, "debug_cpu.toml")
+    assert json.loads((tmp_path / "report.json").read_text())["ranks"][0]["peak_gib"] > 0.001
+
+
+def test_a_collective_on_a_host_tensor_is_flagged_with_its_caller(tmp_path, monkeypatch):
+    from titan_cotrain.rl import trainer
+
+    def host_all_reduce(self, values, op=dist.ReduceOp.SUM):
+        t = torch.tensor(values, dtype=torch.float64)  # stays on the host: what NCCL rejects
+        dist.all_reduce(t, op=op)
+        return values
+
+    monkeypatch.setattr(trainer.Trainer, "_all_reduce", host_all_reduce)
+    with pytest.raises(SimulationFailed, match=r"collective on a host tensor: rank 0: c10d\.allreduce_.* at .*test_simulator\.py:\d+|trainer\.py:\d+"):
+        simulate(_config(tmp_path), "debug_cpu.toml")

@@ -1,0 +1,166 @@
+"""The scale simulator: the real job, rank by rank, on the simulated accelerator.
+
+``python -m titan_cotrain.train --job.config_file F --simulate.enable [--simulate.gpu_memory_gib 80]``
+
+For each simulated rank (``[simulate] ranks``; default rank 0 and, under PP, the first
+rank of the last stage) the real ``Trainer`` runs at the config's world size and shapes on
+``simgpu`` (``titan_cotrain.simulate.device``) with torch's fake process group:
+construction, one rollout phase (``[simulate] decode_rounds`` decoding rounds of the real
+engine), packing, one update over the real microbatches (the first
+``[simulate] microbatches`` of them: memory repeats from one microbatch to the next), the
+optimizer step, the engine refresh and the checkpoint's state dicts. Rollout *contents* are
+unknown on fake tensors, so the rank trains on the worst case: every response is
+``rollout.max_new_tokens`` long.
+
+The report is ``{"config", "world_size", "gpu_memory_gib", "ranks": [{"rank", "role",
+"peak_gib", "by_category_gib", "peak_phase", "phase_peak_gib", "after_step_gib"}],
+"host_collectives"}`` (``after_step_gib``: what stays alive between steps, by category); the job is refused
+(non-zero exit, naming the rank and its biggest category) when a rank's peak exceeds the
+budget, or when any collective was handed a host tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from titan_cotrain.components import titan
+from titan_cotrain.simulate.device import SIM_BACKEND, SimulatedDevice, register_simulated_device
+from titan_cotrain.simulate.memory import MemoryTracker, storage_key
+
+__all__ = ["SimulationFailed", "simulate", "world_size_of"]
+
+GIB = 2**30
+
+
+class SimulationFailed(RuntimeError):
+    """A simulated rank does not fit its budget, or the job handed a collective a host tensor."""
+
+
+def world_size_of(config) -> int:
+    p = config.parallelism
+    shard = p.data_parallel_shard_degree
+    if shard < 1:
+        raise ValueError("the simulator needs an explicit parallelism.data_parallel_shard_degree (not -1)")
+    return p.data_parallel_replicate_degree * shard * p.context_parallel_degree * p.pipeline_parallel_degree
+
+
+def _default_ranks(config, world_size: int) -> list[int]:
+    """Rank 0 and, under PP, a rank of the last stage (torchtitan's mesh puts pp outermost)."""
+    pp = config.parallelism.pipeline_parallel_degree
+    ranks = [0]
+    if pp > 1:
+        ranks.append((pp - 1) * (world_size // pp))
+    return ranks
+
+
+def _storages(tensors, category: str, out: dict[int, str]) -> None:
+    for t in tensors:
+        if t is None:
+            continue
+        if hasattr(t, "_local_tensor"):
+            t = t._local_tensor
+        if t.device.type != "cpu" and t.numel() > 0:
+            out.setdefault(storage_key(t), category)
+
+
+def _owners(trainer) -> dict[int, str]:
+    """Storage key -> category for everything the trainer owns right now."""
+    if trainer is None:
+        return {}
+    out: dict[int, str] = {}
+    models = [m for m in (trainer.policy, trainer.draft) if m is not None]
+    for model in models:
+        _storages((p.grad for p in model.parameters()), "gradients", out)
+        _storages(model.parameters(), "parameters", out)
+        _storages(model.buffers(), "buffers", out)
+    for container in (trainer.policy_opt, trainer.draft_opt):
+        for optimizer in getattr(container, "optimizers", []) if container is not None else []:
+            for state in optimizer.state.values():
+                _storages((v for v in state.values() if isinstance(v, torch.Tensor)), "optimizer state", out)
+    if trainer.reference is not None:
+        _storages(trainer.reference.parameters(), "reference", out)
+    engine = trainer.engine
+    _storages(engine.cache_tensors(), "KV cache", out)
+    for model in (engine.policy, engine.draft):
+        if model is not None:
+            _storages(model.parameters(), "engine weights", out)
+            _storages(model.buffers(), "engine weights", out)
+    return out
+
+
+def simulate_rank(config, rank: int, world_size: int) -> tuple[dict, list[str]]:
+    """Run one rank's step on the simulated device; returns its report and host collectives."""
+    from titan_cotrain.rl.trainer import Trainer
+
+    register_simulated_device()
+    titan.use_device_type("simgpu")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group(SIM_BACKEND, store=FakeStore(), rank=rank, world_size=world_size)
+    holder: dict = {"trainer": None}
+    tracker = MemoryTracker(owners=lambda: _owners(holder["trainer"]))
+    sim_cfg = config.simulate
+    try:
+        with SimulatedDevice(on_alloc=tracker) as device:
+            tracker.phase("construction")
+            trainer = holder["trainer"] = Trainer(config, world_size, rank, simulation=sim_cfg)
+            step = config.task.sft_steps + 1
+            tracker.phase("rollout")
+            samples, _ = trainer.rollout_phase(step)
+            tracker.phase("update")
+            trainer.update_phase(step, samples)
+            tracker.phase("refresh")
+            trainer.refresh_engine()
+            tracker.phase("checkpoint")
+            trainer.checkpoint_state_dicts()
+            role = trainer.role
+            after_step = tracker.breakdown()
+    finally:
+        dist.destroy_process_group()
+        titan.use_device_type(None)
+    report = {
+        "rank": rank,
+        "role": role,
+        "peak_gib": tracker.peak_bytes / GIB,
+        "by_category_gib": {k: v / GIB for k, v in sorted(tracker.peak_by_category.items(), key=lambda kv: -kv[1])},
+        "peak_phase": tracker.peak_phase,
+        "phase_peak_gib": {k: v / GIB for k, v in tracker.phase_peaks.items()},
+        "after_step_gib": {k: v / GIB for k, v in sorted(after_step.items(), key=lambda kv: -kv[1])},
+    }
+    return report, device.host_collectives
+
+
+def simulate(config, config_path: str, *, output: str | None = None) -> dict:
+    """Simulate the ranks of ``config`` and write the JSON report; raise ``SimulationFailed``
+    (after writing it) when a rank is over budget or a collective saw a host tensor."""
+    world_size = world_size_of(config)
+    budget = config.simulate.gpu_memory_gib
+    ranks = list(config.simulate.ranks) or _default_ranks(config, world_size)
+    reports, host_collectives = [], []
+    for rank in ranks:
+        report, host = simulate_rank(config, rank, world_size)
+        reports.append(report)
+        host_collectives += [f"rank {rank}: {h}" for h in host]
+        print(f"simulate: rank {rank} ({report['role']}) peak {report['peak_gib']:.1f} GiB of {budget:g} "
+              f"({', '.join(f'{k} {v:.1f}' for k, v in report['by_category_gib'].items())})", flush=True)
+    result = {"config": Path(config_path).name, "world_size": world_size, "gpu_memory_gib": budget,
+              "ranks": reports, "host_collectives": sorted(set(host_collectives))}
+    path = output or config.simulate.output or os.path.join("assets", "scale", Path(config_path).stem + ".json")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"simulate: wrote {path}", flush=True)
+    problems = [f"collective on a host tensor: {h}" for h in result["host_collectives"]]
+    for r in reports:
+        if r["peak_gib"] > budget:
+            biggest, gib = next(iter(r["by_category_gib"].items()))
+            problems.append(f"rank {r['rank']} ({r['role']}) needs {r['peak_gib']:.1f} GiB, over the "
+                            f"{budget:g} GiB budget; the biggest category is {biggest} ({gib:.1f} GiB)")
+    if problems:
+        raise SimulationFailed("; ".join(problems))
+    return result

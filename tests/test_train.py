@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SHORT = ("--task.sft_steps", "2", "--training.steps", "2", "--task.sft_batch_size", "8",
@@ -188,11 +189,13 @@ def test_a_step_a_rank_cannot_run_stops_every_rank_with_one_message(tmp_path):
 
 
 def _fail_on_rank_one(rank, world_size):
-    from types import SimpleNamespace
+    from types import MethodType, SimpleNamespace
 
     from titan_cotrain.rl.trainer import Trainer
 
-    fake = SimpleNamespace(state=SimpleNamespace(step=4))
+    fake = SimpleNamespace(state=SimpleNamespace(step=4), device=torch.device("cpu"), simulation=None)
+    fake._all_reduce = MethodType(Trainer._all_reduce, fake)
+    fake._to_host = MethodType(Trainer._to_host, fake)
     Trainer._stop_if_any_rank_failed(fake, None)  # nobody failed: every rank goes on
     with pytest.raises(ValueError) as err:
         Trainer._stop_if_any_rank_failed(fake, "boom" if rank == 1 else None)

@@ -147,7 +147,7 @@ def test_unknown_architecture():
 
 
 def test_unknown_flavor():
-    _expect(DEFAULT, "model.flavor", "unknown flavor '70B'", overrides=("--model.flavor", "70B"))
+    _expect(DEFAULT, "model.flavor", "unknown flavor '405B'", overrides=("--model.flavor", "405B"))
 
 
 def test_missing_hf_folder(tmp_path):

@@ -189,7 +189,7 @@ class Trainer:
             self._build_pipeline(config, dims)
         else:
             self._build_sharded(config, world_size)
-        self.cotrain = self.draft is not None  # under PP, self.draft is None off the last stage
+        self.cotrain = config.draft.enable  # under PP, self.draft is None off the last stage
         self.engine = RolloutEngine.from_models(
             self.engine_policy_source, self.engine_draft_source, device=self.device,
             max_batch_size=max(self.prompts_per_rank * config.rl.group_size, 1),
@@ -231,6 +231,7 @@ class Trainer:
         self.draft = build_draft(config, self.policy, token_counts=counts, device="meta")
         self.reference = build_target(config, device="meta").requires_grad_(False) if config.rl.kl_coef > 0 else None
         apply_activation_checkpointing(self.policy, config.activation_checkpoint.mode)
+        self.engine_policy_source, self.engine_draft_source = self.policy, self.draft
         for module in (self.policy, self.draft, self.reference):
             if module is None:
                 continue
@@ -239,12 +240,15 @@ class Trainer:
                 apply_fsdp(module, self._fsdp_mesh(), config.training.mixed_precision_param,
                            config.training.mixed_precision_reduce)
             _materialize(module, self.device, host)
+        if self.simulation is not None:
+            # Filling writes in place (no device memory) and fake values are unknown anyway;
+            # the host-side draws of a whole model would only cost the simulator minutes.
+            return
         init_target_(self.policy, config, fill=copy_whole_into_)
         if self.draft is not None:
             init_draft_(self.draft, config, self.policy, fill=copy_whole_into_)
         if self.reference is not None:
             init_target_(self.reference, config, fill=copy_whole_into_)
-        self.engine_policy_source, self.engine_draft_source = self.policy, self.draft
 
     def _build_pipeline(self, config, dims) -> None:
         """PP: the whole models are built on every rank, each keeps its stages' modules; the

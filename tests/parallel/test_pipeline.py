@@ -6,8 +6,8 @@ the gradient of every policy and draft parameter match ``forward_backward`` on t
 batch within 1e-5 (fp32, 4 microbatches, second step on the same pipeline); the taps the
 draft consumes are bitwise the single-device taps; every step finishes within a bound (a
 watchdog kills a hung rank and dumps its stacks). Also: the main job's config path with a
-tied-embedding model under activation checkpointing, pp=2 x cp=2 and pp=2 x dp=2 (replicated
-stages, gradients summed by the step) on 4 ranks, all three on 8; and what
+tied-embedding model under activation checkpointing, pp=2 x cp=2 and pp=2 x dp=2 (stages
+FSDP-sharded over the data-parallel x CP ranks) on 4 ranks, all three on 8; and what
 the trainer builds on the step: several schedule steps accumulated into one update, the
 policy loss switched per step, clipping by the global norms, the whole models gathered.
 """
@@ -305,15 +305,27 @@ def test_every_schedule_and_the_config_path_match_single_device():
 
 
 CP_ROW_LEN = 32  # every test row's documents, each padded to a multiple of 2 x cp = 4, fit in 32
-# V-shaped and zero-bubble: the consumer's rank also produces taps (they bypass the channel),
-# two stages per rank share the ring, and the weight passes run apart from the input passes.
-PP_CP_SCHEDULES = {"ZBVZeroBubble": [2, 2, 2, 2]}
+# Looped: two stages per rank share the ring and the FSDP mesh. (Zero-bubble schedules, whose
+# weight passes run after FSDP's reduce-scatter, are refused with FSDP-sharded stages.)
+PP_CP_SCHEDULES = {"Interleaved1F1B": [2, 2, 2, 2]}
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A gradient as one tensor (FSDP shards gathered)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _fsdp_over(mesh):
+    """The stages' data-parallel (and CP) sharding: FSDP2 in the models' own fp64."""
+    from titan_cotrain.parallel.fsdp import apply_fsdp
+
+    return lambda module: apply_fsdp(module, mesh, param_dtype=None, reduce_dtype=None)
 
 
 def _check_grads(pipe, ref_grads, what: str) -> None:
     for part in pipe.model_parts:
         for name, param in part.named_parameters():
-            torch.testing.assert_close(param.grad, ref_grads[_reference_name(name, False)], **TOL_FP64,
+            torch.testing.assert_close(_whole(param.grad), ref_grads[_reference_name(name, False)], **TOL_FP64,
                                        msg=lambda m: f"{what} {name}: {m}")
 
 
@@ -335,22 +347,31 @@ def _pp_cp_and_pp_dp_ranks(rank, world_size, reference):
         plan = plan_pipeline(ARGS.n_layers, 2, schedule, layers_per_stage=split)
         pipe = make_pipeline(policy, draft, mesh["pp"], plan, microbatch_size=1, n_microbatches=ROWS, seq_len=SEQ,
                              policy_loss_fn=POLICY_LOSS, loss_group=cp_group, cp_mesh=mesh["cp"],
-                             cp_row_len=CP_ROW_LEN, tap_timeout=timedelta(seconds=STEP_BOUND_S), **STEP)
+                             cp_row_len=CP_ROW_LEN, tap_timeout=timedelta(seconds=STEP_BOUND_S),
+                             shard=_fsdp_over(mesh["cp"]), **STEP)
         assert pipe.channel.shape == (1, CP_ROW_LEN // 2, ARGS.dim)  # taps travel CP-sharded
         metrics = _bounded_step(pipe, _batch())
         for key, value in ref_metrics.items():  # forward_backward reports fp32 metrics
             torch.testing.assert_close(metrics[key], value, rtol=1e-6, atol=1e-7,
                                        msg=lambda m: f"{schedule} {key}: {m}")
-        _check_grads(pipe, ref_grads, f"pp x cp {schedule}")  # partial per CP rank, summed by the step
+        _check_grads(pipe, ref_grads, f"pp x cp {schedule}")  # partial per CP rank, reduced by FSDP
+
+    policy, draft = (m.double() for m in _models())
+    with pytest.raises(ValueError, match="ZBVZeroBubble runs the weight-gradient passes apart"):
+        make_pipeline(policy, draft, mesh["pp"], plan_pipeline(ARGS.n_layers, 2, "ZBVZeroBubble",
+                                                               layers_per_stage=[2, 2, 2, 2]),
+                      microbatch_size=1, n_microbatches=ROWS, seq_len=SEQ, policy_loss_fn=POLICY_LOSS,
+                      loss_group=cp_group, cp_mesh=mesh["cp"], cp_row_len=CP_ROW_LEN, shard=_fsdp_over(mesh["cp"]),
+                      **STEP)
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    _check_replicated_stages(mesh, mesh["dp"].get_group(), reference, "pp x dp")
+    _check_sharded_stages(mesh, mesh["dp"].get_group(), mesh["dp"], reference, "pp x dp")
 
 
-def _check_replicated_stages(mesh, replicas, reference, what: str, **cp) -> None:
-    """pp=2 with the stages replicated over ``replicas`` (the data-parallel, and CP, ranks
-    of a stage): each data-parallel rank trains half the rows; every rank must end with the
-    whole batch's metrics and gradients of its stages."""
+def _check_sharded_stages(mesh, replicas, fsdp_mesh, reference, what: str, **cp) -> None:
+    """pp=2 with the stages FSDP-sharded over ``fsdp_mesh`` (the data-parallel, and CP, ranks
+    of a stage; ``replicas`` their group): each data-parallel rank trains half the rows; every
+    rank must end with the whole batch's metrics and gradients of its stages."""
     from titan_cotrain.parallel.pipeline import make_pipeline
 
     ref_metrics, ref_grads = reference
@@ -358,7 +379,7 @@ def _check_replicated_stages(mesh, replicas, reference, what: str, **cp) -> None
     policy, draft = (m.double() for m in _models())
     plan = plan_pipeline(ARGS.n_layers, 2, "1F1B", layers_per_stage=[3, 5])
     pipe = make_pipeline(policy, draft, mesh["pp"], plan, microbatch_size=1, n_microbatches=half, seq_len=SEQ,
-                         policy_loss_fn=POLICY_LOSS, loss_group=replicas,
+                         policy_loss_fn=POLICY_LOSS, loss_group=replicas, shard=_fsdp_over(fsdp_mesh),
                          tap_timeout=timedelta(seconds=STEP_BOUND_S), **cp, **STEP)
     metrics = _bounded_step(pipe, _batch().map(lambda t: t[dp_rank * half:(dp_rank + 1) * half]))
     for key, value in ref_metrics.items():
@@ -377,12 +398,14 @@ def test_pipeline_composes_with_context_or_data_parallelism():
 
 def _pp_dp_cp_rank(rank, world_size, reference):
     """pp=2 x dp=2 x cp=2 (the shipped Qwen3-32B layout, smaller): each data-parallel
-    replica trains half the rows, CP-sharded; the step sums over the 4 ranks of a stage."""
+    replica trains half the rows, CP-sharded; FSDP shards the stages over the 4 ranks of a
+    stage and reduces their gradients."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "cp"))
     replicas = dist.new_group(mesh["dp", "cp"].mesh.flatten().tolist(), use_local_synchronization=True)
-    _check_replicated_stages(mesh, replicas, reference, "pp x dp x cp", cp_mesh=mesh["cp"], cp_row_len=CP_ROW_LEN)
+    _check_sharded_stages(mesh, replicas, mesh["dp", "cp"], reference, "pp x dp x cp",
+                          cp_mesh=mesh["cp"], cp_row_len=CP_ROW_LEN)
 
 
 def test_pipeline_composes_with_data_and_context_parallelism_at_once():

@@ -127,6 +127,9 @@ def validate_job_config(config, world_size: int, source: str = "<config>") -> No
         errors.append(f"rollout.max_new_tokens ({ro.max_new_tokens}) must leave room for the prompt within "
                       f"training.seq_len ({config.training.seq_len})")
     pp, mb = config.parallelism.pipeline_parallel_degree, config.parallelism.pipeline_parallel_microbatch_size
+    if pp > 1 and config.rl.kl_coef > 0:
+        errors.append("rl.kl_coef > 0 is not supported with pipeline parallelism yet (the KL reference is "
+                      "not split into stages); set it to 0 or pipeline_parallel_degree to 1")
     if pp > 1 and (mb < 1 or config.training.local_batch_size % mb):
         errors.append(
             f"parallelism.pipeline_parallel_microbatch_size ({mb}) must divide "

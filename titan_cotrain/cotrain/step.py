@@ -38,7 +38,12 @@ __all__ = [
     "clip_and_step",
     "forward_backward",
     "labels_of",
+    "Microbatch",
+    "add_policy_sums",
+    "draft_sums",
     "microbatch_sums",
+    "policy_head",
+    "prepare_microbatch",
     "scales_and_metrics",
 ]
 
@@ -155,6 +160,90 @@ def scale_gradients(params, scale: torch.Tensor) -> None:
         torch._foreach_mul_(local, scale.to(local[0].dtype))
 
 
+@dataclass
+class Microbatch:
+    """One microbatch as the objective sees it, on the device: label-aligned ``labels``
+    (``LabelRows``, or a CP shard's ``CPBatch``), ``tokens``, ``positions [b, s]``, the draft's
+    loss ``region [b, s]``, host ``cu_seqlens``, and the CP ``shard`` (None without CP)."""
+
+    labels: LabelRows
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    region: torch.Tensor
+    cu_seqlens: torch.Tensor
+    shard: object | None
+
+    def packing(self) -> dict:
+        """The model's packing kwargs: the CP shard, or ``cu_seqlens`` as Python ints (FSDP
+        moves a root module's tensor inputs to the device, which would cost a sync per layer)."""
+        return {"cp": self.shard} if self.shard is not None else {"cu_seqlens": tuple(self.cu_seqlens.tolist())}
+
+
+def prepare_microbatch(batch: PackedBatch, device, *, cp_group=None, row_len: int | None = None,
+                       draft_loss_on: str = "response") -> Microbatch:
+    """Attention metadata of host rows ``batch`` computed on the host (``cu_seqlens``, the CP
+    plan, positions), then the model inputs moved to ``device``. With ``cp_group`` the rows
+    (the same on every rank of that group) are zigzag-sharded over it (padded to ``row_len``)."""
+    if draft_loss_on not in ("response", "all"):
+        raise ValueError(f"draft_loss_on must be 'response' or 'all', got {draft_loss_on!r}")
+    if cp_group is not None:
+        from titan_cotrain.parallel.context_parallel import shard_batch_for_cp
+
+        labels, shard = shard_batch_for_cp(batch, cp_group, row_len=row_len)
+        tokens, positions, cu_seqlens = labels.tokens, shard.positions, shard.cu_seqlens
+        region = labels.loss_mask if draft_loss_on == "response" else shard.valid
+    else:
+        layout = layout_from_document_ids(batch.document_ids)
+        labels, shard = labels_of(batch), None
+        tokens, positions, cu_seqlens = batch.tokens, layout.positions, layout.cu_seqlens
+        region = batch.loss_mask if draft_loss_on == "response" else torch.ones_like(batch.loss_mask)
+    labels = dataclasses.replace(labels, **{f.name: getattr(labels, f.name).to(device)
+                                            for f in dataclasses.fields(labels) if getattr(labels, f.name) is not None})
+    return Microbatch(labels, tokens.to(device), positions.to(device), region.to(device), cu_seqlens, shard)
+
+
+def policy_head(mb: Microbatch, policy_loss_fn: PolicyLossFn, draft: Draft | None, chunk_tokens: int):
+    """The ``head(hidden, weight)`` a policy forward runs in place of its ``lm_head``: the
+    chunked policy loss of ``mb`` and, with a draft, its teacher (``HeadOutput``)."""
+    draft_ids = t2d = None
+    if draft is not None:
+        draft_ids = torch.arange(draft.args.draft_vocab_size, device=draft.d2t.device) + draft.d2t
+        t2d = draft.t2d
+
+    def head(hidden: torch.Tensor, weight: torch.Tensor):
+        # The teacher in the compute dtype: bf16 under mixed precision, exact fp32 / fp64 otherwise.
+        return chunked_policy_head(hidden, weight, mb.labels, policy_loss_fn, chunk_tokens=chunk_tokens,
+                                   draft_ids=draft_ids, t2d=t2d, teacher_dtype=hidden.dtype)
+
+    return head
+
+
+def add_policy_sums(sums: CotrainSums, head_out) -> torch.Tensor:
+    """Record a microbatch's policy sums; returns its differentiable loss sum."""
+    policy_sum, policy_count, metric_sums = head_out.policy
+    sums.add("policy/sum", policy_sum)
+    sums.add("policy/count", policy_count)
+    for name, value in metric_sums.items():
+        sums.add(f"metric/{name}", value)
+    return policy_sum
+
+
+def draft_sums(draft: Draft, mb: Microbatch, taps: torch.Tensor, embeddings: torch.Tensor, head_out,
+               sums: CotrainSums, *, ttt_steps: int, pass_decay: float, chunk_tokens: int) -> torch.Tensor:
+    """The draft's TTT over microbatch ``mb``: ``taps [T, n_taps * H_t]`` and ``embeddings
+    [T, H_t]`` (the policy's, detached) and the teacher of ``head_out``; records the per-pass
+    sums and returns the weighted CE sum ``sum_d w_d ce_sum_d`` to backpropagate."""
+    stats = ttt_unroll(
+        draft, taps=taps, embeddings=embeddings, tokens=mb.tokens.reshape(-1), positions=mb.positions.reshape(-1),
+        cu_seqlens=mb.cu_seqlens, teacher=(head_out.teacher_logprobs, head_out.teacher_in_vocab),
+        loss_region=mb.region.reshape(-1), ttt_steps=ttt_steps, cp=mb.shard, chunk_tokens=chunk_tokens,
+    )
+    sums.add("draft/ce_sum", stats.ce_sum)
+    sums.add("draft/count", stats.count)
+    sums.add("draft/correct", stats.correct)
+    return (pass_weights(ttt_steps, pass_decay, device=stats.ce_sum.device) * stats.ce_sum).sum()
+
+
 def microbatch_sums(
     policy: Transformer,
     draft: Draft | None,
@@ -171,66 +260,17 @@ def microbatch_sums(
 ) -> torch.Tensor:
     """Forward one microbatch of host rows through the policy (and the draft's TTT), add its
     detached sums to ``sums`` and return the loss *sum* to backpropagate
-    (``policy_sum + sum_d w_d ce_sum_d``; scaled after the update, see the module docstring).
-
-    ``batch`` is on the host: attention metadata (``cu_seqlens``, CP plans, positions) is
-    computed there once, and only the model inputs go to ``device`` (default: the policy's).
-    With ``cp_group``, the rows (the same on every rank of that group) are zigzag-sharded over it.
-    """
-    device = device or policy.embed_tokens.weight.device
-    if cp_group is not None:
-        from titan_cotrain.parallel.context_parallel import shard_batch_for_cp
-
-        labels, shard = shard_batch_for_cp(batch, cp_group)
-        tokens, positions, cu_seqlens = labels.tokens, shard.positions, shard.cu_seqlens
-        region = labels.loss_mask if draft_loss_on == "response" else shard.valid
-    else:
-        layout = layout_from_document_ids(batch.document_ids)
-        labels, shard = labels_of(batch), None
-        tokens, positions, cu_seqlens = batch.tokens, layout.positions, layout.cu_seqlens
-        region = batch.loss_mask if draft_loss_on == "response" else torch.ones_like(batch.loss_mask)
-    labels = dataclasses.replace(labels, **{f.name: getattr(labels, f.name).to(device)
-                                            for f in dataclasses.fields(labels) if getattr(labels, f.name) is not None})
-    tokens, positions, region = tokens.to(device), positions.to(device), region.to(device)
-    draft_ids = t2d = None
+    (``policy_sum + sum_d w_d ce_sum_d``; scaled after the update, see the module docstring)."""
+    mb = prepare_microbatch(batch, device or policy.embed_tokens.weight.device, cp_group=cp_group,
+                            draft_loss_on=draft_loss_on)
+    out = policy(mb.tokens, positions=mb.positions, return_taps=draft is not None,
+                 head=policy_head(mb, policy_loss_fn, draft, chunk_tokens), **mb.packing())
+    loss = add_policy_sums(sums, out.head)
     if draft is not None:
-        draft_ids = torch.arange(draft.args.draft_vocab_size, device=device) + draft.d2t
-        t2d = draft.t2d
-
-    def head(hidden: torch.Tensor, weight: torch.Tensor):
-        # The teacher in the compute dtype: bf16 under mixed precision, exact fp32 / fp64 otherwise.
-        return chunked_policy_head(hidden, weight, labels, policy_loss_fn, chunk_tokens=chunk_tokens,
-                                   draft_ids=draft_ids, t2d=t2d, teacher_dtype=hidden.dtype)
-
-    # Host metadata as ints: FSDP moves a root module's tensor inputs to the device.
-    packing = {"cp": shard} if shard is not None else {"cu_seqlens": tuple(cu_seqlens.tolist())}
-    out = policy(tokens, positions=positions, return_taps=draft is not None, head=head, **packing)
-    head_out = out.head
-    policy_sum, policy_count, metric_sums = head_out.policy
-    sums.add("policy/sum", policy_sum)
-    sums.add("policy/count", policy_count)
-    for name, value in metric_sums.items():
-        sums.add(f"metric/{name}", value)
-    loss = policy_sum
-    if draft is not None:
-        b, s = tokens.shape
-        stats = ttt_unroll(
-            draft,
-            taps=torch.cat(out.taps, dim=-1).reshape(b * s, -1),
-            embeddings=out.embeddings.reshape(b * s, -1),
-            tokens=tokens.reshape(-1),
-            positions=positions.reshape(-1),
-            cu_seqlens=cu_seqlens,
-            teacher=(head_out.teacher_logprobs, head_out.teacher_in_vocab),
-            loss_region=region.reshape(-1),
-            ttt_steps=ttt_steps,
-            cp=shard,
-            chunk_tokens=chunk_tokens,
-        )
-        sums.add("draft/ce_sum", stats.ce_sum)
-        sums.add("draft/count", stats.count)
-        sums.add("draft/correct", stats.correct)
-        loss = loss + (pass_weights(ttt_steps, pass_decay, device=stats.ce_sum.device) * stats.ce_sum).sum()
+        b, s = mb.tokens.shape
+        loss = loss + draft_sums(draft, mb, torch.cat(out.taps, dim=-1).reshape(b * s, -1),
+                                 out.embeddings.reshape(b * s, -1), out.head, sums, ttt_steps=ttt_steps,
+                                 pass_decay=pass_decay, chunk_tokens=chunk_tokens)
     return loss
 
 

@@ -13,18 +13,21 @@ __all__ = ["apply_fsdp", "copy_whole_into_", "local_slices"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def apply_fsdp(model: nn.Module, mesh, param_dtype: str = "float32", reduce_dtype: str = "float32",
+def apply_fsdp(model: nn.Module, mesh, param_dtype: str | None = "float32", reduce_dtype: str | None = "float32",
                reshard_after_forward: bool = True) -> nn.Module:
-    """Shard each of ``model.layers`` (if any) as a unit, then the root (for the target:
-    embeddings, norm, head; the draft, one layer, is a single root unit).
+    """Shard each of ``model.layers`` (if any; a list, or a pipeline stage's dict) as a unit,
+    then the root (for the target: embeddings, norm, head; the draft, one layer, is a single
+    root unit; a stage's draft, sharded before it, stays a unit of its own).
 
     ``mesh`` is the ``fsdp`` mesh (``dp_shard x cp``), or the 2-D ``dp_replicate x fsdp``
     mesh for HSDP (parameters sharded over ``fsdp``, replicated over ``dp_replicate``).
-    Gradients are *summed* across it, not averaged, so every loss is normalised by the
-    global token count before backward.
+    ``param_dtype`` / ``reduce_dtype`` None keep the parameters' own (fp64 references).
+    Gradients are *summed* across it, not averaged: the co-training objective scales them by
+    the global token counts once an update's microbatches are done.
     """
-    mp = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
-    for layer in getattr(model, "layers", ()):
+    mp = MixedPrecisionPolicy(param_dtype=_DTYPES.get(param_dtype), reduce_dtype=_DTYPES.get(reduce_dtype))
+    layers = getattr(model, "layers", ())
+    for layer in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fsdp_sum_gradients(model.modules())

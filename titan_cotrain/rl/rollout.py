@@ -320,7 +320,8 @@ class RolloutEngine:
     @classmethod
     def from_models(cls, policy: Transformer, draft: Draft | None = None, *, device: torch.device | str,
                     dtype: torch.dtype | None = None, max_batch_size: int, max_seq_len: int,
-                    max_draft_tokens: int = 4, kv_cache_gib: float = 0.0, compile: bool = False) -> RolloutEngine:
+                    max_draft_tokens: int = 4, kv_cache_gib: float = 0.0, compile: bool = False,
+                    load: bool = True) -> RolloutEngine:
         """An engine with its own copies of the trainer's ``policy`` and ``draft`` on ``device``.
 
         The sources may be FSDP-wrapped (DTensor shards), plain, or on another device; they
@@ -328,7 +329,9 @@ class RolloutEngine:
         ``device`` in ``dtype`` (default: fp32 on CPU, so CPU rollouts match the trainer's
         fp32 policy exactly; bf16 on an accelerator), and filled by ``load_weights``, one
         tensor at a time, buffers (``d2t``, ``t2d``) included. With sharded sources this is
-        a collective: every rank of their mesh calls it. Other arguments as ``__init__``.
+        a collective: every rank of their mesh calls it. ``load=False`` takes only the
+        shapes (sources on the meta device, e.g. a pipeline's whole model): fill the engine
+        with ``load_weights`` later. Other arguments as ``__init__``.
         """
         device = torch.device(device)
         dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
@@ -340,7 +343,8 @@ class RolloutEngine:
                                                   torch.empty(t2d.shape, dtype=t2d.dtype)), device, dtype)
         engine = cls(own_policy, own_draft, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                      max_draft_tokens=max_draft_tokens, kv_cache_gib=kv_cache_gib, compile=compile)
-        engine.load_weights(policy.state_dict(), draft.state_dict() if draft is not None else None)
+        if load:
+            engine.load_weights(policy.state_dict(), draft.state_dict() if draft is not None else None)
         return engine
 
     @property

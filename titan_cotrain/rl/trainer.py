@@ -40,6 +40,7 @@ from titan_cotrain.config import resolve_model_args
 from titan_cotrain.cotrain.step import PackedBatch, PolicyLoss, clip_and_step, forward_backward
 from titan_cotrain.data.packing import LabelRows, layout_from_document_ids
 from titan_cotrain.models.build import build_draft, build_target, init_draft_, init_target_, job_seed
+from titan_cotrain.models.transformer import rope_inv_freq
 from titan_cotrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_cotrain.parallel.fsdp import apply_fsdp, copy_whole_into_
 from titan_cotrain.parallel.pipeline import build_pipeline, gather_state_dict, pipeline_step
@@ -141,8 +142,14 @@ def _take_host_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _materialize(module: torch.nn.Module, device: torch.device, host: dict[str, torch.Tensor]) -> None:
     """A meta-built (and possibly sharded) module's storage on ``device``, uninitialised,
-    with the ``host`` buffers ``_take_host_buffers`` kept copied back."""
-    module.to_empty(device=device)
+    with the ``host`` buffers ``_take_host_buffers`` kept copied back. Parameters are swapped
+    in place (``swap_tensors``), so tied ones (embedding and head) stay one parameter."""
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        module.to_empty(device=device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
     with torch.no_grad():
         for name, buffer in module.named_buffers():
             if name in host:
@@ -194,7 +201,7 @@ class Trainer:
             self.engine_policy_source, self.engine_draft_source, device=self.device,
             max_batch_size=max(self.prompts_per_rank * config.rl.group_size, 1),
             max_seq_len=config.training.seq_len, max_draft_tokens=config.rollout.draft_tokens,
-            kv_cache_gib=config.rollout.kv_cache_gib,
+            kv_cache_gib=config.rollout.kv_cache_gib, load=self.pipeline is None,
         )
         self.policy_opt = titan.build_optimizers([self.policy], config.optimizer, self.parallel_dims)
         self.policy_lr = titan.build_lr_schedulers(self.policy_opt, config.lr_scheduler, self.total_steps)
@@ -251,20 +258,45 @@ class Trainer:
             init_target_(self.reference, config, fill=copy_whole_into_)
 
     def _build_pipeline(self, config, dims) -> None:
-        """PP: the whole models are built on every rank, each keeps its stages' modules; the
-        stages' replicas (data-parallel x CP ranks) share the token counts and sum gradients."""
-        policy = build_target(config, device=self.device)
+        """PP: the policy and the draft are built on the meta device, split into this rank's
+        stages, FSDP-sharded over the data-parallel x CP ranks of the stage (when there are
+        any), materialised, and filled from the whole-model init, keeping only what this
+        rank holds (so every layout gets the single-device values)."""
+        policy = build_target(config, device="meta")
         counts = self._demonstration_counts() if config.draft.enable and config.draft.vocab_size else None
-        draft = build_draft(config, policy, token_counts=counts, device=self.device)
-        self.reference = build_target(config, device=self.device).requires_grad_(False) if config.rl.kl_coef > 0 else None
-        self.engine_policy_source, self.engine_draft_source = policy, draft
+        draft = build_draft(config, policy, token_counts=counts, device="meta")
+        self.reference = None  # refused with PP at start (validate_job_config)
+        self.engine_policy_source, self.engine_draft_source = policy, draft  # shapes only: filled at refresh
+        host = _take_host_buffers(draft) if draft is not None else {}
         apply_activation_checkpointing(policy, config.activation_checkpoint.mode)
         replicas = dims.get_mesh("loss").get_group() if dims.dp_enabled or dims.cp_enabled else None
+        shard = None
+        if dims.dp_enabled or dims.cp_enabled:
+            mesh, t = self._fsdp_mesh(), config.training
+
+            def shard(module):
+                apply_fsdp(module, mesh, t.mixed_precision_param, t.mixed_precision_reduce)
         self.pipeline = build_pipeline(
             policy, draft, config, dims.get_mesh("pp"), policy_loss_fn=next_token_loss,
             loss_group=replicas, cp_mesh=dims.get_mesh("cp") if dims.cp_enabled else None,
-            cp_row_len=config.training.seq_len if dims.cp_enabled else None)
+            cp_row_len=config.training.seq_len if dims.cp_enabled else None, device=self.device, shard=shard)
         self.policy, self.draft = self.pipeline.local_policy, self.pipeline.draft
+        for part in self.pipeline.model_parts:
+            _materialize(part, self.device, {})
+        if self.draft is not None:
+            _materialize(self.draft, self.device, host)
+        if self.simulation is None:
+            def fill_local(param, whole):
+                if param.device.type != "meta":  # another rank's stage
+                    copy_whole_into_(param, whole)
+
+            init_target_(policy, config, fill=fill_local)
+            if self.draft is not None:
+                init_draft_(self.draft, config, policy, fill=copy_whole_into_)
+        args = policy.args
+        with torch.no_grad():
+            for part in self.pipeline.model_parts:
+                part.rope_inv_freq.copy_(rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling))
         # PP columns differ by an offset and rank 0's starts at 0: its last stage's rank.
         pp_ranks = dims.get_mesh("pp").mesh.flatten().tolist()
         self.log_rank = pp_ranks[self.pipeline.plan.stage_ranks[-1]] - pp_ranks[0]
@@ -388,7 +420,7 @@ class Trainer:
                 out |= clip_and_step(self.policy, draft, self.policy_opt, self.draft_opt, cfg.training.max_norm,
                                      cfg.draft.grad_clip)
             else:
-                out = pipeline_step(self.pipeline, self._pad_to_schedule(minibatch.to(self.device)),
+                out = pipeline_step(self.pipeline, self._pad_to_schedule(minibatch),
                                     policy_loss_fn=loss_fn, train_draft=train_draft)
                 out |= pipeline_clip_and_step(self.pipeline, self.policy_opt, self.draft_opt, cfg.training.max_norm,
                                               cfg.draft.grad_clip, train_draft=train_draft)

@@ -226,7 +226,8 @@ class SimulatedDevice(TorchDispatchMode):
         fake = any(isinstance(t, FakeTensor) for t in leaves)
         if not fake and not _targets_sim(kwargs.get("device")):
             return func(*args, **kwargs)
-        args, kwargs = tree_map_only(torch.Tensor, self._to_fake, (args, kwargs))
+        if any(isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) for t in leaves):
+            args, kwargs = tree_map_only(torch.Tensor, self._to_fake, (args, kwargs))
         with self.fake:
             out = func(*args, **kwargs)
         if self.on_alloc is not None:

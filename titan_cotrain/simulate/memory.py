@@ -6,7 +6,9 @@ the breakdown at the peak says what was alive. Categories come from who owns a s
 the peak is taken: the ``owners`` callback of the simulator names the storages of the
 trainer's objects (parameters, gradients, optimizer state, engine weights, KV cache,
 reference); storages created inside FSDP's collectives are communication buffers; everything
-else is activations and temporaries. Not modelled: fragmentation, the CUDA context, NCCL's
+else is activations and temporaries. FSDP frees and re-gathers unsharded parameters by
+resizing their storages, so sizes are re-read whenever an op writes into a storage and at
+every sweep. Not modelled: fragmentation, the CUDA context, NCCL's
 own buffers.
 """
 
@@ -21,10 +23,30 @@ from torch.multiprocessing.reductions import StorageWeakRef
 __all__ = ["MemoryTracker", "storage_key"]
 
 _ROUND = 512
-# Storages created under these files are FSDP's all-gather / reduce-scatter buffers.
+# Storages created under these files are FSDP's all-gather / reduce-scatter buffers and its
+# unsharded parameters.
 _COMM_FILES = ("_fsdp_collectives.py", "_fsdp_param.py", "_fsdp_param_group.py")
 # A new peak is broken down again only when it exceeds the last broken-down one by 1% (1 MiB at least).
 _RESNAPSHOT_FRACTION, _RESNAPSHOT_MIN = 0.01, 2**20
+
+
+# Allocations this big remember where they were made (the report's ``largest``).
+_SITE_BYTES = 256 * 2**20
+
+
+def _rounded(nbytes: int) -> int:
+    return -(-nbytes // _ROUND) * _ROUND
+
+
+def _site() -> str:
+    """``file:line (function)`` of the innermost frame of the project's code."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if "titan_cotrain" in name and "/simulate/" not in name:
+            return f"{name.split('titan_cotrain/')[-1]}:{frame.f_lineno} ({frame.f_code.co_name})"
+        frame = frame.f_back
+    return "?"
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -53,7 +75,7 @@ class MemoryTracker:
 
     def __init__(self, owners: Callable[[], dict[int, str]] | None = None) -> None:
         self.owners = owners or dict
-        self._live: dict[int, tuple[StorageWeakRef, int, str]] = {}
+        self._live: dict[int, tuple[StorageWeakRef, int, str, str | None]] = {}
         self._bytes = 0  # live total, counting storages not yet found dead
         self.peak_bytes = 0
         self.peak_by_category: dict[str, int] = {}
@@ -61,6 +83,7 @@ class MemoryTracker:
         self.current_phase = "start"
         self.phase_peaks: dict[str, int] = {}
         self.peak_phase = "start"
+        self.peak_largest: list[tuple[int, str, str]] = []
 
     def phase(self, name: str) -> None:
         self.current_phase = name
@@ -69,20 +92,36 @@ class MemoryTracker:
     def __call__(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
         key = storage._cdata
+        nbytes = _rounded(storage.nbytes())
         if key in self._live:
-            return
-        nbytes = -(-storage.nbytes() // _ROUND) * _ROUND
-        tag = "communication buffers" if _in_fsdp_collective() else "activations"
-        self._live[key] = (StorageWeakRef(storage), nbytes, tag)
-        self._bytes += nbytes
+            # FSDP frees and re-allocates unsharded parameters by resizing their storage:
+            # an op writing into a storage is where its size is read again.
+            ref, old, tag, site = self._live[key]
+            if nbytes == old:
+                return
+            self._live[key] = (ref, nbytes, tag, site)
+            self._bytes += nbytes - old
+        else:
+            tag = "communication buffers" if _in_fsdp_collective() else "activations"
+            site = _site() if nbytes >= _SITE_BYTES else None
+            self._live[key] = (StorageWeakRef(storage), nbytes, tag, site)
+            self._bytes += nbytes
         if self._bytes > self.peak_bytes or self._bytes > self.phase_peaks.get(self.current_phase, 0):
             self._sweep()
             self._note_peak()
 
     def _sweep(self) -> None:
-        dead = [key for key, (ref, _, _) in self._live.items() if ref.expired()]
-        for key in dead:
-            self._bytes -= self._live.pop(key)[1]
+        """Drop freed storages and re-read the size of the others (resized ones)."""
+        total = 0
+        for key, (ref, nbytes, tag, site) in list(self._live.items()):
+            if ref.expired():
+                del self._live[key]
+                continue
+            now = _rounded(torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes())
+            if now != nbytes:
+                self._live[key] = (ref, now, tag, site)
+            total += now
+        self._bytes = total
 
     def live_bytes(self) -> int:
         self._sweep()
@@ -93,10 +132,17 @@ class MemoryTracker:
         self._sweep()
         owners = self.owners()
         out: dict[str, int] = {}
-        for key, (_, nbytes, tag) in self._live.items():
+        for key, (_, nbytes, tag, _) in self._live.items():
             category = owners.get(key, tag)
             out[category] = out.get(category, 0) + nbytes
         return out
+
+    def largest(self, n: int = 8) -> list[tuple[int, str, str]]:
+        """The ``n`` biggest live storages: ``(bytes, category, where it was allocated)``."""
+        self._sweep()
+        owners = self.owners()
+        items = sorted(self._live.items(), key=lambda kv: -kv[1][1])[:n]
+        return [(nbytes, owners.get(key, tag), site or "?") for key, (_, nbytes, tag, site) in items]
 
     def _note_peak(self) -> None:
         phase = self.current_phase
@@ -110,3 +156,4 @@ class MemoryTracker:
             return
         self._snapshot_at = self._bytes
         self.peak_by_category = self.breakdown()
+        self.peak_largest = self.largest()

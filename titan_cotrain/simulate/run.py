@@ -129,6 +129,7 @@ def simulate_rank(config, rank: int, world_size: int) -> tuple[dict, list[str]]:
         "peak_gib": tracker.peak_bytes / GIB,
         "by_category_gib": {k: v / GIB for k, v in sorted(tracker.peak_by_category.items(), key=lambda kv: -kv[1])},
         "peak_phase": tracker.peak_phase,
+        "largest_at_peak": [{"gib": b / GIB, "category": c, "site": w} for b, c, w in tracker.peak_largest],
         "phase_peak_gib": {k: v / GIB for k, v in tracker.phase_peaks.items()},
         "after_step_gib": {k: v / GIB for k, v in sorted(after_step.items(), key=lambda kv: -kv[1])},
     }

@@ -1,0 +1,42 @@
+"""Pipeline parallelism for co-training: the target split into stages, the draft on the last.
+
+Layout, for ``pp`` ranks and ``v`` stages per rank (``pp * v`` stages)::
+
+    stage 0                 stage 1 .. n-2          stage n-1
+    embed_tokens            layers [a, b)           layers [c, L), norm, lm_head (chunked),
+    layers [0, a)                                   draft (a submodule), CotrainLoss
+      |  taps of the layers a stage owns (and the embedding output) --TapChannel--> |
+
+``plan`` (which layers where), ``stage`` (the stage module), ``loss`` (the last stage's half
+of the co-training objective), ``build`` (stages, FSDP, TapChannel, schedule) and ``step``
+(one update, clipping, whole-model weights). Every PP rank gets the whole batch of host
+rows; each microbatch's attention metadata is prepared once per schedule step. Context
+parallelism composes: every stage zigzag-shards its microbatch over the CP group (the same
+cut on every stage), the TapChannel runs per PP column, so the taps of (stage s, CP rank c)
+go to (last stage, CP rank c) already sharded. Data parallelism FSDP-shards the stages.
+Tied embeddings (Qwen-3's small sizes): the first and the last stage hold the same weight;
+its two gradient halves are summed over a two-rank group after the step, and clipping
+counts it once.
+"""
+
+from titan_cotrain.parallel.pipeline.build import Pipeline, build_pipeline, build_schedule, make_pipeline
+from titan_cotrain.parallel.pipeline.loss import CotrainLoss
+from titan_cotrain.parallel.pipeline.plan import PipelinePlan, layers_per_stage_from_fqns, plan_pipeline
+from titan_cotrain.parallel.pipeline.stage import LocalPolicy, TransformerStage
+from titan_cotrain.parallel.pipeline.step import clip_and_step, gather_state_dict, pipeline_step
+
+__all__ = [
+    "CotrainLoss",
+    "LocalPolicy",
+    "Pipeline",
+    "PipelinePlan",
+    "TransformerStage",
+    "build_pipeline",
+    "build_schedule",
+    "clip_and_step",
+    "gather_state_dict",
+    "layers_per_stage_from_fqns",
+    "make_pipeline",
+    "pipeline_step",
+    "plan_pipeline",
+]

@@ -1,0 +1,288 @@
+"""Building a pipeline: this rank's stages, the draft on the last one, the TapChannel, the schedule.
+
+Every stage module holds its layers under their whole-model names (``layers.5.mlp.up_proj``
+stays that name on whichever stage holds it), so checkpoints and gradients map one to one.
+Data parallelism shards the stages: ``shard`` (FSDP2 over the data-parallel x CP mesh, as
+torchtitan composes PP and FSDP) is applied to the draft and to every stage module before
+the schedule is built; gradients then reduce-scatter in backward like everywhere else.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, get_schedule_class
+
+from titan_cotrain.cotrain.step import PolicyLossFn
+from titan_cotrain.models.draft import Draft
+from titan_cotrain.models.transformer import Transformer
+from titan_cotrain.parallel.pipeline.loss import CotrainLoss
+from titan_cotrain.parallel.pipeline.plan import PipelinePlan, layers_per_stage_from_fqns, plan_pipeline
+from titan_cotrain.parallel.pipeline.stage import LocalPolicy, TransformerStage
+from titan_cotrain.parallel.tap_channel import TapChannel
+
+__all__ = ["Pipeline", "build_pipeline", "build_schedule", "make_pipeline"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Zero-bubble schedules: their weight passes do not compose with FSDP-sharded stages (yet).
+_WEIGHT_PASS_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+def build_schedule(
+    schedule: str, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable
+) -> PipelineScheduleSingle | PipelineScheduleMulti:
+    """torch's schedule ``schedule`` over this rank's ``stages``, with gradient scaling off
+    (``pipeline_step`` normalises by the true token counts instead)."""
+    schedule_cls = get_schedule_class(schedule)
+    if issubclass(schedule_cls, PipelineScheduleSingle):
+        if len(stages) != 1:
+            raise ValueError(f"schedule {schedule} runs one stage per rank, got {len(stages)}")
+        return schedule_cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return schedule_cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+@dataclass
+class Pipeline:
+    """Everything one PP rank needs to run a co-training step.
+
+    ``model_parts``: this rank's stage modules (one per stage, the draft inside the last);
+    ``local_policy``: their policy modules without the draft, under the whole model's names
+    (what the policy's optimizer and checkpoint wrap); ``stages``: torch's
+    ``PipelineStage`` around each part; ``loss``: the last stage's loss (present on every
+    rank, only called where the last stage runs); ``channel``: None when the draft is off.
+    ``loss_group``: the data-parallel x CP ranks of this PP coordinate, which share the global
+    token counts (None: neither); ``device``: where microbatches go.
+    """
+
+    schedule: PipelineScheduleSingle | PipelineScheduleMulti
+    stages: list[PipelineStage]
+    model_parts: list[TransformerStage]
+    local_policy: LocalPolicy
+    loss: CotrainLoss
+    channel: TapChannel | None
+    plan: PipelinePlan
+    pp_mesh: DeviceMesh  # this rank's PP column
+    pp_group: dist.ProcessGroup
+    microbatch_size: int
+    n_microbatches: int
+    draft_loss_weight: float
+    device: torch.device
+    draft_loss_on: str = "response"
+    loss_group: dist.ProcessGroup | None = None
+    cp_group: dist.ProcessGroup | None = None
+    cp_row_len: int | None = None
+    tied_group: dist.ProcessGroup | None = field(default=None, repr=False)
+
+    @property
+    def has_last_stage(self) -> bool:
+        return any(stage.is_last for stage in self.stages)
+
+    @property
+    def has_first_stage(self) -> bool:
+        return any(stage.is_first for stage in self.stages)
+
+    @property
+    def draft(self) -> Draft | None:
+        """The draft, on the last stage's rank (None elsewhere, and when the draft is off)."""
+        return next((part.draft for part in self.model_parts if part.draft is not None), None)
+
+    def draft_parameters(self) -> list[nn.Parameter]:
+        """The draft's parameters (none off the last stage's rank)."""
+        return list(self.draft.parameters()) if self.draft is not None else []
+
+    def policy_parameters(self) -> list[nn.Parameter]:
+        """This rank's policy parameters: ``local_policy``'s. Optimizers and clipping take
+        these and ``draft_parameters`` apart (torchtitan's optimizer builder over
+        ``model_parts`` would put the draft in the policy's optimizer)."""
+        return list(self.local_policy.parameters())
+
+    def tied_weight(self) -> nn.Parameter | None:
+        """The embedding tied to the head, on the first and the last stage's ranks."""
+        if self.tied_group is None:
+            return None
+        return next(m.weight for m in (self.local_policy.embed_tokens, self.local_policy.lm_head) if m is not None)
+
+
+def _example(shape, dtype, requires_grad: bool) -> torch.Tensor:
+    """Static stage metadata (no memory, no shape inference run through the model)."""
+    return torch.empty(shape, dtype=dtype, device="meta", requires_grad=requires_grad)
+
+
+def _tied_group(policy: Transformer, plan: PipelinePlan, pp_ranks: list[int], pp_rank: int):
+    """A two-rank group over the first and last stage when the head is tied to the
+    embedding, so the tied weight's two gradient halves can be summed."""
+    if policy.lm_head.weight is not policy.embed_tokens.weight:
+        return None
+    first, last = plan.stage_ranks[0], plan.stage_ranks[-1]
+    if first == last:
+        raise NotImplementedError(
+            "tied embeddings with a V schedule put the embedding and the head on one rank in two model parts "
+            "(one parameter, two optimizers); use a looped schedule or an untied model"
+        )
+    if pp_rank not in (first, last):
+        return None
+    return dist.new_group([pp_ranks[first], pp_ranks[last]], use_local_synchronization=True)
+
+
+def make_pipeline(
+    policy: Transformer,
+    draft: Draft | None,
+    pp_mesh,
+    plan: PipelinePlan,
+    *,
+    microbatch_size: int,
+    n_microbatches: int,
+    seq_len: int,
+    policy_loss_fn: PolicyLossFn,
+    ttt_steps: int,
+    pass_decay: float,
+    draft_loss_weight: float,
+    draft_loss_on: str = "response",
+    loss_group: dist.ProcessGroup | None = None,
+    cp_mesh=None,
+    cp_row_len: int | None = None,
+    tap_prefetch: int = 2,
+    tap_timeout: timedelta | None = None,
+    device: torch.device | str | None = None,
+    shard: Callable[[nn.Module], None] | None = None,
+    activation_dtype: torch.dtype | None = None,
+) -> Pipeline:
+    """Split ``policy`` (whole, or built on the meta device) into this rank's stages as
+    ``plan`` says, put ``draft`` on the last stage, and build the TapChannel and the schedule.
+
+    ``pp_mesh``: the 1-D ``pp`` device mesh of this rank's PP column. Batches must be
+    ``[n_microbatches * microbatch_size, seq_len]`` host rows. ``loss_group``: the
+    data-parallel x CP ranks of this PP coordinate, which share the global token counts;
+    with more than one data-parallel rank, ``shard`` must shard the stages over them
+    (``shard(module)`` is applied to the draft, then to every stage module: FSDP2), and
+    ``activation_dtype`` is the dtype the stages compute in (FSDP's mixed precision;
+    default the parameters'). ``cp_mesh``: this rank's 1-D ``cp`` mesh for context
+    parallelism, with ``cp_row_len``, the fixed padded row length every microbatch is sharded
+    to (see ``titan_cotrain.parallel.context_parallel.plan_padded_rows``). ``device``: where
+    microbatches and taps live (default: the policy's; pass it when the policy is on meta).
+    The stage modules reference the policy's modules (no copy); the layers of other stages
+    are not referenced and go away with the caller's ``policy``. ``tap_prefetch`` and
+    ``tap_timeout``: the TapChannel's receives posted ahead and bound on every wait.
+    """
+    pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    pp_ranks = pp_mesh.mesh.flatten().tolist()
+    pp_group = pp_mesh.get_group()
+    if plan.pp != pp:
+        raise ValueError(f"the plan is for {plan.pp} PP ranks, the mesh has {pp}")
+    cp_group, local_len = None, seq_len
+    cp_size = 1
+    if cp_mesh is not None:
+        if not cp_row_len or cp_row_len % (2 * cp_mesh.size()):
+            raise ValueError(f"context parallelism needs a fixed cp_row_len, a multiple of 2 x cp = "
+                             f"{2 * cp_mesh.size()}; got {cp_row_len}")
+        cp_group, local_len, cp_size = cp_mesh.get_group(), cp_row_len // cp_mesh.size(), cp_mesh.size()
+    if loss_group is not None and dist.get_world_size(loss_group) > cp_size and shard is None:
+        raise ValueError("data parallelism under PP shards the stages: pass shard (FSDP over the data-parallel "
+                         "x CP mesh)")
+    if shard is not None and plan.schedule in _WEIGHT_PASS_SCHEDULES:
+        raise ValueError(f"schedule {plan.schedule} runs the weight-gradient passes apart from backward, after "
+                         "FSDP's reduce-scatter of the stage; with data or context parallelism under PP use GPipe, "
+                         "1F1B, Interleaved1F1B or LoopedBFS")
+    tied_group = _tied_group(policy, plan, pp_ranks, pp_rank)
+    param = policy.embed_tokens.weight
+    device = torch.device(device) if device is not None else param.device
+    dtype = activation_dtype or param.dtype
+    hidden_shape = (microbatch_size * local_len, policy.args.dim)
+    channel = None
+    if draft is not None:
+        channel = TapChannel(pp_ranks=pp_ranks, pp_rank=pp_rank, consumer=plan.stage_ranks[-1],
+                             owners=plan.tap_owners(policy.tap_layers),
+                             shape=(microbatch_size, local_len, policy.args.dim), dtype=dtype,
+                             device=device, prefetch=tap_prefetch, timeout=tap_timeout)
+    last_rank = pp_rank == plan.stage_ranks[-1]
+    loss = CotrainLoss(policy_loss_fn, draft if last_rank else None, channel, policy.tap_layers,
+                       ttt_steps=ttt_steps, pass_decay=pass_decay)
+    if shard is not None and draft is not None and last_rank:
+        shard(draft)
+    stages, parts = [], []
+    last = plan.num_stages - 1
+    for i in plan.stages_of(pp_rank):
+        part = TransformerStage(policy, plan.layer_ranges[i], first=i == 0, last=i == last, draft=draft,
+                                channel=channel)
+        if i == last:
+            part.head = loss.head
+        if shard is not None:
+            shard(part)
+        inputs = (_example((microbatch_size, local_len), torch.int64, False) if i == 0
+                  else _example(hidden_shape, dtype, True))
+        outputs = _example((), torch.float32, True) if i == last else _example(hidden_shape, dtype, True)
+        stages.append(PipelineStage(part, i, plan.num_stages, device, input_args=inputs, output_args=outputs,
+                                    group=pp_group))
+        parts.append(part)
+    sched = build_schedule(plan.schedule, stages, n_microbatches, loss)
+    expected = dict(enumerate(plan.stage_ranks))
+    if getattr(sched, "stage_index_to_group_rank", expected) != expected:
+        raise RuntimeError(f"schedule {plan.schedule} places stages as {sched.stage_index_to_group_rank}, "
+                           f"the plan as {expected}")
+    return Pipeline(schedule=sched, stages=stages, model_parts=parts, local_policy=LocalPolicy(parts), loss=loss,
+                    channel=channel, plan=plan, pp_mesh=pp_mesh, pp_group=pp_group, microbatch_size=microbatch_size,
+                    n_microbatches=n_microbatches, draft_loss_weight=draft_loss_weight, device=device,
+                    draft_loss_on=draft_loss_on, loss_group=loss_group, cp_group=cp_group, cp_row_len=cp_row_len,
+                    tied_group=tied_group)
+
+
+def build_pipeline(
+    policy: Transformer,
+    draft: Draft | None,
+    config,
+    pp_mesh,
+    *,
+    policy_loss_fn: PolicyLossFn,
+    loss_group: dist.ProcessGroup | None = None,
+    cp_mesh=None,
+    cp_row_len: int | None = None,
+    device: torch.device | str | None = None,
+    shard: Callable[[nn.Module], None] | None = None,
+) -> Pipeline:
+    """``make_pipeline`` from a job config: ``[parallelism] pipeline_parallel_schedule``,
+    ``pipeline_parallel_microbatch_size``, ``module_fqns_per_model_part`` (explicit split,
+    our module names) or ``pipeline_parallel_layers_per_stage``, the first/last stage
+    weights; ``[training] local_batch_size, seq_len``; ``[draft]`` TTT settings;
+    ``[comm] train_timeout_seconds`` bounds the TapChannel's waits; under mixed precision
+    (``[training] mixed_precision_param``) the stages pass activations in that dtype. With
+    ``context_parallel_degree > 1``, pass the ``cp`` mesh and the CP row length; ``device``
+    and ``shard`` as in ``make_pipeline``."""
+    p, t, d = config.parallelism, config.training, config.draft
+    if p.pipeline_parallel_schedule_csv:
+        raise NotImplementedError("parallelism.pipeline_parallel_schedule_csv is not supported")
+    if (p.context_parallel_degree > 1) != (cp_mesh is not None):
+        raise ValueError(f"parallelism.context_parallel_degree is {p.context_parallel_degree}: pass cp_mesh "
+                         "(and cp_row_len) exactly when it is above 1")
+    n_layers = policy.args.n_layers
+    layers_per_stage = stages_per_rank = None
+    if p.module_fqns_per_model_part:
+        layers_per_stage = layers_per_stage_from_fqns(p.module_fqns_per_model_part, n_layers)
+    elif p.pipeline_parallel_layers_per_stage:
+        weight = p.pipeline_parallel_first_stage_less_layers + p.pipeline_parallel_last_stage_less_layers
+        n_stages = math.ceil((n_layers + weight) / p.pipeline_parallel_layers_per_stage)
+        if n_stages % p.pipeline_parallel_degree:
+            raise ValueError(f"parallelism.pipeline_parallel_layers_per_stage gives {n_stages} stages, "
+                             f"not a multiple of pipeline_parallel_degree {p.pipeline_parallel_degree}")
+        stages_per_rank = n_stages // p.pipeline_parallel_degree
+    plan = plan_pipeline(
+        n_layers, p.pipeline_parallel_degree, p.pipeline_parallel_schedule, layers_per_stage=layers_per_stage,
+        stages_per_rank=stages_per_rank, first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
+        last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers,
+    )
+    mb = p.pipeline_parallel_microbatch_size
+    return make_pipeline(
+        policy, draft, pp_mesh, plan, microbatch_size=mb, n_microbatches=t.local_batch_size // mb,
+        seq_len=t.seq_len, policy_loss_fn=policy_loss_fn, ttt_steps=d.ttt_steps, pass_decay=d.pass_decay,
+        draft_loss_weight=d.loss_weight, draft_loss_on=d.loss_on, loss_group=loss_group, cp_mesh=cp_mesh,
+        cp_row_len=cp_row_len, tap_timeout=timedelta(seconds=config.comm.train_timeout_seconds),
+        device=device, shard=shard,
+        activation_dtype=_DTYPES[t.mixed_precision_param] if shard is not None else None,
+    )

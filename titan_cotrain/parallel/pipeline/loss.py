@@ -1,0 +1,79 @@
+"""The last stage's half of the co-training objective (``titan_cotrain.cotrain.step``).
+
+The last stage's forward calls ``CotrainLoss.head`` in place of its ``lm_head``: the chunked
+policy loss and the draft's teacher of microbatch ``m`` (the same ``policy_head`` a one-stage
+step runs), whose policy *sum* is the stage's output. The schedule then calls the loss
+function on it, which runs the draft's TTT forward *and* backward for microbatch ``m`` on
+the taps the TapChannel brought (``draft_sums``, the one-stage step's): the draft's inputs are
+detached, its graph is its own, so the schedule never runs its backward, zero-bubble weight
+passes have nothing to miss, and the taps' landing slots are free when the loss returns. The
+loss returns the policy sum, which the schedule backpropagates. All sums go to one
+``CotrainSums``; ``pipeline_step`` turns them into gradient scales after the last microbatch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from titan_cotrain.cotrain.step import (
+    CotrainSums,
+    Microbatch,
+    PolicyLossFn,
+    add_policy_sums,
+    draft_sums,
+    policy_head,
+)
+from titan_cotrain.models.draft import Draft
+from titan_cotrain.parallel.tap_channel import EMBEDDINGS, TapChannel
+
+__all__ = ["CotrainLoss"]
+
+
+class CotrainLoss:
+    """``head`` (called inside the last stage's forward) and the schedule's
+    ``loss_fn(policy_sum, rows)`` (called after it, in microbatch order). ``policy_loss_fn``
+    and ``train_draft`` may change between steps (``pipeline_step`` sets them): a trainer's
+    warm start and RL phases share one pipeline."""
+
+    def __init__(self, policy_loss_fn: PolicyLossFn, draft: Draft | None, channel: TapChannel | None,
+                 tap_layers: Sequence[int], *, ttt_steps: int, pass_decay: float, chunk_tokens: int = 2048) -> None:
+        self.policy_loss_fn, self.draft, self.channel = policy_loss_fn, draft, channel
+        self.tap_layers = tuple(tap_layers)
+        self.ttt_steps, self.pass_decay, self.chunk_tokens = ttt_steps, pass_decay, chunk_tokens
+        self.train_draft = True
+        self.sums = CotrainSums()
+        self._microbatches: Sequence[Microbatch] = ()
+        self._heads: dict[int, object] = {}
+        self._next = 0
+
+    def begin_step(self) -> None:
+        """Start a ``pipeline_step`` (one or more schedule steps): the sums restart."""
+        self.sums = CotrainSums()
+
+    def begin_schedule_step(self, microbatches: Sequence[Microbatch]) -> None:
+        self._microbatches, self._heads, self._next = microbatches, {}, 0
+
+    def head(self, hidden: torch.Tensor, weight: torch.Tensor, microbatch: int) -> torch.Tensor:
+        draft = self.draft if self.train_draft else None
+        head_out = policy_head(self._microbatches[microbatch], self.policy_loss_fn, draft, self.chunk_tokens)(
+            hidden, weight)
+        self._heads[microbatch] = head_out
+        return add_policy_sums(self.sums, head_out)
+
+    def __call__(self, policy_sum: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        microbatch = int(rows[0]) // rows.numel()  # rows: the schedule's host target
+        if microbatch != self._next:
+            raise RuntimeError(f"CotrainLoss: got microbatch {microbatch}, expected {self._next} (in-order losses)")
+        self._next += 1
+        head_out = self._heads.pop(microbatch)
+        if self.draft is not None and self.train_draft:
+            mb = self._microbatches[microbatch]
+            b, s = mb.positions.shape
+            taps = self.channel.receive(microbatch)
+            draft_sums(self.draft, mb, torch.cat([taps[layer] for layer in self.tap_layers], dim=-1).reshape(b * s, -1),
+                       taps[EMBEDDINGS].reshape(b * s, -1), head_out, self.sums, ttt_steps=self.ttt_steps,
+                       pass_decay=self.pass_decay, chunk_tokens=self.chunk_tokens).backward()
+            self.channel.release(microbatch)
+        return policy_sum

@@ -1,0 +1,103 @@
+"""The stage module: a contiguous range of the policy's decoder layers, under their
+whole-model names, plus the embedding on the first stage and the final norm, the head and
+the draft on the last.
+
+Microbatch metadata (``cu_seqlens`` on the host, positions on the device, the CP shard) is
+prepared once per schedule step by ``pipeline_step`` and handed to every stage as
+``microbatches``; a stage reads its microbatch's entry by counting the distinct inputs of its
+forwards (every schedule runs a stage's forwards in microbatch order; a recompute reuses its
+input). So the only tensor a stage receives
+is its activation, and nothing the host needs goes through FSDP's moving of inputs to the
+device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from titan_cotrain.cotrain.step import Microbatch
+from titan_cotrain.models.draft import Draft
+from titan_cotrain.models.transformer import Transformer, rope_cos_sin
+from titan_cotrain.parallel.tap_channel import EMBEDDINGS, TapChannel
+
+__all__ = ["LocalPolicy", "TransformerStage"]
+
+
+class TransformerStage(nn.Module):
+    """One pipeline stage of the target.
+
+    ``forward(x)``: ``x`` is ``tokens: int64 [mb, S_local]`` on the first stage, the packed
+    hidden stream ``[mb * S_local, H]`` elsewhere (a fresh tensor, never a view, which
+    zero-bubble schedules detach in place). Returns the hidden stream, or on the last stage
+    what ``head(final-normed hidden [mb * S_local, H], lm_head weight, microbatch)`` returns
+    (the co-training loss's policy sum, ``CotrainLoss.head``): no ``[mb, S, V]`` logits. The
+    ops are ``Transformer.forward``'s, so hidden states and taps are bitwise the single-device
+    ones. With a ``channel``, the detached ``[mb, S_local, H]`` output of every tapped layer
+    it holds (and the embedding output) is sent the moment it is computed.
+    """
+
+    def __init__(self, policy: Transformer, layers: range, *, first: bool, last: bool,
+                 draft: Draft | None = None, channel: TapChannel | None = None) -> None:
+        super().__init__()
+        self.embed_tokens = policy.embed_tokens if first else None
+        self.layers = nn.ModuleDict({str(i): policy.layers[i] for i in layers})
+        self.norm = policy.norm if last else None
+        self.lm_head = policy.lm_head if last else None
+        self.draft = draft if last else None
+        self.register_buffer("rope_inv_freq", policy.rope_inv_freq, persistent=False)
+        self.channel = channel
+        sources = ({EMBEDDINGS} if first else set()) | (set(layers) & set(policy.tap_layers))
+        self.tap_sources = frozenset(sources) if channel is not None else frozenset()
+        self.send_taps = True  # off in a step that does not train the draft (``pipeline_step``)
+        self.microbatches: Sequence[Microbatch] = ()
+        self.head: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None
+        self._inputs: list[tuple[torch.Tensor, int]] = []
+
+    def begin_schedule_step(self, microbatches: Sequence[Microbatch]) -> None:
+        self.microbatches, self._inputs = microbatches, []
+
+    def _microbatch_of(self, x: torch.Tensor) -> int:
+        """The microbatch of input ``x``: the next one, unless ``x`` was seen before (an
+        activation-checkpoint recompute calls forward again on the same input object)."""
+        for seen, microbatch in self._inputs:
+            if seen is x:
+                return microbatch
+        self._inputs.append((x, len(self._inputs)))
+        return len(self._inputs) - 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        microbatch = self._microbatch_of(x)
+        mb = self.microbatches[microbatch]
+        b, s = mb.positions.shape
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(x.reshape(-1))
+            self._tap(microbatch, EMBEDDINGS, x, b, s)
+        cos, sin = rope_cos_sin(self.rope_inv_freq, mb.positions.reshape(-1), x.dtype)
+        for name, layer in self.layers.items():
+            x = layer(x, cos, sin, mb.cu_seqlens, mb.shard)
+            self._tap(microbatch, int(name), x, b, s)
+        if self.lm_head is None:
+            return x
+        return self.head(self.norm(x), self.lm_head.weight, microbatch)
+
+    def _tap(self, microbatch: int, source: int, x: torch.Tensor, b: int, s: int) -> None:
+        if self.send_taps and source in self.tap_sources:
+            self.channel.send(microbatch, source, x.detach().view(b, s, -1))
+
+
+class LocalPolicy(nn.Module):
+    """The policy modules of one PP rank's stages under the whole model's names
+    (``embed_tokens``, ``layers.<i>``, ``norm``, ``lm_head``; those of other ranks' stages
+    absent), without the draft: what the policy's optimizer, clipping and checkpoint hold,
+    so checkpoint keys are the whole model's FQNs. It shares the stages' modules and is
+    never called itself."""
+
+    def __init__(self, parts: Sequence[TransformerStage]) -> None:
+        super().__init__()
+        self.embed_tokens = next((p.embed_tokens for p in parts if p.embed_tokens is not None), None)
+        self.layers = nn.ModuleDict({name: layer for p in parts for name, layer in p.layers.items()})
+        self.norm = next((p.norm for p in parts if p.norm is not None), None)
+        self.lm_head = next((p.lm_head for p in parts if p.lm_head is not None), None)

@@ -70,6 +70,7 @@ from titan_cotrain.models.draft import Draft, DraftArgs
 from titan_cotrain.models.transformer import Transformer
 from titan_cotrain.parallel.pipeline import (
     CotrainLoss,
+    LocalPolicy,
     Pipeline,
     TransformerStage,
     build_schedule,
@@ -143,12 +144,12 @@ class NaiveStage(TransformerStage):
     before it as extra inputs and returns them, with its own appended, beside the hidden
     stream; the last stage hands them all to a rank-local TapChannel for the loss."""
 
-    def forward(self, x, *carried, document_ids, rows):
+    def forward(self, x, *carried):
         self._carried = list(carried)
-        out = super().forward(x, document_ids=document_ids, rows=rows)
+        microbatch = self._microbatch_of(x)
+        out = super().forward(x)
         if self.lm_head is None:
             return (out, *self._carried)
-        microbatch = int(rows[0]) // rows.numel()
         for source, tap in zip(self.channel.sources, self._carried):  # produced in ascending source order
             self.channel.send(microbatch, source, tap)
         return out
@@ -179,8 +180,10 @@ def naive_pipeline(policy: Transformer, draft: Draft, mesh, plan) -> Pipeline:
     stages, parts = [], []
     for i in plan.stages_of(pp_rank):
         part = NaiveStage(policy, plan.layer_ranges[i], first=i == 0, last=i == last, draft=draft, channel=channel)
+        if i == last:
+            part.head = loss.head
         inputs = (meta((1, SEQ), torch.int64),) if i == 0 else (hidden, *[meta(tap_shape)] * taps_before(i))
-        outputs = (meta((1, SEQ, MODEL.vocab_size), grad=True) if i == last
+        outputs = (meta((), grad=True) if i == last
                    else (hidden, *[meta(tap_shape)] * taps_before(i + 1)))
         from torch.distributed.pipelining import PipelineStage
 
@@ -188,8 +191,9 @@ def naive_pipeline(policy: Transformer, draft: Draft, mesh, plan) -> Pipeline:
                                     output_args=outputs, group=mesh.get_group()))
         parts.append(part)
     return Pipeline(schedule=build_schedule(plan.schedule, stages, MICROBATCHES, loss), stages=stages,
-                    model_parts=parts, loss=loss, channel=channel, plan=plan, pp_group=mesh.get_group(),
-                    microbatch_size=1, n_microbatches=MICROBATCHES, draft_loss_weight=STEP["draft_loss_weight"])
+                    model_parts=parts, local_policy=LocalPolicy(parts), loss=loss, channel=channel, plan=plan,
+                    pp_mesh=mesh, pp_group=mesh.get_group(), microbatch_size=1, n_microbatches=MICROBATCHES,
+                    draft_loss_weight=STEP["draft_loss_weight"], device=torch.device("cpu"))
 
 
 def build(mode: str, schedule: str, mesh) -> Pipeline:

@@ -307,7 +307,7 @@ def test_an_engine_built_from_fsdp_sharded_models_holds_their_weights():
 def test_rollout_progress_bar_draws_after_its_delay_and_clears():
     import io
 
-    from titan_cotrain.rl.trainer import RolloutProgress
+    from titan_cotrain.rl.progress import RolloutProgress
 
     quiet = RolloutProgress(delay_s=3600, stream=io.StringIO())
     quiet(1, 4)

@@ -1,22 +1,25 @@
 """The RL trainer: warm start, then rollouts -> rewards -> GRPO -> co-trained update, per step.
 
-Every data-parallel rank generates for its own share of the prompts with its own
-inference copy of the policy and draft (colocated; context-parallel peers generate the
-same rollouts and train them zigzag-sharded), trains its packed rows with FSDP2 over the
-data-parallel (x context-parallel) mesh, and refreshes the engine's weights from the sharded training state
-after each update. Step ``s`` is a warm-start (SFT) step for ``s <= task.sft_steps`` and
-an RL step after; its prompts and sampling seeds derive from ``(debug.seed, s, dp rank)``, so
-a run resumed from a checkpoint of step ``s`` repeats the uninterrupted run exactly.
+``Trainer.__init__`` builds everything once (``titan_cotrain.parallel.parallelize``: models
+built on meta, sharded, filled slice by slice; the bf16 rollout engine with its KV budget);
+a step is a rollout phase (``rollout_phase``: generate, score, GRPO advantages, host samples)
+and an update phase (``update_phase``: pack on the host, microbatched forward/backward with
+the gradients scaled by the global counts, clipping, optimizer steps); ``run`` is the loop.
 
-With pipeline parallelism (``pipeline_parallel_degree > 1``) every PP rank of a data-parallel
-(and CP) column generates the same rollouts with whole-model engine copies, refreshed each RL
-step by broadcasting every stage's weights from its rank; each minibatch is padded with empty
-rows (loss mask 0) to a multiple of the rows of one schedule step
+Every data-parallel rank generates for its own share of the prompts with its own inference
+copy of the policy and draft (colocated; context-parallel and pipeline peers generate the
+same rollouts), trains its packed rows with FSDP2 over the data-parallel (x context-parallel)
+mesh, and refreshes the engine's weights from the sharded training state, one tensor at a
+time, before each RL step. Step ``s`` is a warm-start (SFT) step for ``s <= task.sft_steps``
+and an RL step after; its prompts and sampling seeds derive from ``(debug.seed, s, dp
+rank)``, so a run resumed from a checkpoint of step ``s`` repeats the uninterrupted run
+exactly. Without PP an update runs in microbatches of ``training.local_batch_size`` rows.
+
+With pipeline parallelism (``pipeline_parallel_degree > 1``) each minibatch is padded with
+empty rows (loss mask 0) to a multiple of the rows of one schedule step
 (``training.local_batch_size``) and runs as one ``pipeline_step`` (several schedule steps
-accumulate) and one optimizer update, as without PP. The data-parallel dimensions
-(``data_parallel_shard_degree`` and ``data_parallel_replicate_degree``) then *replicate* the
-stages (no FSDP sharding yet): ``pipeline_step`` sums their gradients over the data-parallel
-x CP ranks, DDP-style, before the global clipping. The policy optimizer and checkpoint hold
+accumulate) and one optimizer update, as without PP. The stages are FSDP-sharded over the
+data-parallel x CP ranks of their PP coordinate. The policy optimizer and checkpoint hold
 this rank's stages under the whole model's names; the draft, its optimizer and its
 checkpoint live on the last stage's ranks. The last stage's rank of rank 0's PP column logs.
 
@@ -24,11 +27,9 @@ Under context parallelism, rows are packed in the CP layout (``pack_samples(pad_
 every row's zigzag layout is exactly ``training.seq_len`` tokens, the fixed CP row length the
 pipeline's stages are built for.
 """
-
 import json
 import os
 import random
-import sys
 import time
 
 import torch
@@ -39,13 +40,12 @@ from titan_cotrain.components import titan
 from titan_cotrain.config import resolve_model_args
 from titan_cotrain.cotrain.step import PackedBatch, PolicyLoss, clip_and_step, forward_backward
 from titan_cotrain.data.packing import LabelRows, layout_from_document_ids
-from titan_cotrain.models.build import build_draft, build_target, init_draft_, init_target_, job_seed
-from titan_cotrain.models.transformer import rope_inv_freq
-from titan_cotrain.parallel.activation_checkpoint import apply_activation_checkpointing
-from titan_cotrain.parallel.fsdp import apply_fsdp, copy_whole_into_
-from titan_cotrain.parallel.pipeline import build_pipeline, gather_state_dict, pipeline_step
+from titan_cotrain.models.build import job_seed
+from titan_cotrain.parallel.parallelize import copy_shards, parallelize
+from titan_cotrain.parallel.pipeline import gather_state_dict, pipeline_step
 from titan_cotrain.parallel.pipeline import clip_and_step as pipeline_clip_and_step
 from titan_cotrain.rl.batching import Sample, pack_samples
+from titan_cotrain.rl.progress import RolloutProgress, progress_bar
 from titan_cotrain.rl.grpo import group_advantages, next_token_logprobs, ppo_loss
 from titan_cotrain.rl.rollout import RolloutEngine
 from titan_cotrain.rl.sampling import SamplingParams
@@ -58,35 +58,6 @@ def next_token_loss(logits: torch.Tensor, rows: LabelRows) -> PolicyLoss:
     """Summed CE of each position's next token inside its document, over training targets."""
     ce = F.cross_entropy(logits.flatten(0, 1).float(), rows.next_tokens.flatten(), reduction="none")
     return PolicyLoss((ce * rows.next_token_mask.flatten()).sum(), rows.next_token_mask.sum())
-
-
-def _progress(done: int, total: int, width: int = 20) -> str:
-    """``[#####...............]   40/200``: the phase's progress bar of the console line."""
-    filled = round(width * done / max(total, 1))
-    return f"[{'#' * filled}{'.' * (width - filled)}] {done:>4}/{total}"
-
-
-class RolloutProgress:
-    """The console progress bar of a long rollout: after ``delay_s`` it redraws one line
-    (``rollout [####....]  300/768 responses``) at most every ``interval_s`` and clears it
-    when the rollout ends, so short rollouts print nothing."""
-
-    def __init__(self, delay_s: float = 2.0, interval_s: float = 1.0, stream=None) -> None:
-        self.delay_s, self.interval_s, self.stream = delay_s, interval_s, stream or sys.stdout
-        self.start = time.monotonic()
-        self.last_draw = None
-
-    def __call__(self, finished: int, total: int) -> None:
-        now = time.monotonic()
-        if now - self.start < self.delay_s or (self.last_draw is not None and now - self.last_draw < self.interval_s):
-            return
-        self.last_draw = now
-        print(f"\rrollout {_progress(finished, total)} responses  {now - self.start:.0f}s", end="",
-              file=self.stream, flush=True)
-
-    def close(self) -> None:
-        if self.last_draw is not None:
-            print("\r\033[K", end="", file=self.stream, flush=True)
 
 
 class _TrainerState:
@@ -126,43 +97,6 @@ def _load_tokenizer(config, simulation=None):
     return titan.load_tokenizer(path)
 
 
-def _take_host_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Swap a meta-built module's host buffers (the draft's vocabulary maps) for meta ones and
-    return them: FSDP moves buffers to the device by ``.data =``, which host tensors refuse."""
-    host = {}
-    for name, buffer in list(module.named_buffers()):
-        if buffer.device.type == "cpu":
-            owner_name, _, leaf = name.rpartition(".")
-            owner = module.get_submodule(owner_name)
-            host[name] = buffer
-            owner.register_buffer(leaf, torch.empty_like(buffer, device="meta"),
-                                  persistent=leaf not in owner._non_persistent_buffers_set)
-    return host
-
-
-def _materialize(module: torch.nn.Module, device: torch.device, host: dict[str, torch.Tensor]) -> None:
-    """A meta-built (and possibly sharded) module's storage on ``device``, uninitialised,
-    with the ``host`` buffers ``_take_host_buffers`` kept copied back. Parameters are swapped
-    in place (``swap_tensors``), so tied ones (embedding and head) stay one parameter."""
-    swap = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
-        module.to_empty(device=device)
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(swap)
-    with torch.no_grad():
-        for name, buffer in module.named_buffers():
-            if name in host:
-                buffer.copy_(host[name])
-
-
-@torch.no_grad()
-def _copy_shards(source: torch.nn.Module, target: torch.nn.Module) -> None:
-    """``target``'s parameters <- ``source``'s, shard by shard (both sharded alike)."""
-    for dst, src in zip(target.parameters(), source.parameters()):
-        (dst.to_local() if hasattr(dst, "to_local") else dst).copy_(src.to_local() if hasattr(src, "to_local") else src)
-
-
 class Trainer:
     """Builds everything a job config asks for; ``run()`` trains to ``task.sft_steps +
     training.steps`` steps, resuming from the latest checkpoint when there is one.
@@ -190,18 +124,26 @@ class Trainer:
         self.total_steps = config.task.sft_steps + config.training.steps
         self.prompts_per_rank = config.rl.prompts_per_step // self.dp_degree
 
-        self.pipeline = None
+        vocab = resolve_model_args(config).vocab_size
+        if self.tokenizer.get_vocab_size() > vocab:
+            raise ValueError(f"tokenizer has {self.tokenizer.get_vocab_size()} tokens but the model's vocabulary "
+                             f"is {vocab}")
+        counts = self._demonstration_counts() if config.draft.enable and config.draft.vocab_size else None
+        models = parallelize(config, dims, world_size, self.device, policy_loss_fn=next_token_loss,
+                             token_counts=counts, fill=simulation is None)
+        self.policy, self.draft, self.reference, self.pipeline = (models.policy, models.draft, models.reference,
+                                                                  models.pipeline)
         self.log_rank = 0
-        if dims.pp_enabled:
-            self._build_pipeline(config, dims)
-        else:
-            self._build_sharded(config, world_size)
+        if self.pipeline is not None:
+            # PP columns differ by an offset and rank 0's starts at 0: its last stage's rank.
+            pp_ranks = dims.get_mesh("pp").mesh.flatten().tolist()
+            self.log_rank = pp_ranks[self.pipeline.plan.stage_ranks[-1]] - pp_ranks[0]
         self.cotrain = config.draft.enable  # under PP, self.draft is None off the last stage
         self.engine = RolloutEngine.from_models(
-            self.engine_policy_source, self.engine_draft_source, device=self.device,
+            models.engine_policy, models.engine_draft, device=self.device,
             max_batch_size=max(self.prompts_per_rank * config.rl.group_size, 1),
             max_seq_len=config.training.seq_len, max_draft_tokens=config.rollout.draft_tokens,
-            kv_cache_gib=config.rollout.kv_cache_gib, load=self.pipeline is None,
+            kv_cache_gib=config.rollout.kv_cache_gib, load=models.engine_loadable,
         )
         self.policy_opt = titan.build_optimizers([self.policy], config.optimizer, self.parallel_dims)
         self.policy_lr = titan.build_lr_schedulers(self.policy_opt, config.lr_scheduler, self.total_steps)
@@ -225,87 +167,6 @@ class Trainer:
             if config.metrics.enable_tensorboard:
                 self.tb = titan.tensorboard_logger(os.path.join(config.job.dump_folder,
                                                                 config.metrics.save_tb_folder))
-
-    def _build_sharded(self, config, world_size: int) -> None:
-        """Policy, draft and KL reference built on the meta device, activation-checkpointed and
-        FSDP-sharded there, then materialised on the device and filled one whole tensor at a
-        time on the host (each rank keeps its slices): no rank ever holds a whole model."""
-        self.policy = build_target(config, device="meta")
-        if self.tokenizer.get_vocab_size() > self.policy.args.vocab_size:
-            raise ValueError(f"tokenizer has {self.tokenizer.get_vocab_size()} tokens but the model's vocabulary "
-                             f"is {self.policy.args.vocab_size}")
-        counts = self._demonstration_counts() if config.draft.enable and config.draft.vocab_size else None
-        self.draft = build_draft(config, self.policy, token_counts=counts, device="meta")
-        self.reference = build_target(config, device="meta").requires_grad_(False) if config.rl.kl_coef > 0 else None
-        apply_activation_checkpointing(self.policy, config.activation_checkpoint.mode)
-        self.engine_policy_source, self.engine_draft_source = self.policy, self.draft
-        for module in (self.policy, self.draft, self.reference):
-            if module is None:
-                continue
-            host = _take_host_buffers(module)
-            if world_size > 1:
-                apply_fsdp(module, self._fsdp_mesh(), config.training.mixed_precision_param,
-                           config.training.mixed_precision_reduce)
-            _materialize(module, self.device, host)
-        if self.simulation is not None:
-            # Filling writes in place (no device memory) and fake values are unknown anyway;
-            # the host-side draws of a whole model would only cost the simulator minutes.
-            return
-        init_target_(self.policy, config, fill=copy_whole_into_)
-        if self.draft is not None:
-            init_draft_(self.draft, config, self.policy, fill=copy_whole_into_)
-        if self.reference is not None:
-            init_target_(self.reference, config, fill=copy_whole_into_)
-
-    def _build_pipeline(self, config, dims) -> None:
-        """PP: the policy and the draft are built on the meta device, split into this rank's
-        stages, FSDP-sharded over the data-parallel x CP ranks of the stage (when there are
-        any), materialised, and filled from the whole-model init, keeping only what this
-        rank holds (so every layout gets the single-device values)."""
-        policy = build_target(config, device="meta")
-        counts = self._demonstration_counts() if config.draft.enable and config.draft.vocab_size else None
-        draft = build_draft(config, policy, token_counts=counts, device="meta")
-        self.reference = None  # refused with PP at start (validate_job_config)
-        self.engine_policy_source, self.engine_draft_source = policy, draft  # shapes only: filled at refresh
-        host = _take_host_buffers(draft) if draft is not None else {}
-        apply_activation_checkpointing(policy, config.activation_checkpoint.mode)
-        replicas = dims.get_mesh("loss").get_group() if dims.dp_enabled or dims.cp_enabled else None
-        shard = None
-        if dims.dp_enabled or dims.cp_enabled:
-            mesh, t = self._fsdp_mesh(), config.training
-
-            def shard(module):
-                apply_fsdp(module, mesh, t.mixed_precision_param, t.mixed_precision_reduce)
-        self.pipeline = build_pipeline(
-            policy, draft, config, dims.get_mesh("pp"), policy_loss_fn=next_token_loss,
-            loss_group=replicas, cp_mesh=dims.get_mesh("cp") if dims.cp_enabled else None,
-            cp_row_len=config.training.seq_len if dims.cp_enabled else None, device=self.device, shard=shard)
-        self.policy, self.draft = self.pipeline.local_policy, self.pipeline.draft
-        for part in self.pipeline.model_parts:
-            _materialize(part, self.device, {})
-        if self.draft is not None:
-            _materialize(self.draft, self.device, host)
-        if self.simulation is None:
-            def fill_local(param, whole):
-                if param.device.type != "meta":  # another rank's stage
-                    copy_whole_into_(param, whole)
-
-            init_target_(policy, config, fill=fill_local)
-            if self.draft is not None:
-                init_draft_(self.draft, config, policy, fill=copy_whole_into_)
-        args = policy.args
-        with torch.no_grad():
-            for part in self.pipeline.model_parts:
-                part.rope_inv_freq.copy_(rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling))
-        # PP columns differ by an offset and rank 0's starts at 0: its last stage's rank.
-        pp_ranks = dims.get_mesh("pp").mesh.flatten().tolist()
-        self.log_rank = pp_ranks[self.pipeline.plan.stage_ranks[-1]] - pp_ranks[0]
-
-    def _fsdp_mesh(self):
-        """``fsdp`` (dp_shard x cp), or HSDP's ``dp_replicate x fsdp`` when there are replicas:
-        without the replicate dimension replicas would never reduce their gradients."""
-        dims = self.parallel_dims
-        return dims.get_mesh(["dp_replicate", "fsdp"]) if dims.dp_replicate_enabled else dims.get_mesh("fsdp")
 
     @property
     def role(self) -> str:
@@ -420,8 +281,10 @@ class Trainer:
                 out |= clip_and_step(self.policy, draft, self.policy_opt, self.draft_opt, cfg.training.max_norm,
                                      cfg.draft.grad_clip)
             else:
-                out = pipeline_step(self.pipeline, self._pad_to_schedule(minibatch),
-                                    policy_loss_fn=loss_fn, train_draft=train_draft)
+                minibatch = self._pad_to_schedule(minibatch)
+                if sim is not None:  # one schedule step: memory repeats from one to the next
+                    minibatch = minibatch.map(lambda t: t[:self.pipeline.n_microbatches * self.pipeline.microbatch_size])
+                out = pipeline_step(self.pipeline, minibatch, policy_loss_fn=loss_fn, train_draft=train_draft)
                 out |= pipeline_clip_and_step(self.pipeline, self.policy_opt, self.draft_opt, cfg.training.max_norm,
                                               cfg.draft.grad_clip, train_draft=train_draft)
             for key, value in self._to_host(out).items():  # the mean over minibatches
@@ -447,7 +310,7 @@ class Trainer:
         t0 = time.perf_counter()
         self.refresh_engine()
         if self.reference is not None and step == self.config.task.sft_steps + 1:
-            _copy_shards(self.policy, self.reference)  # the reference of the KL term: the policy RL starts from
+            copy_shards(self.policy, self.reference)  # the reference of the KL term: the policy RL starts from
         t_refresh = time.perf_counter() - t0
         samples, metrics = self.rollout_phase(step)
         metrics |= self.update_phase(step, samples)
@@ -572,7 +435,7 @@ class Trainer:
             f.write(json.dumps({"step": step, "phase": phase.strip(), **metrics}) + "\n")
         sft_steps = self.config.task.sft_steps
         done, total = (step, sft_steps) if phase.strip() == "sft" else (step - sft_steps, self.config.training.steps)
-        line = f"{phase} {_progress(done, total)}  loss {metrics['loss/policy']:.4f}"
+        line = f"{phase} {progress_bar(done, total)}  loss {metrics['loss/policy']:.4f}"
         if "reward/mean" in metrics:
             line += (f"  reward {metrics['reward/mean']:.3f}  accept_len {metrics['rollout/acceptance_length']:.2f}"
                      f"  tok/s {metrics['rollout/tokens_per_s']:.0f}")

@@ -30,6 +30,8 @@ _COMM_FILES = ("_fsdp_collectives.py", "_fsdp_param.py", "_fsdp_param_group.py")
 _RESNAPSHOT_FRACTION, _RESNAPSHOT_MIN = 0.01, 2**20
 
 
+# DTensor's shape inference: its fake tensors are metadata, not memory.
+_METADATA_FILES = ("_sharding_prop.py", "_op_schema.py")
 # Allocations this big remember where they were made (the report's ``largest``).
 _SITE_BYTES = 256 * 2**20
 
@@ -54,15 +56,22 @@ def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def _in_fsdp_collective() -> bool:
+def _origin() -> str | None:
+    """What the allocation being made is: ``"communication buffers"`` inside FSDP's
+    collectives, None inside DTensor's sharding propagation (it runs ops on fake
+    global-shape tensors to learn output shapes; on a GPU those allocate nothing), else
+    ``"activations"``."""
     frame = sys._getframe(2)
-    for _ in range(40):
+    for _ in range(48):
         if frame is None:
-            return False
-        if frame.f_code.co_filename.endswith(_COMM_FILES):
-            return True
+            break
+        name = frame.f_code.co_filename
+        if name.endswith(_METADATA_FILES):
+            return None
+        if name.endswith(_COMM_FILES):
+            return "communication buffers"
         frame = frame.f_back
-    return False
+    return "activations"
 
 
 class MemoryTracker:
@@ -102,7 +111,9 @@ class MemoryTracker:
             self._live[key] = (ref, nbytes, tag, site)
             self._bytes += nbytes - old
         else:
-            tag = "communication buffers" if _in_fsdp_collective() else "activations"
+            tag = _origin()
+            if tag is None:
+                return
             site = _site() if nbytes >= _SITE_BYTES else None
             self._live[key] = (StorageWeakRef(storage), nbytes, tag, site)
             self._bytes += nbytes

@@ -1,0 +1,162 @@
+"""``parallelize``: the trainer's models built, parallelised from outside and filled, once.
+
+In torchtitan's order, on models built on the meta device: activation checkpointing, then
+the compile hook (refused at start for now: ``[compile] enable``), then FSDP2 (bf16 compute /
+fp32 reduce on GPU) over ``dp_shard x cp`` (HSDP's ``dp_replicate x fsdp`` with replicas);
+under PP the model is first split into this rank's stages, which are sharded the same way.
+Then the shards are materialised on the device and filled one whole tensor at a time on the
+host (a Hugging Face folder is read slice by slice): no rank ever holds a whole model, and
+every layout gets the values of the single-device init. The models' own code carries no
+parallelism.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from titan_cotrain.models.build import build_draft, build_target, init_draft_, init_target_
+from titan_cotrain.models.draft import Draft
+from titan_cotrain.models.transformer import Transformer, rope_inv_freq
+from titan_cotrain.parallel.activation_checkpoint import apply_activation_checkpointing
+from titan_cotrain.parallel.fsdp import apply_fsdp, copy_whole_into_
+from titan_cotrain.parallel.pipeline import Pipeline, build_pipeline
+
+__all__ = ["ParallelModels", "copy_shards", "parallelize"]
+
+
+@dataclass
+class ParallelModels:
+    """What ``parallelize`` built for this rank. ``policy``: the policy (FSDP-sharded), or
+    under PP this rank's stages' modules under the whole model's names (``LocalPolicy``);
+    ``draft``: None when off, and under PP off the last stage's rank; ``reference``: the KL
+    reference, sharded like the policy (None without KL); ``pipeline`` under PP;
+    ``engine_policy`` / ``engine_draft``: what the rollout engine copies its shapes (and,
+    when ``engine_loadable``, its weights) from."""
+
+    policy: nn.Module
+    draft: Draft | None
+    reference: Transformer | None
+    pipeline: Pipeline | None
+    engine_policy: Transformer
+    engine_draft: Draft | None
+    engine_loadable: bool
+
+
+def fsdp_mesh(parallel_dims):
+    """``fsdp`` (dp_shard x cp), or HSDP's ``dp_replicate x fsdp`` when there are replicas:
+    without the replicate dimension replicas would never reduce their gradients."""
+    dims = parallel_dims
+    return dims.get_mesh(["dp_replicate", "fsdp"]) if dims.dp_replicate_enabled else dims.get_mesh("fsdp")
+
+
+def parallelize(config, parallel_dims, world_size: int, device: torch.device, *, policy_loss_fn,
+                token_counts: torch.Tensor | None = None, fill: bool = True) -> ParallelModels:
+    """Build, parallelise and fill the policy, the draft and the KL reference for this rank.
+
+    ``token_counts [V]``: the corpus of a reduced draft vocabulary; ``policy_loss_fn``: the
+    pipeline's first loss (its steps may switch it); ``fill=False`` leaves the shards
+    uninitialised (the scale simulator: fake values, and a whole model's host-side draws
+    would only cost it minutes)."""
+    t = config.training
+    policy = build_target(config, device="meta")
+    draft = build_draft(config, policy, token_counts=token_counts, device="meta")
+    apply_activation_checkpointing(policy, config.activation_checkpoint.mode)
+    sharded = world_size > 1 and (parallel_dims.dp_enabled or parallel_dims.cp_enabled)
+    mesh = fsdp_mesh(parallel_dims) if sharded else None
+
+    def shard(module: nn.Module) -> None:
+        apply_fsdp(module, mesh, t.mixed_precision_param, t.mixed_precision_reduce)
+
+    if parallel_dims.pp_enabled:
+        return _pipelined(config, parallel_dims, device, policy, draft, shard if sharded else None, policy_loss_fn,
+                          fill)
+    reference = build_target(config, device="meta").requires_grad_(False) if config.rl.kl_coef > 0 else None
+    for module in (policy, draft, reference):
+        if module is None:
+            continue
+        host = _take_host_buffers(module)
+        if sharded:
+            shard(module)
+        _materialize(module, device, host)
+    if fill:
+        init_target_(policy, config, fill=copy_whole_into_)
+        if draft is not None:
+            init_draft_(draft, config, policy, fill=copy_whole_into_)
+        if reference is not None:
+            init_target_(reference, config, fill=copy_whole_into_)
+    return ParallelModels(policy, draft, reference, None, policy, draft, engine_loadable=True)
+
+
+def _pipelined(config, dims, device, policy: Transformer, draft: Draft | None, shard, policy_loss_fn,
+               fill: bool) -> ParallelModels:
+    """PP: this rank's stages of the meta-built models, sharded, materialised, and filled
+    from the whole-model init keeping only what this rank holds."""
+    host = _take_host_buffers(draft) if draft is not None else {}
+    replicas = dims.get_mesh("loss").get_group() if dims.dp_enabled or dims.cp_enabled else None
+    pipeline = build_pipeline(
+        policy, draft, config, dims.get_mesh("pp"), policy_loss_fn=policy_loss_fn, loss_group=replicas,
+        cp_mesh=dims.get_mesh("cp") if dims.cp_enabled else None,
+        cp_row_len=config.training.seq_len if dims.cp_enabled else None, device=device, shard=shard)
+    for part in pipeline.model_parts:
+        _materialize(part, device, {})
+    if pipeline.draft is not None:
+        _restore_buffers(pipeline.draft, host)
+    if fill:
+        def fill_local(param, whole):
+            if param.device.type != "meta":  # not another rank's stage
+                copy_whole_into_(param, whole)
+
+        init_target_(policy, config, fill=fill_local)
+        if pipeline.draft is not None:
+            init_draft_(pipeline.draft, config, policy, fill=copy_whole_into_)
+    args = policy.args
+    with torch.no_grad():
+        for part in pipeline.model_parts:
+            part.rope_inv_freq.copy_(rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling))
+    # The engine copies the whole models' shapes; its weights come from the stages at refresh.
+    return ParallelModels(pipeline.local_policy, pipeline.draft, None, pipeline, policy, draft,
+                          engine_loadable=False)
+
+
+def _take_host_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Swap a meta-built module's host buffers (the draft's vocabulary maps) for meta ones and
+    return them: FSDP moves buffers to the device by ``.data =``, which host tensors refuse."""
+    host = {}
+    for name, buffer in list(module.named_buffers()):
+        if buffer.device.type == "cpu":
+            owner_name, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(owner_name)
+            host[name] = buffer
+            owner.register_buffer(leaf, torch.empty_like(buffer, device="meta"),
+                                  persistent=leaf not in owner._non_persistent_buffers_set)
+    return host
+
+
+def _materialize(module: nn.Module, device: torch.device, host: dict[str, torch.Tensor]) -> None:
+    """A meta-built (and possibly sharded) module's storage on ``device``, uninitialised,
+    with the ``host`` buffers ``_take_host_buffers`` kept copied back. Parameters are swapped
+    in place (``swap_tensors``), so tied ones (embedding and head) stay one parameter."""
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        module.to_empty(device=device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    _restore_buffers(module, host)
+
+
+@torch.no_grad()
+def _restore_buffers(module: nn.Module, host: dict[str, torch.Tensor]) -> None:
+    for name, buffer in module.named_buffers():
+        if name in host:
+            buffer.copy_(host[name])
+
+
+@torch.no_grad()
+def copy_shards(source: nn.Module, target: nn.Module) -> None:
+    """``target``'s parameters <- ``source``'s, shard by shard (both sharded alike)."""
+    for dst, src in zip(target.parameters(), source.parameters()):
+        (dst.to_local() if hasattr(dst, "to_local") else dst).copy_(src.to_local() if hasattr(src, "to_local") else src)

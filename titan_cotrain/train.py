@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if config.simulate.enable:
         return _simulate(config, args)
+    if config.simulate.check_at_start and _simulate(config, args, before_training=True):
+        return 1
     world_size = _init_distributed(config)
     rank = dist.get_rank() if dist.is_initialized() else 0
     try:
@@ -44,14 +46,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _simulate(config, args: list[str]) -> int:
+def _simulate(config, args: list[str], before_training: bool = False) -> int:
     """``--simulate.enable``: the scale simulator instead of training (one process, every
-    simulated rank in turn); exit 1 when a rank does not fit or a collective saw a host tensor."""
+    simulated rank in turn); 1 when a rank does not fit or a collective saw a host tensor.
+    ``before_training`` (``[simulate] check_at_start``): every process runs the same check
+    (the same ranks, so all decide alike) before the job's process group exists, the report
+    going to the dump folder."""
     from titan_cotrain.config.loader import config_file_of
     from titan_cotrain.simulate.run import SimulationFailed, simulate
 
+    output = os.path.join(config.job.dump_folder, "scale_check.json") if before_training else None
     try:
-        simulate(config, str(config_file_of(args)))
+        simulate(config, str(config_file_of(args)), output=output)
     except SimulationFailed as e:
         print(f"simulate: does not fit: {e}", file=sys.stderr)
         return 1

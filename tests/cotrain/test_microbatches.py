@@ -73,3 +73,19 @@ def test_policy_loss_is_the_whole_logits_one():
                                rtol=1e-6, atol=1e-9)
     for name, total in reference.metric_sums.items():
         torch.testing.assert_close(metrics[name].double(), (total / reference.count).double(), rtol=1e-6, atol=1e-9)
+
+
+def test_reference_logprobs_in_chunks_equal_whole_logits():
+    """The KL reference's per-token log-probs, the head in 7-token chunks inside the forward,
+    equal ``log_softmax`` of whole logits at the rollout temperature (fp32, 1e-5)."""
+    from titan_cotrain.cotrain.vocab import chunked_token_logprobs
+    from titan_cotrain.rl.grpo import next_token_logprobs
+
+    target, _ = _models()
+    tokens = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(4))
+    following = torch.roll(tokens, -1, dims=1).reshape(-1)
+    with torch.no_grad():
+        whole = next_token_logprobs(target(tokens)[:, :-1] / 0.7, tokens[:, 1:])[0]
+        chunked = target(tokens, head=lambda h, w: chunked_token_logprobs(h, w, following, scale=1 / 0.7,
+                                                                          chunk_tokens=7)).head[:-1]
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)

@@ -61,3 +61,16 @@ def test_a_collective_on_a_host_tensor_is_flagged_with_its_caller(tmp_path, monk
     monkeypatch.setattr(trainer.Trainer, "_all_reduce", host_all_reduce)
     with pytest.raises(SimulationFailed, match=r"collective on a host tensor: rank 0: c10d\.allreduce_.* at .*test_simulator\.py:\d+|trainer\.py:\d+"):
         simulate(_config(tmp_path), "debug_cpu.toml")
+
+
+def test_check_at_start_refuses_a_job_that_does_not_fit(tmp_path, capsys):
+    from titan_cotrain.train import main
+
+    rc = main(["--job.config_file", "train_configs/debug_cpu.toml", "--job.dump_folder", str(tmp_path / "out"),
+               "--simulate.check_at_start", "--simulate.gpu_memory_gib", "0.001", "--simulate.decode_rounds", "1",
+               "--simulate.microbatches", "1"])
+    assert rc == 1
+    assert "does not fit: rank 0 (single) needs" in capsys.readouterr().err
+    report = json.loads((tmp_path / "out" / "scale_check.json").read_text())
+    assert report["world_size"] == 1 and report["ranks"][0]["peak_gib"] > 0.001
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()  # refused before training

@@ -183,6 +183,10 @@ class Simulate:
     accelerator at the config's world size (no GPU, no memory used), reporting each rank's
     peak memory by category; exits non-zero when a rank does not fit ``gpu_memory_gib``."""
 
+    check_at_start: bool = False
+    """Run the simulator's check before training starts and refuse a config that does not fit
+    (naming the rank and its biggest category). Off by default: a plain start."""
+
     gpu_memory_gib: float = 80.0
     """Memory of one GPU, the budget every simulated rank must fit (80 for H100, 141 for H200)."""
 

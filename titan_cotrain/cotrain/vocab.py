@@ -259,3 +259,16 @@ def chunked_soft_ce(
         ce_sums.append(ce_sum)
         corrects.append(correct)
     return torch.stack(ce_sums).sum(), torch.stack(corrects).sum(), mask.sum()
+
+
+@torch.no_grad()
+def chunked_token_logprobs(hidden: torch.Tensor, head_weight: torch.Tensor, next_tokens: torch.Tensor, *,
+                           scale: float = 1.0, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
+    """``[T]`` fp32: ``log_softmax(scale * hidden @ head_weight.T)[t, next_tokens[t]]``, one
+    ``[c, V]`` chunk at a time, without gradients (the KL reference's log-probs)."""
+    out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        end = min(start + chunk_tokens, hidden.shape[0])
+        logits = _head_logits(hidden[start:end], head_weight) * scale
+        out[start:end] = logits.log_softmax(-1).gather(-1, next_tokens[start:end, None]).squeeze(-1)
+    return out

@@ -138,11 +138,24 @@ def _take_host_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
 def _materialize(module: nn.Module, device: torch.device, host: dict[str, torch.Tensor]) -> None:
     """A meta-built (and possibly sharded) module's storage on ``device``, uninitialised,
     with the ``host`` buffers ``_take_host_buffers`` kept copied back. Parameters are swapped
-    in place (``swap_tensors``), so tied ones (embedding and head) stay one parameter."""
+    in place (``swap_tensors``), so tied ones (embedding and head) stay one parameter; where
+    a swap is refused (the simulator's plain fake tensors carry weakrefs), the ties are
+    restored by hand."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for sub in module.modules():
+        for name, param in sub.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((sub, name))
+    ties = [group for group in owners.values() if len(group) > 1]
     swap = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
         module.to_empty(device=device)
+    except RuntimeError:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+        module.to_empty(device=device)
+        for (first, first_name), *others in ties:
+            for sub, name in others:
+                setattr(sub, name, getattr(first, first_name))
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)
     _restore_buffers(module, host)

@@ -39,14 +39,15 @@ import torch.nn.functional as F
 from titan_cotrain.components import titan
 from titan_cotrain.config import resolve_model_args
 from titan_cotrain.cotrain.step import PackedBatch, PolicyLoss, clip_and_step, forward_backward
+from titan_cotrain.cotrain.vocab import chunked_token_logprobs
 from titan_cotrain.data.packing import LabelRows, layout_from_document_ids
 from titan_cotrain.models.build import job_seed
 from titan_cotrain.parallel.parallelize import copy_shards, parallelize
 from titan_cotrain.parallel.pipeline import gather_state_dict, pipeline_step
 from titan_cotrain.parallel.pipeline import clip_and_step as pipeline_clip_and_step
 from titan_cotrain.rl.batching import Sample, pack_samples
+from titan_cotrain.rl.grpo import group_advantages, ppo_loss
 from titan_cotrain.rl.progress import RolloutProgress, progress_bar
-from titan_cotrain.rl.grpo import group_advantages, next_token_logprobs, ppo_loss
 from titan_cotrain.rl.rollout import RolloutEngine
 from titan_cotrain.rl.sampling import SamplingParams
 from titan_cotrain.rl.tasks import get_task, score
@@ -399,15 +400,20 @@ class Trainer:
     def _reference_logprobs(self, batch: PackedBatch) -> torch.Tensor:
         """Token-aligned, like old_logprobs: the log-prob of token t under the (sharded)
         reference's logits at t - 1, at the rollout temperature; a host ``[B, S]`` tensor,
-        computed once per step before the update, row by row."""
+        computed once per step before the update, row by row, the head in vocabulary chunks."""
         temperature = self.config.rollout.temperature if self.config.rollout.temperature > 0 else 1.0
         out = torch.zeros(batch.tokens.shape)
         for row in range(batch.tokens.shape[0]):
             tokens = batch.tokens[row:row + 1].to(self.device)
             layout = layout_from_document_ids(batch.document_ids[row:row + 1])
-            logits = self.reference(tokens, cu_seqlens=layout.cu_seqlens, positions=layout.positions.to(self.device))
-            logp = next_token_logprobs(logits[:, :-1] / temperature, tokens[:, 1:])
-            out[row, 1:] = logp[0].to("cpu", torch.float32)
+            following = torch.roll(tokens, -1, dims=1).reshape(-1)
+
+            def head(hidden, weight, following=following):
+                return chunked_token_logprobs(hidden, weight, following, scale=1.0 / temperature)
+
+            logp = self.reference(tokens, cu_seqlens=tuple(layout.cu_seqlens.tolist()),
+                                  positions=layout.positions.to(self.device), head=head).head
+            out[row, 1:] = logp[:-1].to("cpu", torch.float32)
         return out
 
     def refresh_engine(self) -> None:

@@ -6,7 +6,7 @@ For each simulated rank (``[simulate] ranks``; default rank 0 and, under PP, the
 rank of the last stage) the real ``Trainer`` runs at the config's world size and shapes on
 ``simgpu`` (``titan_cotrain.simulate.device``) with torch's fake process group:
 construction, one rollout phase (``[simulate] decode_rounds`` decoding rounds of the real
-engine), packing, one update over the real microbatches (the first
+engine; the optimizers' state made first, as a running job holds it), packing, one update over the real microbatches (the first
 ``[simulate] microbatches`` of them: memory repeats from one microbatch to the next), the
 optimizer step, the engine refresh and the checkpoint's state dicts. Rollout *contents* are
 unknown on fake tensors, so the rank trains on the worst case: every response is
@@ -42,11 +42,14 @@ class SimulationFailed(RuntimeError):
 
 
 def world_size_of(config) -> int:
+    """The job's world size: the product of its parallel degrees (``data_parallel_shard_degree
+    = -1``: what the launch's ``WORLD_SIZE`` leaves for it, 1 when unset)."""
     p = config.parallelism
+    others = p.data_parallel_replicate_degree * p.context_parallel_degree * p.pipeline_parallel_degree
     shard = p.data_parallel_shard_degree
     if shard < 1:
-        raise ValueError("the simulator needs an explicit parallelism.data_parallel_shard_degree (not -1)")
-    return p.data_parallel_replicate_degree * shard * p.context_parallel_degree * p.pipeline_parallel_degree
+        return max(int(os.environ.get("WORLD_SIZE", "1")), others)
+    return others * shard
 
 
 def _default_ranks(config, world_size: int) -> list[int]:
@@ -93,6 +96,20 @@ def _owners(trainer) -> dict[int, str]:
     return out
 
 
+@torch.no_grad()
+def _warm_optimizers(trainer) -> None:
+    """Create the optimizers' state now, as a job holds it from its first step on: torch
+    creates it lazily in the first ``step()``, so a simulated first update would otherwise
+    miss it at its peak (one step on zero gradients; the values are fake anyway)."""
+    for container in (trainer.policy_opt, trainer.draft_opt):
+        for optimizer in getattr(container, "optimizers", []) if container is not None else []:
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    param.grad = torch.zeros_like(param)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+
 def simulate_rank(config, rank: int, world_size: int) -> tuple[dict, list[str]]:
     """Run one rank's step on the simulated device; returns its report and host collectives."""
     from titan_cotrain.rl.trainer import Trainer
@@ -110,6 +127,8 @@ def simulate_rank(config, rank: int, world_size: int) -> tuple[dict, list[str]]:
             tracker.phase("construction")
             trainer = holder["trainer"] = Trainer(config, world_size, rank, simulation=sim_cfg)
             step = config.task.sft_steps + 1
+            tracker.phase("optimizer state")
+            _warm_optimizers(trainer)
             tracker.phase("rollout")
             samples, _ = trainer.rollout_phase(step)
             tracker.phase("update")
@@ -140,6 +159,8 @@ def simulate(config, config_path: str, *, output: str | None = None) -> dict:
     """Simulate the ranks of ``config`` and write the JSON report; raise ``SimulationFailed``
     (after writing it) when a rank is over budget or a collective saw a host tensor."""
     world_size = world_size_of(config)
+    if dist.is_initialized():
+        raise RuntimeError("the simulator runs its own fake process group: call it before the job's is initialised")
     budget = config.simulate.gpu_memory_gib
     ranks = list(config.simulate.ranks) or _default_ranks(config, world_size)
     reports, host_collectives = [], []

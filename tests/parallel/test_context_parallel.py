@@ -28,6 +28,7 @@ from titan_cotrain.models.draft import Draft, DraftArgs, draft_vocab_from_counts
 from titan_cotrain.models.transformer import Transformer
 from titan_cotrain.rl.trainer import next_token_loss
 from titan_cotrain.ops import branch_attention, varlen_causal_attention
+from titan_cotrain.ops.context import context_parallel
 from titan_cotrain.ops.ring_attention import RingComm, ring_attention
 from titan_cotrain.parallel.context_parallel import (
     check_cp_degree,
@@ -82,9 +83,9 @@ def cp_forward_backward(policy, draft, batch, group):
     the policy's context-parallel forward."""
     metrics = forward_backward(policy, draft, batch, next_token_loss, ttt_steps=TTT_STEPS, pass_decay=PASS_DECAY,
                                draft_loss_weight=DRAFT_WEIGHT, group=group, cp_group=group)
-    with torch.no_grad():
+    with torch.no_grad(), context_parallel(group):
         cp_batch, shard = shard_batch_for_cp(batch, group)
-        logits = shard.unshard(policy(cp_batch.tokens, cp=shard))
+        logits = shard.unshard(policy(cp_batch.tokens, cu_seqlens=shard.cu_seqlens, positions=shard.positions))
     return metrics, logits
 
 
@@ -366,14 +367,15 @@ def test_cp_machinery_at_w1_is_the_single_device_step():
     cp_batch, shard = shard_batch_for_cp(_batch(), None)
     assert shard.world == 1 and shard.row_len > SEQ_LEN  # documents padded to even lengths
     b, n = cp_batch.tokens.shape
-    out = policy(cp_batch.tokens, cp=shard, return_taps=True)
-    torch.testing.assert_close(shard.unshard(out.logits.detach()), refs["logits"], **TOL_FP64)
-    stats = ttt_unroll(
-        draft, taps=torch.cat(out.taps, -1).reshape(b * n, -1), embeddings=out.embeddings.reshape(b * n, -1),
-        tokens=cp_batch.tokens.reshape(-1), positions=shard.positions.reshape(-1), cu_seqlens=shard.cu_seqlens,
-        teacher_logits=out.logits.reshape(b * n, -1), loss_region=cp_batch.loss_mask.reshape(-1),
-        ttt_steps=TTT_STEPS, cp=shard,
-    )
+    with context_parallel(RingComm(None)):  # a ring of one rank
+        out = policy(cp_batch.tokens, cu_seqlens=shard.cu_seqlens, positions=shard.positions, return_taps=True)
+        torch.testing.assert_close(shard.unshard(out.logits.detach()), refs["logits"], **TOL_FP64)
+        stats = ttt_unroll(
+            draft, taps=torch.cat(out.taps, -1).reshape(b * n, -1), embeddings=out.embeddings.reshape(b * n, -1),
+            tokens=cp_batch.tokens.reshape(-1), positions=shard.positions.reshape(-1), cu_seqlens=shard.cu_seqlens,
+            teacher_logits=out.logits.reshape(b * n, -1), loss_region=cp_batch.loss_mask.reshape(-1),
+            ttt_steps=TTT_STEPS, cp=shard,
+        )
     assert stats.count.float().tolist() == refs["count"]
 
 
@@ -407,9 +409,6 @@ def test_bad_local_layouts_and_shifts_are_rejected():
     shard = shard_packed_rows(_document_ids(), None)
     with pytest.raises(ValueError, match="cannot shift by 5"):
         shard.ttt_halo(TTT_STEPS).shift(torch.zeros(10_000), 5)
-    policy, _ = _models("reduced-vocab")
-    with pytest.raises(ValueError, match="CPShard gives the packing"):
-        policy(torch.zeros(2, shard.local_len, dtype=torch.long), document_ids=_document_ids(), cp=shard)
 
 
 def test_cp_dispatch_refuses_unsupported_torch():

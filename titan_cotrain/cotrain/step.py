@@ -24,11 +24,12 @@ import torch
 import torch.distributed as dist
 
 from titan_cotrain.components import titan
-from titan_cotrain.cotrain.ttt import pass_weights, tau, ttt_unroll
+from titan_cotrain.cotrain.ttt import TTTStats, draft_loss, pass_weights, tau, ttt_unroll
 from titan_cotrain.cotrain.vocab import chunked_policy_head
 from titan_cotrain.data.packing import LabelRows, layout_from_document_ids
 from titan_cotrain.models.draft import Draft
 from titan_cotrain.models.transformer import Transformer
+from titan_cotrain.ops.context import context_parallel
 
 __all__ = [
     "CotrainSums",
@@ -142,7 +143,7 @@ def scales_and_metrics(sums: dict[str, torch.Tensor], ttt_steps: int, pass_decay
         weights = pass_weights(ttt_steps, pass_decay, device=ce.device)
         weighted_count = (weights * counts).sum().clamp(min=1e-12)
         draft_scale = draft_loss_weight / weighted_count
-        metrics["loss/draft"] = (weights * ce).sum() / weighted_count
+        metrics["loss/draft"] = draft_loss(TTTStats(ce, counts, sums["draft/correct"]), weights, weighted_count)
         accuracy = sums["draft/correct"] / counts.clamp(min=1)
         for d in range(ttt_steps):
             metrics[f"draft/loss_pass{d + 1}"] = ce[d] / counts[d].clamp(min=1)
@@ -174,9 +175,10 @@ class Microbatch:
     shard: object | None
 
     def packing(self) -> dict:
-        """The model's packing kwargs: the CP shard, or ``cu_seqlens`` as Python ints (FSDP
-        moves a root module's tensor inputs to the device, which would cost a sync per layer)."""
-        return {"cp": self.shard} if self.shard is not None else {"cu_seqlens": tuple(self.cu_seqlens.tolist())}
+        """The model's packing kwargs: ``cu_seqlens`` (the CP shard's local ones under CP) as
+        Python ints, since FSDP moves a root module's tensor inputs to the device, which would
+        cost a sync per layer, and the device ``positions``."""
+        return {"cu_seqlens": tuple(self.cu_seqlens.tolist()), "positions": self.positions}
 
 
 def prepare_microbatch(batch: PackedBatch, device, *, cp_group=None, row_len: int | None = None,
@@ -263,8 +265,8 @@ def microbatch_sums(
     (``policy_sum + sum_d w_d ce_sum_d``; scaled after the update, see the module docstring)."""
     mb = prepare_microbatch(batch, device or policy.embed_tokens.weight.device, cp_group=cp_group,
                             draft_loss_on=draft_loss_on)
-    out = policy(mb.tokens, positions=mb.positions, return_taps=draft is not None,
-                 head=policy_head(mb, policy_loss_fn, draft, chunk_tokens), **mb.packing())
+    out = policy(mb.tokens, return_taps=draft is not None, head=policy_head(mb, policy_loss_fn, draft, chunk_tokens),
+                 **mb.packing())
     loss = add_policy_sums(sums, out.head)
     if draft is not None:
         b, s = mb.tokens.shape
@@ -310,11 +312,12 @@ def forward_backward(
     """
     sums = CotrainSums()
     parts = microbatches(batch, microbatch_rows)[:max_microbatches]
-    for mb in parts:
-        loss = microbatch_sums(policy, draft, mb, policy_loss_fn, sums, ttt_steps=ttt_steps, pass_decay=pass_decay,
-                               draft_loss_on=draft_loss_on, cp_group=cp_group, device=device,
-                               chunk_tokens=chunk_tokens)
-        loss.backward()
+    with context_parallel(cp_group):  # forward and backward: recomputes attend over the ring too
+        for mb in parts:
+            loss = microbatch_sums(policy, draft, mb, policy_loss_fn, sums, ttt_steps=ttt_steps,
+                                   pass_decay=pass_decay, draft_loss_on=draft_loss_on, cp_group=cp_group,
+                                   device=device, chunk_tokens=chunk_tokens)
+            loss.backward()
     policy_scale, draft_scale, metrics = scales_and_metrics(sums.all_reduce(group), ttt_steps, pass_decay,
                                                             draft_loss_weight)
     scale_gradients(policy.parameters(), policy_scale)

@@ -94,9 +94,10 @@ def ttt_unroll(
     chunks of ``chunk_tokens`` anchors inside ``Draft.forward``, at every anchor weighted by
     its mask: static shapes, no ``[T, V_d]`` draft logits beyond one chunk.
 
-    Context parallel (``cp`` a ``CPShard``): every input is this rank's shard (``positions``
-    global, from ``cp.positions``); the shifted inputs past each chunk edge come from one
-    halo exchange, and the returned sums cover the local anchors (sum them over the group).
+    Context parallel (``cp`` a ``CPShard``, inside ``context_parallel`` of its group): every
+    input is this rank's shard (``positions`` global, from ``cp.positions``); the shifted
+    inputs past each chunk edge come from one halo exchange, and the returned sums cover the
+    local anchors (sum them over the group).
     """
     taps, embeddings = taps.detach(), embeddings.detach()
     if teacher is None:
@@ -123,17 +124,18 @@ def ttt_unroll(
 
     # Python ints, so FSDP's moving of the root's tensor inputs to the device leaves them on the host.
     host_cu = tuple(cu_seqlens.tolist()) if cu_seqlens.device.type == "cpu" else cu_seqlens
-    ce_sums, corrects, counts = zip(*draft(taps, embeddings, tokens, positions, host_cu, masks, cp=cp, score=score))
+    ce_sums, corrects, counts = zip(*draft(taps, embeddings, tokens, positions, host_cu, masks, score=score,
+                                           shift=None if cp is None else shift))
     return TTTStats(torch.stack(ce_sums), torch.stack(counts), torch.stack(corrects))
 
 
 def draft_loss(stats: TTTStats, weights: torch.Tensor, denominator: torch.Tensor | float) -> torch.Tensor:
     """``sum_d w_d ce_sum_d / denominator``.
 
-    ``denominator`` is ``sum_d w_d count_d`` over *all* data-parallel ranks (the caller
-    all-reduces it), so that gradients summed across ranks give the global token mean.
+    ``denominator`` is ``sum_d w_d count_d`` over the whole update (every microbatch, every
+    data-parallel and CP rank): the draft's loss as ``scales_and_metrics`` reports it.
     """
-    denom = torch.as_tensor(denominator, dtype=torch.float32, device=stats.ce_sum.device).clamp(min=1e-12)
+    denom = torch.as_tensor(denominator, dtype=torch.float32).to(stats.ce_sum.device).clamp(min=1e-12)
     return (weights.to(stats.ce_sum.device) * stats.ce_sum).sum() / denom
 
 

@@ -38,6 +38,7 @@ from titan_cotrain.models.transformer import (
     rope_inv_freq,
 )
 from titan_cotrain.ops import branch_attention
+from titan_cotrain.ops.context import active_ring
 from titan_cotrain.ops.ring_attention import ring_branch_attention
 
 __all__ = ["Draft", "DraftArgs", "DraftKVCache", "draft_vocab_from_counts", "identity_vocab_maps"]
@@ -240,15 +241,14 @@ class Draft(nn.Module):
         cu_seqlens: torch.Tensor,
         trunk_kv: tuple[torch.Tensor, torch.Tensor] | None,
         branch_kv: list[tuple[torch.Tensor, torch.Tensor]],
-        cp=None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """One TTT pass over packed tokens.
 
         ``embeds, hidden: [T, H]`` (``e(x_{i+d})`` and ``h^{d-1}_i``), ``positions: [T]`` the
         RoPE positions of this pass. ``trunk_kv`` is pass 1's ``(k, v)`` (None on pass 1,
         which then provides it); ``branch_kv`` the ``(k, v)`` of passes ``2..d-1``. Returns
-        the pass output ``h^d [T, H]`` and this pass's own ``(k, v) [T, Hkv, Dh]``. Under
-        context parallelism (``cp`` a ``CPShard``) the trunk attention runs over its ring.
+        the pass output ``h^d [T, H]`` and this pass's own ``(k, v) [T, Hkv, Dh]``. Inside
+        ``context_parallel`` the trunk attention runs over the ring.
         """
         layer = self.midlayer
         cos, sin = self.rope(positions, hidden.dtype)
@@ -262,10 +262,11 @@ class Draft(nn.Module):
             branch_v = torch.stack([bv for _, bv in branch])
         else:
             branch_k = branch_v = k.new_zeros((0, *k.shape))
-        if cp is None:
+        ring = active_ring()
+        if ring is None:
             out = branch_attention(q, trunk_kv[0], trunk_kv[1], branch_k, branch_v, cu_seqlens)
         else:
-            out = ring_branch_attention(q, *trunk_kv, branch_k, branch_v, cu_seqlens, cp.group, layout=cp.layout)
+            out = ring_branch_attention(q, *trunk_kv, branch_k, branch_v, cu_seqlens, ring.group, layout=ring.layout)
         return layer.finish(hidden, out), (k, v)
 
     def forward(
@@ -276,8 +277,8 @@ class Draft(nn.Module):
         positions: torch.Tensor,
         cu_seqlens: torch.Tensor,
         select: torch.Tensor,
-        cp=None,
         score: Callable[[int, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]], Any] | None = None,
+        shift: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
     ) -> list:
         """The TTT unroll: ``D = select.shape[0]`` passes with teacher forcing.
 
@@ -292,19 +293,21 @@ class Draft(nn.Module):
         here, inside the draft's forward, where FSDP has the head (``head``: ``[c, H] ->
         [c, V_d]`` fp32 logits) gathered (the chunked soft CE of ``ttt_unroll``).
 
-        Context parallel (``cp`` a ``CPShard``): all tensors are this rank's shard, except
-        ``target_embeddings`` and ``tokens``, which carry the TTT halo rows after the local
-        ones (``cp.ttt_halo(D).exchange``); the shifts read the halo, attention the ring.
+        ``shift(x, d)``: ``x`` at ``i + d`` of each anchor's document (default
+        ``shift_in_document``). Context parallel (inside ``context_parallel``): all tensors
+        are this rank's shard, except ``target_embeddings`` and ``tokens``, which carry the
+        TTT halo rows after the local ones, and ``shift`` is the halo's (``ttt_unroll`` passes
+        it); attention runs over the ring.
         """
         if not isinstance(cu_seqlens, torch.Tensor):  # host metadata passed as ints
             cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int32)
         embeds = self.embed(tokens, target_embeddings)
         hidden = self.fuse(taps)
-        shift = partial(shift_in_document, cu_seqlens=cu_seqlens) if cp is None else cp.ttt_halo(select.shape[0]).shift
+        shift = shift or partial(shift_in_document, cu_seqlens=cu_seqlens)
         trunk_kv, branch_kv, logits = None, [], []
         for d in range(1, select.shape[0] + 1):
             embeds_d = shift(embeds, d)
-            hidden, kv = self.forward_pass(embeds_d, hidden, positions + (d - 1), cu_seqlens, trunk_kv, branch_kv, cp)
+            hidden, kv = self.forward_pass(embeds_d, hidden, positions + (d - 1), cu_seqlens, trunk_kv, branch_kv)
             if trunk_kv is None:
                 trunk_kv = kv
             else:

@@ -1,6 +1,7 @@
 """The target decoder (Llama-3 / Qwen-3 family) with taps and a KV-cache forward.
 
-Plain PyTorch, no parallelism inside: FSDP, CP and PP wrap it from ``titan_cotrain.parallel``.
+Plain PyTorch, no parallelism inside: FSDP and PP wrap it from ``titan_cotrain.parallel``, and
+CP enters through the attention context (``titan_cotrain.ops.context``).
 Parameter names follow the Hugging Face layout (``embed_tokens``, ``layers.N.self_attn.q_proj``,
 ``mlp.gate_proj``, ...) so the HF adapter only adds or strips the ``model.`` prefix.
 
@@ -32,6 +33,7 @@ from titan_cotrain.models.args import ModelArgs, RopeScaling
 from titan_cotrain.models.kv_cache import KVCache, cached_attention
 from titan_cotrain.models.taps import default_tap_layers, validate_tap_layers
 from titan_cotrain.ops.attention import varlen_causal_attention
+from titan_cotrain.ops.context import active_ring
 from titan_cotrain.ops.ring_attention import ring_attention
 
 __all__ = ["RMSNorm", "init_weights_", "TargetOutput", "TrainOutput", "Transformer", "apply_rope", "rope_inv_freq"]
@@ -153,16 +155,15 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor, cp=None
-    ) -> torch.Tensor:
-        """Packed ``x [T, dim]``, ``cos/sin [T, Dh]``; under CP (``cp`` a ``CPShard``) the
-        local shard, attending over the ring."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Packed ``x [T, dim]``, ``cos/sin [T, Dh]``; inside ``context_parallel`` the local
+        shard, attending over the ring."""
         q, k, v = self._qkv(x, cos, sin)
-        if cp is None:
+        ring = active_ring()
+        if ring is None:
             out = varlen_causal_attention(q, k, v, cu_seqlens)
         else:
-            out = ring_attention(q, k, v, cu_seqlens, cp.group, layout=cp.layout)
+            out = ring_attention(q, k, v, cu_seqlens, ring.group, layout=ring.layout)
         return self.o_proj(out.flatten(-2))
 
     def forward_cached(
@@ -197,8 +198,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = FeedForward(args.dim, args.ffn_dim)
 
-    def forward(self, x, cos, sin, cu_seqlens, cp=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, cp)
+    def forward(self, x, cos, sin, cu_seqlens):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_cached(self, x, cos, sin, cache, layer, positions):
@@ -252,7 +253,6 @@ class Transformer(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         return_taps: bool = False,
-        cp=None,
         head: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
     ) -> torch.Tensor | TargetOutput | TrainOutput:
         """Training forward over packed rows.
@@ -270,20 +270,17 @@ class Transformer(nn.Module):
         gathered) and its result comes back as ``TrainOutput.head``; no ``[B, S, V]``
         logits are made (the chunked losses of ``titan_cotrain.cotrain.vocab``).
 
-        Context parallel: ``cp``, a ``titan_cotrain.parallel.context_parallel.CPShard``,
-        gives the packing (``tokens`` are then this rank's ``[B, local_len]`` zigzag shard,
-        with the shard's global positions) and every attention runs over its ring.
+        Context parallel: inside ``titan_cotrain.ops.context.context_parallel``, ``tokens``
+        are this rank's ``[B, local_len]`` zigzag shard, given with the shard's local
+        ``cu_seqlens`` and global ``positions`` (a ``CPShard``'s), and every attention runs
+        over the ring.
         """
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [B, S], got shape {tuple(tokens.shape)}")
         b, s = tokens.shape
-        if cp is not None and (document_ids is not None or cu_seqlens is not None):
-            raise ValueError("under context parallelism the CPShard gives the packing; pass no document_ids/cu_seqlens")
         if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
             cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int32)  # host metadata passed as ints
-        if cp is not None:
-            cu_seqlens, positions = cp.cu_seqlens, cp.positions if positions is None else positions
-        elif positions is None:
+        if positions is None:
             layout = self._layout(tokens, document_ids, cu_seqlens)
             cu_seqlens, positions = layout.cu_seqlens, layout.positions
         h = self.embed_tokens(tokens)
@@ -291,7 +288,7 @@ class Transformer(nn.Module):
         x = h.reshape(b * s, -1)
         taps = []
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cu_seqlens, cp)
+            x = layer(x, cos, sin, cu_seqlens)
             if return_taps and i in self.tap_layers:
                 taps.append(x.detach().view(b, s, -1))
         if head is not None:

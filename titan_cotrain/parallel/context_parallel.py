@@ -365,8 +365,9 @@ class CPBatch(LabelRows):
 
 def shard_batch_for_cp(batch, group=None, *, row_len: int | None = None) -> tuple[CPBatch, CPShard]:
     """Zigzag-shard a ``PackedBatch`` (``[B, S]`` fields, the same on every rank of the CP
-    ``group``) for this rank. Run the policy as ``policy(cp_batch.tokens, cp=shard,
-    return_taps=True)`` and the draft as ``ttt_unroll(..., cp=shard)`` with
+    ``group``) for this rank. Inside ``titan_cotrain.ops.context.context_parallel(group)``, run
+    the policy as ``policy(cp_batch.tokens, cu_seqlens=shard.cu_seqlens,
+    positions=shard.positions, return_taps=True)`` and the draft as ``ttt_unroll(..., cp=shard)`` with
     ``positions=shard.positions``, ``cu_seqlens=shard.cu_seqlens`` and the local outputs;
     normalise losses by counts summed over the CP (x data-parallel) group."""
     shard = shard_packed_rows(batch.document_ids, group, row_len=row_len)

@@ -95,8 +95,9 @@ class MemoryTracker:
         self.peak_largest: list[tuple[int, str, str]] = []
 
     def phase(self, name: str) -> None:
+        """Start phase ``name``: its peak starts at what is alive now."""
         self.current_phase = name
-        self.phase_peaks.setdefault(name, 0)
+        self.phase_peaks[name] = max(self.phase_peaks.get(name, 0), self.live_bytes())
 
     def __call__(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()

@@ -77,7 +77,7 @@ class TransformerStage(nn.Module):
             self._tap(microbatch, EMBEDDINGS, x, b, s)
         cos, sin = rope_cos_sin(self.rope_inv_freq, mb.positions.reshape(-1), x.dtype)
         for name, layer in self.layers.items():
-            x = layer(x, cos, sin, mb.cu_seqlens, mb.shard)
+            x = layer(x, cos, sin, mb.cu_seqlens)
             self._tap(microbatch, int(name), x, b, s)
         if self.lm_head is None:
             return x

@@ -19,6 +19,7 @@ from torch import nn
 
 from titan_cotrain.cotrain.step import PackedBatch, PolicyLossFn, prepare_microbatch, scale_gradients, scales_and_metrics
 from titan_cotrain.data.packing import LabelRows
+from titan_cotrain.ops.context import context_parallel
 from titan_cotrain.parallel.pipeline.build import Pipeline
 
 __all__ = ["clip_and_step", "gather_state_dict", "pipeline_step"]
@@ -104,7 +105,8 @@ def _schedule_step(p: Pipeline, batch: PackedBatch, draft_on: bool) -> None:
         part.begin_schedule_step(microbatches)
     args = (torch.cat([mb.tokens for mb in microbatches]),) if p.has_first_stage else ()
     rows = torch.arange(p.n_microbatches * mb_rows)
-    p.schedule.step(*args, target=rows if p.has_last_stage else None, return_outputs=False)
+    with context_parallel(p.cp_group):  # every stage's attention (and the draft's) over the CP ring
+        p.schedule.step(*args, target=rows if p.has_last_stage else None, return_outputs=False)
     if draft_on:
         p.channel.finish_step()
 

@@ -185,7 +185,7 @@ def test_a_step_a_rank_cannot_run_stops_every_rank_with_one_message(tmp_path):
     rollout = _run(*SHORT, "--task.sft_steps", "0", "--training.seq_len", "16", "--rollout.max_new_tokens", "12",
                    "--job.dump_folder", str(tmp_path / "rollout"))
     assert rollout.returncode != 0
-    assert "plus rollout.max_new_tokens = 12 exceeds training.seq_len = 16" in rollout.stderr
+    assert "plus rollout.max_new_tokens = 12 exceeds the engine's 16 positions" in rollout.stderr
 
 
 def _fail_on_rank_one(rank, world_size):

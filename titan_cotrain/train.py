@@ -57,7 +57,8 @@ def _simulate(config, args: list[str], before_training: bool = False) -> int:
 
     output = os.path.join(config.job.dump_folder, "scale_check.json") if before_training else None
     try:
-        simulate(config, str(config_file_of(args)), output=output)
+        simulate(config, str(config_file_of(args)), output=output,
+                 args=(args, None if before_training else "config"))
     except SimulationFailed as e:
         print(f"simulate: does not fit: {e}", file=sys.stderr)
         return 1

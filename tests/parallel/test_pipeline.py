@@ -126,18 +126,26 @@ def _bounded_step(pipe, batch, **kwargs):
     return metrics
 
 
+def _stage_parameters(pipe):
+    """``(name, parameter)`` of this rank's stages under the whole model's names, the draft's
+    (held by the last stage, a model of its own) as ``draft.*``."""
+    for part in pipe.model_parts:
+        yield from part.named_parameters()
+    if pipe.draft is not None:
+        yield from ((f"draft.{n}", p) for n, p in pipe.draft.named_parameters())
+
+
 def _check_step(pipe, metrics, ref_metrics, ref_grads, ref_taps, received, tied=False):
     """This rank's share of the comparison, plus the coverage of every parameter across ranks."""
     assert metrics.keys() == ref_metrics.keys()
     for key, value in ref_metrics.items():
         torch.testing.assert_close(metrics[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
     names = []
-    for part in pipe.model_parts:
-        for name, param in part.named_parameters():
-            names.append(_reference_name(name, tied))
-            torch.testing.assert_close(param.grad, ref_grads[names[-1]], rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"{name}: {m}")
-    drafts = {id(p) for part in pipe.model_parts for n, p in part.named_parameters() if n.startswith("draft.")}
+    for name, param in _stage_parameters(pipe):
+        names.append(_reference_name(name, tied))
+        torch.testing.assert_close(param.grad, ref_grads[names[-1]], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{name}: {m}")
+    drafts = {id(p) for n, p in _stage_parameters(pipe) if n.startswith("draft.")}
     assert {id(p) for p in pipe.draft_parameters()} == drafts
     assert len(pipe.policy_parameters()) + len(drafts) == len(names)
     everyone = [None] * dist.get_world_size()
@@ -239,10 +247,9 @@ def _check_trainer_hooks(mesh, reference):
     metrics = _bounded_step(pipe, _batch(), policy_loss_fn=POLICY_LOSS)
     for key, value in ref_metrics.items():
         torch.testing.assert_close(metrics[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
-    for part in pipe.model_parts:
-        for name, param in part.named_parameters():
-            torch.testing.assert_close(param.grad, ref_grads[_reference_name(name, False)], rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"{name}: {m}")
+    for name, param in _stage_parameters(pipe):
+        torch.testing.assert_close(param.grad, ref_grads[_reference_name(name, False)], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{name}: {m}")
     assert {f"policy.{n}" for n, _ in pipe.local_policy.named_parameters()} <= ref_grads.keys()
     _clip_step_and_gather(pipe, reference, whole_policy, whole_draft)
     metrics = _bounded_step(pipe, _batch(), train_draft=False)
@@ -323,10 +330,9 @@ def _fsdp_over(mesh):
 
 
 def _check_grads(pipe, ref_grads, what: str) -> None:
-    for part in pipe.model_parts:
-        for name, param in part.named_parameters():
-            torch.testing.assert_close(_whole(param.grad), ref_grads[_reference_name(name, False)], **TOL_FP64,
-                                       msg=lambda m: f"{what} {name}: {m}")
+    for name, param in _stage_parameters(pipe):
+        torch.testing.assert_close(_whole(param.grad), ref_grads[_reference_name(name, False)], **TOL_FP64,
+                                   msg=lambda m: f"{what} {name}: {m}")
 
 
 def _pp_cp_and_pp_dp_ranks(rank, world_size, reference):

@@ -140,11 +140,21 @@ def build_lr_schedulers(optimizers, lr_scheduler_config, training_steps: int):
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, pp_mesh=None) -> torch.Tensor:
-    """Global grad-norm clip over DTensor (FSDP) and plain parameters, reduced across PP stages."""
+    """Global grad-norm clip over DTensor (FSDP) and plain parameters, reduced across PP stages.
+
+    A rank with no gradients (under PP, a stage without the draft) still joins the PP
+    reduction, with a zero on the device: torchtitan's ``get_total_norm([])`` is a host tensor,
+    which NCCL cannot reduce."""
     init_torchtitan()
     from torchtitan.distributed.utils import clip_grad_norm_ as titan_clip
 
-    return titan_clip(list(parameters), max_norm, foreach=True, pp_mesh=pp_mesh)
+    parameters = list(parameters)
+    if any(p.grad is not None for p in parameters):
+        return titan_clip(parameters, max_norm, foreach=True, pp_mesh=pp_mesh)
+    squares = torch.zeros((), dtype=torch.float32, device=device_type())
+    if pp_mesh is not None:
+        torch.distributed.all_reduce(squares, group=pp_mesh.get_group())
+    return squares.sqrt()
 
 
 def pipeline_layer_split(

@@ -134,6 +134,12 @@ class Rollout:
     max_new_tokens: int = 64
     """Generation budget per response."""
 
+    max_prompt_tokens: int = 0
+    """Longest prompt the rollout engine takes; its KV caches hold ``max_prompt_tokens +
+    max_new_tokens`` positions per sequence. 0: ``training.seq_len - max_new_tokens`` (a
+    long-context job whose rows hold many rollouts should set it, or every cached sequence
+    is sized for a whole row)."""
+
     temperature: float = 1.0
     """Sampling temperature; 0 means greedy."""
 

@@ -123,6 +123,10 @@ def validate_job_config(config, world_size: int, source: str = "<config>") -> No
             f"training.seq_len ({config.training.seq_len}) must be divisible by 2 x context_parallel_degree "
             f"= {2 * cp} (the zigzag layout cuts every row into 2 x cp chunks)"
         )
+    if ro.max_prompt_tokens < 0 or ro.max_prompt_tokens + ro.max_new_tokens > config.training.seq_len:
+        errors.append(f"rollout.max_prompt_tokens ({ro.max_prompt_tokens}) must be >= 0, and with "
+                      f"rollout.max_new_tokens ({ro.max_new_tokens}) fit in training.seq_len "
+                      f"({config.training.seq_len})")
     if ro.max_new_tokens >= config.training.seq_len:
         errors.append(f"rollout.max_new_tokens ({ro.max_new_tokens}) must leave room for the prompt within "
                       f"training.seq_len ({config.training.seq_len})")

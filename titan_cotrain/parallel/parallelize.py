@@ -103,7 +103,7 @@ def _pipelined(config, dims, device, policy: Transformer, draft: Draft | None, s
     for part in pipeline.model_parts:
         _materialize(part, device, {})
     if pipeline.draft is not None:
-        _restore_buffers(pipeline.draft, host)
+        _materialize(pipeline.draft, device, host)
     if fill:
         def fill_local(param, whole):
             if param.device.type != "meta":  # not another rank's stage

@@ -386,9 +386,9 @@ class RolloutEngine:
         wave, so greedy results do not depend on the waves but sampled ones do (same
         distribution, other draws). ``progress(finished, total)``, if given, is called after
         every decoding round with the number of finished responses of the whole call.
-        ``max_rounds``: run exactly that many decoding rounds per wave and return None,
-        reading nothing back from the device (the scale simulator's bounded rollout, whose
-        device values are unknown).
+        ``max_rounds``: run the first wave only, exactly that many decoding rounds, and
+        return None, reading nothing back from the device (the scale simulator's bounded
+        rollout, whose device values are unknown; memory repeats from wave to wave).
         """
         k = self.max_draft_tokens if draft_tokens is None else draft_tokens
         if not 0 <= k <= self.max_draft_tokens:
@@ -406,8 +406,8 @@ class RolloutEngine:
             waves.append(self._generate_wave(prompt[start: start + len(lens), : int(lens.max())].to(self.device),
                                              lens.to(self.device), k, params, generator, draft_to_target, counters,
                                              report, max_rounds))
-        if max_rounds is not None:
-            return None
+            if max_rounds is not None:
+                return None
         seqs = _Sequences.cat(waves)
         return seqs.result(prompt_lens.to(self.device), params.max_new_tokens,
                            counters.stats(int(seqs.response_len.sum()), k))

@@ -143,7 +143,9 @@ class Trainer:
         self.engine = RolloutEngine.from_models(
             models.engine_policy, models.engine_draft, device=self.device,
             max_batch_size=max(self.prompts_per_rank * config.rl.group_size, 1),
-            max_seq_len=config.training.seq_len, max_draft_tokens=config.rollout.draft_tokens,
+            max_seq_len=(config.rollout.max_prompt_tokens + config.rollout.max_new_tokens
+                         if config.rollout.max_prompt_tokens else config.training.seq_len),
+            max_draft_tokens=config.rollout.draft_tokens,
             kv_cache_gib=config.rollout.kv_cache_gib, load=models.engine_loadable,
         )
         self.policy_opt = titan.build_optimizers([self.policy], config.optimizer, self.parallel_dims)
@@ -326,7 +328,8 @@ class Trainer:
         longest = max(map(len, prompts))
         self._stop_if_any_rank_failed(
             f"a prompt of {longest} tokens plus rollout.max_new_tokens = {cfg.rollout.max_new_tokens} exceeds "
-            f"training.seq_len = {self.engine.max_seq_len}"
+            f"the engine's {self.engine.max_seq_len} positions (training.seq_len, or rollout.max_prompt_tokens "
+            f"+ max_new_tokens)"
             if longest + cfg.rollout.max_new_tokens > self.engine.max_seq_len else None)
         return problems, prompts
 

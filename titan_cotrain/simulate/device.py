@@ -18,6 +18,9 @@ What differs from CUDA, and how the simulator treats it:
   renamed PrivateUse1 device stands in for CUDA rather than ``cuda`` itself;
 * kernels run their meta (shape) implementations: ``aten._flash_attention_forward`` has
   one, so the CUDA attention path's shapes and temporaries are what the simulator sees;
+* ``torch.tensor(data, device=simgpu)`` (which bypasses the dispatcher) is built on the host
+  and moved; the one host read inside torch's pipeline schedules (their first step's vote on
+  static shapes) is answered "static", which the project's stages are;
 * collectives go to torch's fake process group: they complete at once and move nothing.
   A collective handed a tensor that is not on the simulated device is recorded, with the
   caller's file and line (NCCL has no CPU path).
@@ -28,11 +31,13 @@ Use ``with SimulatedDevice():`` (the dispatch mode) and build on ``sim_device()`
 from __future__ import annotations
 
 import contextlib
+import sys
 import traceback
 
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
@@ -177,13 +182,39 @@ def sim_device() -> torch.device:
 def _caller() -> str:
     """``file:line`` of the innermost frame of the project's (or torchtitan's) code."""
     for frame in reversed(traceback.extract_stack()[:-2]):
-        if "titan_cotrain" in frame.filename or "torchtitan" in frame.filename:
+        if ("titan_cotrain" in frame.filename or "torchtitan" in frame.filename) and "/simulate/" not in frame.filename:
             return f"{frame.filename}:{frame.lineno}"
     return "<unknown>"
 
 
+_PIPELINING = "torch/distributed/pipelining/"
+
+
+def _called_from(path: str) -> bool:
+    frame = sys._getframe(2)
+    for _ in range(12):
+        if frame is None:
+            return False
+        if path in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _targets_sim(device) -> bool:
     return device is not None and torch.device(device).type == SIM_DEVICE_TYPE
+
+
+class _HostThenDevice(TorchFunctionMode):
+    """``torch.tensor(data, device=simgpu)`` builds on the host, then moves: tensor
+    construction from Python data bypasses the dispatcher, so no dispatch mode can fake it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.tensor, torch.as_tensor, torch.asarray) and _targets_sim(kwargs.get("device")):
+            device = kwargs.pop("device")
+            return func(*args, **kwargs).to(device)
+        return func(*args, **kwargs)
 
 
 class SimulatedDevice(TorchDispatchMode):
@@ -201,6 +232,17 @@ class SimulatedDevice(TorchDispatchMode):
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)
         self.on_alloc = on_alloc
         self.host_collectives: list[str] = []
+
+    def __enter__(self):
+        self._host_first = _HostThenDevice()
+        self._host_first.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._host_first.__exit__(*exc)
 
     def _to_fake(self, t: torch.Tensor) -> torch.Tensor:
         if isinstance(t, FakeTensor):
@@ -224,6 +266,10 @@ class SimulatedDevice(TorchDispatchMode):
             if host:
                 self.host_collectives.append(f"{func} on a host tensor at {_caller()}")
         fake = any(isinstance(t, FakeTensor) for t in leaves)
+        if fake and func is torch.ops.aten._local_scalar_dense.default and _called_from(_PIPELINING):
+            # torch's pipeline schedules read one device int at their first step: the stages'
+            # vote on static shapes. Ours declare their shapes, so the answer is "static".
+            return 1
         if not fake and not _targets_sim(kwargs.get("device")):
             return func(*args, **kwargs)
         if any(isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) for t in leaves):

@@ -5,18 +5,20 @@
 For each simulated rank (``[simulate] ranks``; default rank 0 and, under PP, the first
 rank of the last stage) the real ``Trainer`` runs at the config's world size and shapes on
 ``simgpu`` (``titan_cotrain.simulate.device``) with torch's fake process group:
-construction, one rollout phase (``[simulate] decode_rounds`` decoding rounds of the real
-engine; the optimizers' state made first, as a running job holds it), packing, one update over the real microbatches (the first
-``[simulate] microbatches`` of them: memory repeats from one microbatch to the next), the
-optimizer step, the engine refresh and the checkpoint's state dicts. Rollout *contents* are
-unknown on fake tensors, so the rank trains on the worst case: every response is
-``rollout.max_new_tokens`` long.
+construction; the optimizers' state made first, as a running job holds it from its first
+step on; one rollout phase (the first wave of the real engine, ``[simulate] decode_rounds``
+decoding rounds); packing; one update over the real microbatches (the first
+``[simulate] microbatches`` of them, or one schedule step under PP: memory repeats from one
+to the next); the optimizer step; the engine refresh; the checkpoint's state dicts. Rollout
+*contents* are unknown on fake tensors, so the rank trains on the worst case: every
+response is ``rollout.max_new_tokens`` long.
 
 The report is ``{"config", "world_size", "gpu_memory_gib", "ranks": [{"rank", "role",
-"peak_gib", "by_category_gib", "peak_phase", "phase_peak_gib", "after_step_gib"}],
-"host_collectives"}`` (``after_step_gib``: what stays alive between steps, by category); the job is refused
-(non-zero exit, naming the rank and its biggest category) when a rank's peak exceeds the
-budget, or when any collective was handed a host tensor.
+"peak_gib", "by_category_gib", "peak_phase", "largest_at_peak", "phase_peak_gib",
+"after_step_gib"}], "host_collectives"}`` (``after_step_gib``: what stays alive between
+steps, by category); the job is refused (non-zero exit, naming the rank and its biggest
+category) when a rank's peak exceeds the budget, or when any collective was handed a host
+tensor.
 """
 
 from __future__ import annotations
@@ -155,9 +157,40 @@ def simulate_rank(config, rank: int, world_size: int) -> tuple[dict, list[str]]:
     return report, device.host_collectives
 
 
-def simulate(config, config_path: str, *, output: str | None = None) -> dict:
+def _rank_from_args(args: list[str], world: int | str | None, rank: int, world_size: int):
+    """In the child: the rank's report, or the traceback of what stopped it (as text: torch's
+    exceptions do not all pickle)."""
+    import traceback
+
+    from titan_cotrain.config import load_job_config
+
+    try:
+        return simulate_rank(load_job_config(args, world_size=world), rank, world_size), None
+    except Exception:
+        return None, traceback.format_exc()
+
+
+def _in_fresh_process(args: list[str], world: int | str | None, rank: int, world_size: int):
+    """``simulate_rank`` in a spawned process of its own, the config read again from ``args``:
+    torch keeps process-wide state per process-group world (meshes, group names) that a
+    second fake world in one process trips on."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        result, failure = pool.apply(_rank_from_args, (args, world, rank, world_size))
+    if failure is not None:
+        raise RuntimeError(f"simulating rank {rank} failed:\n{failure}")
+    return result
+
+
+def simulate(config, config_path: str, *, output: str | None = None,
+             args: tuple[list[str], int | str | None] | None = None) -> dict:
     """Simulate the ranks of ``config`` and write the JSON report; raise ``SimulationFailed``
-    (after writing it) when a rank is over budget or a collective saw a host tensor."""
+    (after writing it) when a rank is over budget or a collective saw a host tensor.
+
+    ``args``: ``(command line, world_size for load_job_config)`` the config was read from;
+    with it every rank runs in a fresh process (needed for more than one rank), without it
+    in this one."""
     world_size = world_size_of(config)
     if dist.is_initialized():
         raise RuntimeError("the simulator runs its own fake process group: call it before the job's is initialised")
@@ -165,7 +198,8 @@ def simulate(config, config_path: str, *, output: str | None = None) -> dict:
     ranks = list(config.simulate.ranks) or _default_ranks(config, world_size)
     reports, host_collectives = [], []
     for rank in ranks:
-        report, host = simulate_rank(config, rank, world_size)
+        report, host = (_in_fresh_process(*args, rank, world_size) if args is not None
+                        else simulate_rank(config, rank, world_size))
         reports.append(report)
         host_collectives += [f"rank {rank}: {h}" for h in host]
         print(f"simulate: rank {rank} ({report['role']}) peak {report['peak_gib']:.1f} GiB of {budget:g} "

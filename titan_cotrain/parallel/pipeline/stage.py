@@ -1,6 +1,6 @@
 """The stage module: a contiguous range of the policy's decoder layers, under their
-whole-model names, plus the embedding on the first stage and the final norm, the head and
-the draft on the last.
+whole-model names, plus the embedding on the first stage and the final norm and the head on
+the last (which also holds the draft, as a model of its own).
 
 Microbatch metadata (``cu_seqlens`` on the host, positions on the device, the CP shard) is
 prepared once per schedule step by ``pipeline_step`` and handed to every stage as
@@ -46,7 +46,9 @@ class TransformerStage(nn.Module):
         self.layers = nn.ModuleDict({str(i): policy.layers[i] for i in layers})
         self.norm = policy.norm if last else None
         self.lm_head = policy.lm_head if last else None
-        self.draft = draft if last else None
+        # Held, not registered as a submodule: the draft is an FSDP root of its own, since its
+        # forward and backward run in the loss, outside this stage's forward and backward.
+        self.__dict__["draft"] = draft if last else None
         self.register_buffer("rope_inv_freq", policy.rope_inv_freq, persistent=False)
         self.channel = channel
         sources = ({EMBEDDINGS} if first else set()) | (set(layers) & set(policy.tap_layers))

@@ -169,6 +169,8 @@ class _BroadcastState(Mapping):
         self.p, self.stage_of, self.prefix = p, stage_of, prefix
         self.templates = {name: (t.shape, t.dtype) for name, t in like.state_dict().items()}
         self.local = {name: t for part in p.model_parts for name, t in part.state_dict().items()}
+        if p.draft is not None:
+            self.local |= {f"draft.{name}": t for name, t in p.draft.state_dict().items()}
         self.pp_rank = dist.get_rank(p.pp_group)
 
     def __getitem__(self, name: str) -> torch.Tensor:

@@ -176,6 +176,8 @@ def _check_schedules(mesh, reference):
         _bounded_step(pipe, _batch())
         for part in pipe.model_parts:
             part.zero_grad()
+        if pipe.draft is not None:
+            pipe.draft.zero_grad()
         received.clear()
         metrics = _bounded_step(pipe, _batch())
         try:

@@ -74,3 +74,19 @@ def test_check_at_start_refuses_a_job_that_does_not_fit(tmp_path, capsys):
     report = json.loads((tmp_path / "out" / "scale_check.json").read_text())
     assert report["world_size"] == 1 and report["ranks"][0]["peak_gib"] > 0.001
     assert not (tmp_path / "out" / "metrics.jsonl").exists()  # refused before training
+
+
+def test_pipeline_ranks_are_simulated_each_in_a_fresh_process(tmp_path):
+    """PP 2 x FSDP 2 (world 4): rank 0 (first stage) and rank 2 (the last stage, with the
+    draft) are both simulated, each in a process of its own, with every collective on the
+    device (the last stage's clip and the stages' broadcasts included)."""
+    args = ["--job.config_file", "train_configs/debug_cpu.toml", "--job.dump_folder", str(tmp_path / "out"),
+            "--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+            "--training.mixed_precision_param", "bfloat16", "--simulate.enable",
+            "--simulate.output", str(tmp_path / "report.json"), "--simulate.decode_rounds", "1"]
+    result = simulate(load_job_config(args, world_size="config"), "debug_cpu.toml", args=(args, "config"))
+    assert [(r["rank"], r["role"]) for r in result["ranks"]] == [(0, "pp stages [0], dp 0/2"),
+                                                                 (2, "pp stages [1], dp 0/2")]
+    first, last = result["ranks"]
+    assert last["after_step_gib"]["parameters"] > 0 and first["after_step_gib"]["KV cache"] > 0
+    assert result["host_collectives"] == []

@@ -185,3 +185,31 @@ def test_the_engine_on_the_simulated_accelerator(source):
         hidden = engine.draft.extend(torch.cat(out.taps, -1), embeds, start, engine.draft_cache)
         hidden = engine.draft.chain_step(embeds[:, 0], hidden[:, 0], start, 2, engine.draft_cache)
         assert hidden.shape == (5, draft.args.dim) and hidden.dtype == torch.bfloat16
+
+
+def test_released_engine_frees_its_memory_and_refuses_to_generate_until_reloaded():
+    """``release`` frees weights and caches (what the update phase gets back); generating
+    before ``load_weights`` is refused; after it, greedy decoding is the unreleased engine's."""
+    import copy as _copy
+
+    import pytest as _pytest
+
+    from titan_cotrain.rl.rollout import RolloutEngine
+    from titan_cotrain.rl.sampling import SamplingParams
+    from titan_cotrain.models.args import ModelArgs
+    from titan_cotrain.models.transformer import Transformer
+
+    policy = Transformer(ModelArgs(dim=32, n_layers=8, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64,
+                                   vocab_size=64, max_seq_len=64))
+    policy.init_weights(generator=torch.Generator().manual_seed(0))
+    engine = RolloutEngine.from_models(policy, None, device="cpu", max_batch_size=2, max_seq_len=32)
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    before = engine.generate([[1, 2, 3], [4, 5]], params).tokens
+    held = sum(t.numel() for t in engine.cache_tensors()) + sum(p.numel() for p in engine.policy.parameters())
+    engine.release()
+    assert held > 0 and sum(t.numel() for t in engine.cache_tensors()) == 0
+    assert sum(p.numel() for p in engine.policy.parameters()) == 0
+    with _pytest.raises(RuntimeError, match="load_weights first"):
+        engine.generate([[1, 2, 3]], params)
+    engine.load_weights(_copy.deepcopy(policy).state_dict())
+    assert torch.equal(engine.generate([[1, 2, 3], [4, 5]], params).tokens, before)

@@ -134,6 +134,11 @@ class Rollout:
     max_new_tokens: int = 64
     """Generation budget per response."""
 
+    release_between_rollouts: bool = False
+    """Free the engine's weights and KV caches on the device after each rollout phase, until
+    the next step's weight refresh rewrites them: the update phase of the colocated trainer
+    gets that memory (what a policy whose whole bf16 copy is a large share of a GPU needs)."""
+
     max_prompt_tokens: int = 0
     """Longest prompt the rollout engine takes; its KV caches hold ``max_prompt_tokens +
     max_new_tokens`` positions per sequence. 0: ``training.seq_len - max_new_tokens`` (a

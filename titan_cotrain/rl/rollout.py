@@ -293,6 +293,7 @@ class RolloutEngine:
         if draft is not None and draft.args.target_dim != policy.args.dim:
             raise ValueError(f"draft expects target width {draft.args.target_dim}, policy has {policy.args.dim}")
         self.policy, self.draft = policy.eval(), draft.eval() if draft is not None else None
+        self._released: list | None = None  # what ``release`` freed
         self.max_seq_len = max_seq_len
         self.max_draft_tokens = max_draft_tokens if draft is not None else 0
         dtype = policy.embed_tokens.weight.dtype
@@ -361,11 +362,35 @@ class RolloutEngine:
         collective: every rank of the training mesh calls this, in the same order,
         generating or not.
         """
+        self._restore()
         _copy_state(self.policy, policy_state)
         if draft_state is not None:
             if self.draft is None:
                 raise ValueError("this engine has no draft to load weights into")
             _copy_state(self.draft, draft_state)
+
+    def release(self) -> None:
+        """Free the device memory of the weights and KV caches until the next ``load_weights``
+        (which rewrites every weight anyway): between rollouts, the update phase of a colocated
+        trainer gets it. Buffers (RoPE, the draft's vocabulary maps) stay."""
+        if self._released is not None:
+            return
+        self._released = []
+        tensors = [(p, "data") for m in (self.policy, self.draft) if m is not None for p in m.parameters()]
+        caches = [self.target_cache] + ([self.draft_cache] if self.draft_cache is not None else [])
+        tensors += [(cache, name) for cache in caches for name in ("k", "v")]
+        for owner, name in tensors:
+            t = getattr(owner, name)
+            self._released.append((owner, name, t.shape, t.dtype))
+            setattr(owner, name, t.new_empty(0))
+
+    def _restore(self) -> None:
+        """Re-allocate what ``release`` freed (weights uninitialised, caches zeroed)."""
+        if self._released is None:
+            return
+        for owner, name, shape, dtype in self._released:
+            setattr(owner, name, torch.zeros(shape, dtype=dtype, device=self.device))
+        self._released = None
 
     def cache_tensors(self) -> list[torch.Tensor]:
         """The KV caches' storage (target and draft keys and values), for memory reports."""
@@ -390,6 +415,8 @@ class RolloutEngine:
         return None, reading nothing back from the device (the scale simulator's bounded
         rollout, whose device values are unknown; memory repeats from wave to wave).
         """
+        if self._released is not None:
+            raise RuntimeError("the engine's weights and caches were released: load_weights first")
         k = self.max_draft_tokens if draft_tokens is None else draft_tokens
         if not 0 <= k <= self.max_draft_tokens:
             raise ValueError(f"draft_tokens must be in 0..{self.max_draft_tokens} for this engine, got {k}")

@@ -352,6 +352,8 @@ class Trainer:
                                         max_rounds=self.simulation.decode_rounds if self.simulation else None)
         if progress is not None:
             progress.close()
+        if cfg.rollout.release_between_rollouts:
+            self.engine.release()
         t_rollout = time.perf_counter() - t0
         if self.simulation is not None:
             # Unknown contents: train on the worst case, every response as long as allowed.

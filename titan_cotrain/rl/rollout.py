@@ -362,7 +362,7 @@ class RolloutEngine:
         collective: every rank of the training mesh calls this, in the same order,
         generating or not.
         """
-        self._restore()
+        self.restore()
         _copy_state(self.policy, policy_state)
         if draft_state is not None:
             if self.draft is None:
@@ -384,8 +384,10 @@ class RolloutEngine:
             self._released.append((owner, name, t.shape, t.dtype))
             setattr(owner, name, t.new_empty(0))
 
-    def _restore(self) -> None:
-        """Re-allocate what ``release`` freed (weights uninitialised, caches zeroed)."""
+    def restore(self) -> None:
+        """Re-allocate what ``release`` freed (weights uninitialised, caches zeroed); a no-op
+        otherwise. ``load_weights`` calls it; call it first when a state mapping is built from
+        the engine's own shapes (a pipeline's streamed weights)."""
         if self._released is None:
             return
         for owner, name, shape, dtype in self._released:

@@ -425,6 +425,7 @@ class Trainer:
         """The rollout engine's models <- the trained weights (a collective: every rank
         calls it; FSDP shards are gathered one tensor at a time, PP stages broadcast)."""
         if self.pipeline is not None:
+            self.engine.restore()  # the streamed state takes the engine's shapes
             self.engine.load_weights(*gather_state_dict(self.pipeline, self.engine.policy, self.engine.draft))
         else:
             self.engine.load_weights(self.policy.state_dict(),

@@ -25,8 +25,9 @@ def render(folder: Path = ROOT / "assets" / "scale") -> str:
         for rank in report["ranks"]:
             top = ", ".join(f"{k} {v:.1f}" for k, v in list(rank["by_category_gib"].items())[:4])
             headroom = 1 - rank["peak_gib"] / budget
+            fits = f"{headroom:.0%}" if headroom >= 0 else "**does not fit**"
             lines.append(f"| `{report['config']}` | {report['world_size']} | {budget:g} | {rank['rank']} "
-                         f"({rank['role']}) | {rank['peak_gib']:.1f} | {headroom:.0%} | {top} |")
+                         f"({rank['role']}) | {rank['peak_gib']:.1f} | {fits} | {top} |")
     return "\n".join(lines)
 
 

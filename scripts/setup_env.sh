@@ -11,6 +11,6 @@ stamp=".venv/.titan_cotrain-installed"
 want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     .venv/bin/python -m pip install --quiet --upgrade pip
-    .venv/bin/python -m pip install --quiet -e ".[test]"
+    .venv/bin/python -m pip install --quiet -e ".[test,bench]"
     echo "$want" > "$stamp"
 fi

@@ -212,14 +212,16 @@ def _global_norms(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _clip_step_and_gather(pipe, reference, whole_policy, whole_draft, max_norm=1e-2, tied=False):
-    """SGD (lr 1) after ``clip_and_step``: the norms are the global ones on every rank, and
+    """SGD (lr 1) after ``clip_grad_norms``: the norms are the global ones on every rank, and
     ``gather_state_dict`` gives every rank the whole models moved by the clipped gradients."""
-    from titan_cotrain.parallel.pipeline import clip_and_step, gather_state_dict
+    from titan_cotrain.cotrain.step import step_optimizers
+    from titan_cotrain.parallel.pipeline import clip_grad_norms, gather_state_dict
 
     _, ref_grads, _ = reference
     policy_opt = torch.optim.SGD(pipe.policy_parameters(), lr=1.0)
     draft_opt = torch.optim.SGD(pipe.draft_parameters(), lr=1.0) if pipe.draft is not None else None
-    norms = clip_and_step(pipe, policy_opt, draft_opt, max_norm, max_norm)
+    norms = clip_grad_norms(pipe, max_norm, max_norm)
+    step_optimizers(policy_opt, draft_opt)
     state = dict(zip(("policy", "draft"), gather_state_dict(pipe, whole_policy, whole_draft)))
     for kind, expected in _global_norms(ref_grads).items():
         norm = norms[f"grad_norm/{kind}"]

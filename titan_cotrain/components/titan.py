@@ -224,6 +224,12 @@ def build_checkpointer(checkpoint_config, base_folder: str, model: nn.Module, op
     )
 
 
+def checkpoint_due(checkpointer, step: int, last_step: bool) -> bool:
+    """Whether ``checkpointer.save(step, last_step)`` will write a checkpoint (torchtitan's
+    own interval rule, a private method of 0.2.2's ``CheckpointManager``)."""
+    return checkpointer._should_save(step, last_step=last_step)
+
+
 def load_tokenizer(path: str):
     """torchtitan's Hugging Face tokenizer for a folder with ``tokenizer.json``
     (``encode(text, add_bos=, add_eos=)``, ``decode(ids)``, ``bos_id``, ``eos_id``)."""

@@ -3,7 +3,7 @@
 torchtitan's ``ConfigManager`` merges this module's ``JobConfig`` into its own when a TOML
 file (or the command line) names it in ``[job] custom_config_module``; the project's loader
 (``titan_cotrain.config.load_job_config``) names it for you. Sections that torchtitan
-already has (``[model]``) gain fields; ``[draft] [rl] [rollout] [task]`` are new.
+already has (``[model]``, ``[training]``) gain fields; ``[draft] [rl] [rollout] [task]`` are new.
 
 Every field's docstring is the documentation of its TOML key.
 """
@@ -38,6 +38,16 @@ class Model:
     hf_assets_path: str = "assets/tokenizer"
     """Folder with ``tokenizer.json`` (torchtitan's key). Defaults to the project's
     character-level tokenizer. A model loaded from ``hf_path`` uses its own folder's."""
+
+
+@dataclass
+class Training:
+    max_nonfinite_steps: int = 3
+    """Stop the job after this many consecutive steps with a skipped update. An update whose
+    loss or gradient norm is not finite (NaN or inf, on any rank) is skipped, for the
+    policy and the draft separately: no optimizer step, so its weights and optimizer state
+    stay as they were; the step is logged (``nonfinite/policy``, ``nonfinite/draft``) and
+    the job goes on. Weights that are not finite are never checkpointed or exported."""
 
 
 @dataclass
@@ -218,6 +228,7 @@ class Simulate:
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     draft: Draft = field(default_factory=Draft)

@@ -82,6 +82,7 @@ def _range_errors(config) -> list[str]:
         ("training.seq_len", t.seq_len, t.seq_len >= 1, ">= 1"),
         ("training.local_batch_size", t.local_batch_size, t.local_batch_size >= 1, ">= 1"),
         ("training.steps", t.steps, t.steps >= 1, ">= 1"),
+        ("training.max_nonfinite_steps", t.max_nonfinite_steps, t.max_nonfinite_steps >= 1, ">= 1"),
         ("draft.ttt_steps", d.ttt_steps, d.ttt_steps >= 1, ">= 1"),
         ("draft.loss_weight", d.loss_weight, d.loss_weight >= 0, ">= 0"),
         ("draft.pass_decay", d.pass_decay, 0 < d.pass_decay <= 1, "in (0, 1]"),

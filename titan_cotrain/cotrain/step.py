@@ -11,8 +11,9 @@ ranks), and once the last microbatch is done one all-reduce of the counts gives 
 ``1 / N_policy`` for the policy's gradients and ``lambda / sum_d w_d N_d`` for the draft's.
 The draft's count depends on the teacher's argmax, so it is only known after every forward:
 scaling afterwards is what lets an update be any number of microbatches and still equal one
-big batch. ``forward_backward`` is that update's gradient; ``clip_and_step`` clips the two
-gradient norms separately and steps two optimizers.
+big batch. ``forward_backward`` is that update's gradient; ``clip_grad_norms`` clips the two
+gradient norms separately and ``step_optimizers`` steps the two optimizers (either may be
+skipped: the trainer skips an update whose loss or norm is not finite).
 """
 
 import dataclasses
@@ -36,7 +37,8 @@ __all__ = [
     "PackedBatch",
     "PolicyLoss",
     "PolicyLossFn",
-    "clip_and_step",
+    "clip_grad_norms",
+    "step_optimizers",
     "forward_backward",
     "labels_of",
     "Microbatch",
@@ -326,20 +328,28 @@ def forward_backward(
     return metrics
 
 
-def clip_and_step(
+def clip_grad_norms(
     policy: Transformer,
     draft: Draft | None,
-    policy_optimizers,
-    draft_optimizers,
     policy_max_norm: float,
     draft_max_norm: float,
 ) -> dict[str, torch.Tensor]:
-    """Clip policy and draft gradient norms separately, step both optimizers, zero grads."""
+    """Clip the policy's and the draft's gradient norms separately; the global norms before
+    clipping (device scalars, ``grad_norm/policy`` and ``grad_norm/draft``)."""
     metrics = {"grad_norm/policy": titan.clip_grad_norm_(policy.parameters(), policy_max_norm)}
-    policy_optimizers.step()
-    policy_optimizers.zero_grad()
     if draft is not None:
         metrics["grad_norm/draft"] = titan.clip_grad_norm_(draft.parameters(), draft_max_norm)
-        draft_optimizers.step()
-        draft_optimizers.zero_grad()
     return metrics
+
+
+def step_optimizers(policy_optimizers, draft_optimizers, *, step_policy: bool = True, step_draft: bool = True) -> None:
+    """Step the optimizers asked for and zero both models' gradients (a skipped update
+    leaves its parameters and its optimizer state untouched). ``draft_optimizers`` may be
+    None (no draft, or a rank without it)."""
+    if step_policy:
+        policy_optimizers.step()
+    policy_optimizers.zero_grad()
+    if draft_optimizers is not None:
+        if step_draft:
+            draft_optimizers.step()
+        draft_optimizers.zero_grad()

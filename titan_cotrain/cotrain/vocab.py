@@ -224,7 +224,10 @@ def _soft_ce_chunk(hidden: torch.Tensor, teacher_index: torch.Tensor, mask: torc
     ce_sum = torch.where(mask, ce, 0.0).sum()
     # After ce_sum: checkpoint's recompute stops once the last tensor backward needs is
     # back (early stop, on by default), so the argmaxes are not recomputed.
-    correct = ((logits.argmax(-1) == teacher.argmax(-1)) & mask).sum()
+    # argmax takes NaN for the largest value: two rows of NaN would agree, so a position
+    # counts as correct only where both rows are finite (a NaN step reports accuracy 0).
+    finite = logits.amax(-1).isfinite() & teacher.amax(-1).isfinite()
+    correct = ((logits.argmax(-1) == teacher.argmax(-1)) & finite & mask).sum()
     return ce_sum, correct
 
 
@@ -247,7 +250,7 @@ def chunked_soft_ce(
 
     Returns ``ce_sum = sum_t mask_t * CE(softmax(teacher_t), softmax(draft_t))`` (fp32,
     differentiable w.r.t. ``hidden`` and the head's parameters), ``correct = sum_t mask_t *
-    [argmax draft_t == argmax teacher_t]`` and ``count = mask.sum()`` (int64). Masked-out
+    [argmax draft_t == argmax teacher_t]`` (both rows finite) and ``count = mask.sum()`` (int64). Masked-out
     anchors are computed and dropped by ``where``. Each chunk is checkpointed: its
     ``[c, V_d]`` tensors are rebuilt in backward, none are kept from forward to backward.
     """

@@ -38,15 +38,16 @@ import torch.nn.functional as F
 
 from titan_cotrain.components import titan
 from titan_cotrain.config import resolve_model_args
-from titan_cotrain.cotrain.step import PackedBatch, PolicyLoss, clip_and_step, forward_backward
+from titan_cotrain.cotrain.step import PackedBatch, PolicyLoss, clip_grad_norms, forward_backward, step_optimizers
 from titan_cotrain.cotrain.vocab import chunked_token_logprobs
 from titan_cotrain.data.packing import LabelRows, layout_from_document_ids
 from titan_cotrain.models.build import job_seed
 from titan_cotrain.parallel.parallelize import copy_shards, parallelize
 from titan_cotrain.parallel.pipeline import gather_state_dict, pipeline_step
-from titan_cotrain.parallel.pipeline import clip_and_step as pipeline_clip_and_step
+from titan_cotrain.parallel.pipeline import clip_grad_norms as pipeline_clip_grad_norms
 from titan_cotrain.rl.batching import Sample, pack_samples
 from titan_cotrain.rl.grpo import group_advantages, ppo_loss
+from titan_cotrain.rl.nonfinite import NonfiniteWeights, all_finite, nonfinite_flags
 from titan_cotrain.rl.progress import RolloutProgress, progress_bar
 from titan_cotrain.rl.rollout import RolloutEngine
 from titan_cotrain.rl.sampling import SamplingParams
@@ -62,16 +63,19 @@ def next_token_loss(logits: torch.Tensor, rows: LabelRows) -> PolicyLoss:
 
 
 class _TrainerState:
-    """The step counter, as a DCP ``Stateful`` (everything random derives from it)."""
+    """The step counter (everything random derives from it) and the number of consecutive
+    steps that ended with a skipped update, as a DCP ``Stateful``."""
 
     def __init__(self) -> None:
         self.step = 0
+        self.nonfinite_steps = 0
 
     def state_dict(self) -> dict:
-        return {"step": torch.tensor(self.step)}
+        return {"step": torch.tensor(self.step), "nonfinite_steps": torch.tensor(self.nonfinite_steps)}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
+        self.nonfinite_steps = int(state["nonfinite_steps"])
 
 
 def _training_device() -> torch.device:
@@ -266,7 +270,9 @@ class Trainer:
         """One or more optimizer updates (``rl.updates_per_step`` minibatches of rows). Without
         PP each minibatch runs in microbatches of ``training.local_batch_size`` rows whose
         gradients accumulate into one update; under PP a minibatch is padded to whole
-        schedule steps, which accumulate into its update."""
+        schedule steps, which accumulate into its update. An update whose loss or gradient
+        norm is not finite on any rank is skipped for that model (``nonfinite/*``: the
+        fraction of this step's updates skipped)."""
         cfg = self.config
         n = cfg.rl.updates_per_step if batch.advantages is not None else 1
         sim = self.simulation
@@ -281,16 +287,18 @@ class Trainer:
                                        draft_loss_on=cfg.draft.loss_on, cp_group=self.cp_group, device=self.device,
                                        microbatch_rows=cfg.training.local_batch_size,
                                        max_microbatches=sim.microbatches if sim is not None else None)
-                out |= clip_and_step(self.policy, draft, self.policy_opt, self.draft_opt, cfg.training.max_norm,
-                                     cfg.draft.grad_clip)
+                out |= clip_grad_norms(self.policy, draft, cfg.training.max_norm, cfg.draft.grad_clip)
             else:
                 minibatch = self._pad_to_schedule(minibatch)
                 if sim is not None:  # one schedule step: memory repeats from one to the next
                     minibatch = minibatch.map(lambda t: t[:self.pipeline.n_microbatches * self.pipeline.microbatch_size])
                 out = pipeline_step(self.pipeline, minibatch, policy_loss_fn=loss_fn, train_draft=train_draft)
-                out |= pipeline_clip_and_step(self.pipeline, self.policy_opt, self.draft_opt, cfg.training.max_norm,
-                                              cfg.draft.grad_clip, train_draft=train_draft)
-            for key, value in self._to_host(out).items():  # the mean over minibatches
+                out |= pipeline_clip_grad_norms(self.pipeline, cfg.training.max_norm, cfg.draft.grad_clip,
+                                                train_draft=train_draft)
+            host = self._to_host(out | nonfinite_flags(out, self.device))
+            step_optimizers(self.policy_opt, self.draft_opt if train_draft else None,
+                            step_policy=not host["nonfinite/policy"], step_draft=not host["nonfinite/draft"])
+            for key, value in host.items():  # the mean over minibatches
                 metrics[key] = metrics.get(key, 0.0) + value / n
             if sim is not None:
                 break
@@ -480,11 +488,37 @@ class Trainer:
             metrics |= titan.device_memory_stats()
             self.state.step = step
             self._log(step, "sft" if sft else "rl ", metrics)
+            self._count_nonfinite(step, metrics)
+            if titan.checkpoint_due(self.checkpointer, step, last_step=step == self.total_steps):
+                self._check_finite(f"the checkpoint of step {step}", self.policy, self.draft, self.reference)
             self.checkpointer.save(step, last_step=step == self.total_steps)
         self.checkpointer.close()
         self.export()
         if self.tb is not None:
             self.tb.close()
+
+    def _count_nonfinite(self, step: int, metrics: dict[str, float]) -> None:
+        """Count consecutive steps with a skipped update; stop at ``training.max_nonfinite_steps``
+        (every rank alike: the verdicts are the same on every rank)."""
+        skipped = [part for part in ("policy", "draft") if metrics.get(f"nonfinite/{part}", 0.0) > 0]
+        if not skipped:
+            self.state.nonfinite_steps = 0
+            return
+        self.state.nonfinite_steps += 1
+        limit = self.config.training.max_nonfinite_steps
+        if self.rank == self.log_rank:
+            print(f"step {step}: non-finite loss or gradient norm of the {' and the '.join(skipped)}: update "
+                  f"skipped ({self.state.nonfinite_steps} in a row, the job stops at {limit})", flush=True)
+        if self.state.nonfinite_steps >= limit:
+            raise RuntimeError(
+                f"stopped at step {step}: {limit} consecutive steps had a non-finite loss or gradient norm "
+                f"(training.max_nonfinite_steps = {limit}); the weights are those of the last finite update, the "
+                "last checkpoint is before it. Lower the learning rates (optimizer.lr, draft.lr, rl.lr) or the "
+                "gradient clips (training.max_norm, draft.grad_clip).")
+
+    def _check_finite(self, what: str, *modules, collective: bool = True) -> None:
+        if self.simulation is None and not all_finite(modules, self.device, collective=collective):
+            raise NonfiniteWeights(f"{what} is not written: the weights are not finite")
 
     def export(self) -> None:
         """Write the final policy (Hugging Face folder) and draft (EAGLE-3 folder) to
@@ -494,6 +528,8 @@ class Trainer:
         from titan_cotrain.models.hf import save_hf
 
         self.refresh_engine()
+        # Every rank holds the same whole copies: each checks its own, so all stop alike.
+        self._check_finite("the export", self.engine.policy, self.engine.draft, collective=False)
         if self.rank != self.log_rank:
             return
         folder = os.path.join(self.config.job.dump_folder, "export")

@@ -23,7 +23,7 @@ from titan_cotrain.parallel.pipeline.build import Pipeline, build_pipeline, buil
 from titan_cotrain.parallel.pipeline.loss import CotrainLoss
 from titan_cotrain.parallel.pipeline.plan import PipelinePlan, layers_per_stage_from_fqns, plan_pipeline
 from titan_cotrain.parallel.pipeline.stage import LocalPolicy, TransformerStage
-from titan_cotrain.parallel.pipeline.step import clip_and_step, gather_state_dict, pipeline_step
+from titan_cotrain.parallel.pipeline.step import clip_grad_norms, gather_state_dict, pipeline_step
 
 __all__ = [
     "CotrainLoss",
@@ -33,7 +33,7 @@ __all__ = [
     "TransformerStage",
     "build_pipeline",
     "build_schedule",
-    "clip_and_step",
+    "clip_grad_norms",
     "gather_state_dict",
     "layers_per_stage_from_fqns",
     "make_pipeline",

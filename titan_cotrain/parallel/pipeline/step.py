@@ -22,7 +22,7 @@ from titan_cotrain.data.packing import LabelRows
 from titan_cotrain.ops.context import context_parallel
 from titan_cotrain.parallel.pipeline.build import Pipeline
 
-__all__ = ["clip_and_step", "gather_state_dict", "pipeline_step"]
+__all__ = ["clip_grad_norms", "gather_state_dict", "pipeline_step"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -120,21 +120,19 @@ def _normalise_gradients(p: Pipeline, policy_scale: torch.Tensor, draft_scale: t
     scale_gradients(p.draft_parameters(), draft_scale)
 
 
-def clip_and_step(
+def clip_grad_norms(
     pipeline: Pipeline,
-    policy_optimizers,
-    draft_optimizers,
     policy_max_norm: float,
     draft_max_norm: float,
     *,
     train_draft: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """``titan_cotrain.cotrain.step.clip_and_step`` for one PP rank: clip the policy's and
+    """``titan_cotrain.cotrain.step.clip_grad_norms`` for one PP rank: clip the policy's and
     the draft's gradient norms separately, each the *global* norm over the PP column (the
-    same value on every rank, returned as the metrics), step both optimizers, zero grads.
+    same value on every rank, returned as the metrics). The optimizers are stepped by
+    ``titan_cotrain.cotrain.step.step_optimizers``.
 
-    Every PP rank calls it; ``draft_optimizers`` exist on the last stage's rank only (None
-    elsewhere). ``train_draft`` says whether the draft was trained this step (as in
+    Every PP rank calls it. ``train_draft`` says whether the draft was trained this step (as in
     ``pipeline_step``). A tied embedding is counted once in the norm (on the first stage)
     and clipped on both ranks by the same factor, so its two copies stay equal.
     """
@@ -149,13 +147,8 @@ def clip_and_step(
     if tied is not None and not p.has_first_stage:
         torch.nn.utils.clip_grads_with_norm_([tied], policy_max_norm, norm)
     metrics = {"grad_norm/policy": norm}
-    policy_optimizers.step()
-    policy_optimizers.zero_grad()
     if train_draft and p.channel is not None:
         metrics["grad_norm/draft"] = titan.clip_grad_norm_(p.draft_parameters(), draft_max_norm, pp_mesh=p.pp_mesh)
-        if draft_optimizers is not None:
-            draft_optimizers.step()
-            draft_optimizers.zero_grad()
     return metrics
 
 

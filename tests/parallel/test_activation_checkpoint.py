@@ -1,7 +1,10 @@
 """Full activation checkpointing recomputes the policy's layers without changing anything."""
 
+import functools
+
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from tests.batches import synthetic_packed_batch
 from titan_cotrain.cotrain.step import forward_backward
@@ -27,7 +30,10 @@ def _grads(mode: str):
 def test_full_checkpointing_recomputes_and_matches():
     plain_metrics, plain, _ = _grads("none")
     ac_metrics, ac, policy = _grads("full")
-    assert isinstance(policy.layers[0].forward, type(policy.layers[0].forward))  # wrapped in place
+    # Wrapped in place: every layer's forward is torch's checkpoint around the layer's own forward.
+    for layer in policy.layers:
+        assert isinstance(layer.forward, functools.partial) and layer.forward.func is checkpoint
+        assert layer.forward.args[0].__func__ is type(layer).forward
     assert [n for n, _ in policy.named_parameters()][:2] == ["embed_tokens.weight", "layers.0.input_layernorm.weight"]
     for key in ("loss/policy", "loss/draft"):
         torch.testing.assert_close(ac_metrics[key], plain_metrics[key], rtol=0, atol=0)

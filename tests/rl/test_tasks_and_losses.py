@@ -179,21 +179,49 @@ def test_ppo_loss_matches_a_direct_computation():
                 expected = expected - torch.minimum(r * a, r.clamp(0.8, 1.3) * a)
     torch.testing.assert_close(loss_sum.detach(), expected)
     assert 0 <= sums["rl/clip_fraction"] <= count
-    # On-policy (ratio 1): nothing is clipped and the gradient is -A * grad log p.
+    # On-policy (ratio 1): nothing is clipped and the gradient is -A * grad log p, summed
+    # over the response tokens (grad log p computed independently, by autograd per token).
     on_policy = pack_samples(_samples(), seq_len=10, pad_id=0)
     on_policy.old_logprobs = torch.where(on_policy.loss_mask, _token_logprobs(logits.detach(), on_policy.tokens), 0.0)
     loss_sum, _, sums = ppo_loss(0.2, 0.2)(logits, labels_of(on_policy))
     assert sums["rl/clip_fraction"] == 0
-    loss_sum.backward()
-    assert logits.grad.abs().sum() > 0
+    (grad,) = torch.autograd.grad(loss_sum, logits)
+    expected = torch.zeros_like(logits)
+    for b in range(2):
+        for t in range(1, 10):
+            if on_policy.loss_mask[b, t]:
+                x = logits.detach()[b, t - 1].clone().requires_grad_()
+                (g,) = torch.autograd.grad(torch.log_softmax(x, -1)[on_policy.tokens[b, t]], x)
+                expected[b, t - 1] -= on_policy.advantages[b, t] * g
+    assert expected.abs().sum() > 0
+    torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_kl_term_is_zero_at_the_reference():
+def test_kl_term_value_and_gradient():
+    """k3 estimator ``exp(r - p) - (r - p) - 1`` (``p``, ``r``: the token's policy and reference
+    log-probs): zero at the reference, and away from it the value and the gradient of the
+    formula, checked against a direct float64 computation."""
     batch = pack_samples(_samples(), seq_len=10, pad_id=0)
-    logits = torch.randn(2, 10, 12)
-    batch.ref_logprobs = _token_logprobs(logits, batch.tokens)
+    batch.advantages = torch.zeros_like(batch.advantages)  # the KL term alone
+    logits = torch.randn(2, 10, 12, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    batch.ref_logprobs = _token_logprobs(logits.detach(), batch.tokens)
+    batch.old_logprobs = batch.ref_logprobs.clone()
     _, _, sums = ppo_loss(0.2, 0.2, kl_coef=0.1)(logits, labels_of(batch))
     assert sums["rl/kl_ref"].abs() < 1e-6
+    reference = torch.randn(2, 10, 12, generator=torch.Generator().manual_seed(2))
+    batch.ref_logprobs = _token_logprobs(reference, batch.tokens)
+    loss_sum, _, sums = ppo_loss(0.2, 0.2, kl_coef=0.1)(logits, labels_of(batch))
+    (grad,) = torch.autograd.grad(loss_sum, logits)
+    x = logits.detach().double().requires_grad_()
+    logp = torch.log_softmax(x[:, :-1], -1).gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)
+    delta = batch.ref_logprobs[:, 1:].double() - logp
+    mask = batch.loss_mask[:, 1:].double()
+    kl = ((torch.exp(delta) - delta - 1) * mask).sum()
+    (expected_grad,) = torch.autograd.grad(0.1 * kl, x)
+    assert kl > 0.1  # far enough from the reference to mean something
+    torch.testing.assert_close(sums["rl/kl_ref"].double(), kl.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss_sum.detach().double(), 0.1 * kl.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad.double(), expected_grad, rtol=1e-4, atol=1e-6)
 
 
 def test_a_failing_or_non_finite_reward_stops_with_context():

@@ -1,6 +1,6 @@
 """Peak memory of branch attention (forward + backward) against a dense masked baseline, on CPU.
 
-Claim checked (DESIGN.md section 3): at a fixed number of TTT passes ``D`` (``P = D - 1``
+Claim checked (docs/DESIGN.md section 3): at a fixed number of TTT passes ``D`` (``P = D - 1``
 branch key sets), the memory branch attention adds grows linearly in the row length ``S``,
 while an implementation that scores every query against the concatenated keys
 ``[trunk (S) ; branches (P * S)]`` under a dense ``[S, S + P*S]`` mask grows as ``D * S^2``.

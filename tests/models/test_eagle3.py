@@ -1,4 +1,4 @@
-"""The EAGLE-3 export: round trips, every rule of DESIGN.md section 9 read back from a written
+"""The EAGLE-3 export: round trips, every rule of docs/DESIGN.md section 9 read back from a written
 folder, folders written by other trainers, and one clear error per broken folder.
 
 Every weight (the norms included) is random, so a tensor saved under the wrong name changes

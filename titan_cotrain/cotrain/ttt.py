@@ -2,7 +2,7 @@
 
 All tensors are packed: the ``T`` tokens of a batch flattened, documents delimited by
 ``cu_seqlens``. For anchor ``i`` (in-document position) of a document of length ``n``,
-pass ``d = 1..D`` (DESIGN.md section 3):
+pass ``d = 1..D`` (docs/DESIGN.md section 3):
 
 =========== =========================================================================
 input       ``[e(x_{i+d}) ; h^{d-1}_i]``, ``h^0 = fc(taps)``, ``h^p`` the pass-p output

@@ -1,7 +1,7 @@
 """EAGLE-3 draft folders that vLLM and SGLang both load, and back into ``Draft``.
 
 A folder is ``config.json`` + ``model.safetensors`` of a ``LlamaForCausalLMEagle3``
-(DESIGN.md section 9). ``config.json`` is a one-layer Llama config (written by
+(docs/DESIGN.md section 9). ``config.json`` is a one-layer Llama config (written by
 ``hf_config_from_model_args``, so RoPE is in both the transformers v4 and v5 layouts) plus
 the EAGLE-3 keys; the weights are ``Draft``'s state dict under its own names. The facts
 read from the two loaders that fix the format:

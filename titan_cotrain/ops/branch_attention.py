@@ -1,6 +1,6 @@
 """Branch attention: the attention of the EAGLE-3 draft's training-time-test (TTT) passes.
 
-Pass ``d`` at anchor ``t`` attends to two disjoint key sets (DESIGN.md section 3):
+Pass ``d`` at anchor ``t`` attends to two disjoint key sets (docs/DESIGN.md section 3):
 
 * the **trunk**: the pass-1 keys ``k[j]``, ``j <= t`` in ``t``'s document, the
   document-causal attention of ``titan_cotrain.ops.attention``;

@@ -17,7 +17,7 @@ row. ``CPShard`` is one rank's share: ``cu_seqlens`` and ``positions`` for the m
 masks, advantages, logits).
 
 The TTT halo. Pass ``d`` of the draft reads ``e(x_{i+d})`` and scores against the teacher
-at ``i + d`` (its mask against the loss region at ``i + d + 1``; DESIGN.md section 3); for
+at ``i + d`` (its mask against the loss region at ``i + d + 1``; docs/DESIGN.md section 3); for
 the last tokens of a chunk those live in the next chunk of the document, on another rank
 (or on this one: chunk ``W-1``'s successor is chunk ``W``; with chunks shorter than ``D``,
 on several). For every local chunk, ``TTTHalo.exchange`` fetches the ``D + 1`` positions

@@ -13,7 +13,7 @@ the schedule does not need to know about them. Per microbatch ``m``:
          (tensor kept alive until it completes)    loss_fn(m): receive(m) waits, the draft runs
                                                     forward + backward, release(m) re-posts
 
-Invariants (DESIGN.md section 5):
+Invariants (docs/DESIGN.md section 5):
 
 * One process group per PP column (same dp / cp coordinates), separate from the pipeline's
   P2P, created and warmed up (one collective, one message per producer) when the channel is

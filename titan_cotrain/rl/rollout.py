@@ -2,7 +2,7 @@
 
 ``RolloutEngine.generate`` takes ragged prompts and returns responses with the behaviour
 log-probabilities of every token. Plain decoding is ``prefill`` then one
-``decode_one_token`` per step. Speculative decoding (DESIGN.md section 6) replaces the
+``decode_one_token`` per step. Speculative decoding (docs/DESIGN.md section 6) replaces the
 step by a round of the EAGLE-3 draft and one verify forward of the target.
 
 State of a sequence between rounds, ``n`` = committed tokens (prompt + response)::

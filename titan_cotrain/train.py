@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from titan_cotrain.components import titan
 from titan_cotrain.config import ConfigError, load_job_config
+from titan_cotrain.rl.nonfinite import NonfiniteStop
 from titan_cotrain.rl.trainer import Trainer
 
 
@@ -40,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     rank = dist.get_rank() if dist.is_initialized() else 0
     try:
         Trainer(config, world_size, rank).run()
+    except NonfiniteStop as e:  # every rank stops alike; one message, no traceback
+        if rank == 0:
+            print(f"training stopped: {e}", file=sys.stderr, flush=True)
+        return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -14,10 +14,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["NonfiniteWeights", "all_finite", "nonfinite_flags"]
+__all__ = ["NonfiniteStop", "NonfiniteWeights", "all_finite", "nonfinite_flags"]
 
 
-class NonfiniteWeights(RuntimeError):
+class NonfiniteStop(RuntimeError):
+    """The job stops: too many consecutive steps with a skipped update (every rank raises it)."""
+
+
+class NonfiniteWeights(NonfiniteStop):
     """Raised instead of writing a checkpoint or an export with non-finite weights."""
 
 

@@ -47,7 +47,7 @@ from titan_cotrain.parallel.pipeline import gather_state_dict, pipeline_step
 from titan_cotrain.parallel.pipeline import clip_grad_norms as pipeline_clip_grad_norms
 from titan_cotrain.rl.batching import Sample, pack_samples
 from titan_cotrain.rl.grpo import group_advantages, ppo_loss
-from titan_cotrain.rl.nonfinite import NonfiniteWeights, all_finite, nonfinite_flags
+from titan_cotrain.rl.nonfinite import NonfiniteStop, NonfiniteWeights, all_finite, nonfinite_flags
 from titan_cotrain.rl.progress import RolloutProgress, progress_bar
 from titan_cotrain.rl.rollout import RolloutEngine
 from titan_cotrain.rl.sampling import SamplingParams
@@ -510,8 +510,8 @@ class Trainer:
             print(f"step {step}: non-finite loss or gradient norm of the {' and the '.join(skipped)}: update "
                   f"skipped ({self.state.nonfinite_steps} in a row, the job stops at {limit})", flush=True)
         if self.state.nonfinite_steps >= limit:
-            raise RuntimeError(
-                f"stopped at step {step}: {limit} consecutive steps had a non-finite loss or gradient norm "
+            raise NonfiniteStop(
+                f"at step {step}: {limit} consecutive steps had a non-finite loss or gradient norm "
                 f"(training.max_nonfinite_steps = {limit}); the weights are those of the last finite update, the "
                 "last checkpoint is before it. Lower the learning rates (optimizer.lr, draft.lr, rl.lr) or the "
                 "gradient clips (training.max_norm, draft.grad_clip).")

@@ -3,7 +3,6 @@ update on every rank, the job stops after ``training.max_nonfinite_steps`` such 
 row, and weights that are not finite are never checkpointed or exported."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

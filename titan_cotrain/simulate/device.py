@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -40,6 +39,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
+
+from titan_cotrain.simulate.memory import code_site
 
 __all__ = ["SIM_BACKEND", "SIM_DEVICE_TYPE", "SimulatedDevice", "register_simulated_device", "sim_device"]
 
@@ -179,14 +180,6 @@ def sim_device() -> torch.device:
     return torch.device(SIM_DEVICE_TYPE, 0)
 
 
-def _caller() -> str:
-    """``file:line`` of the innermost frame of the project's (or torchtitan's) code."""
-    for frame in reversed(traceback.extract_stack()[:-2]):
-        if ("titan_cotrain" in frame.filename or "torchtitan" in frame.filename) and "/simulate/" not in frame.filename:
-            return f"{frame.filename}:{frame.lineno}"
-    return "<unknown>"
-
-
 _PIPELINING = "torch/distributed/pipelining/"
 
 
@@ -264,7 +257,7 @@ class SimulatedDevice(TorchDispatchMode):
             host = [t for t in leaves if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor)
                     and t.device.type == "cpu" and t.numel() > 0]
             if host:
-                self.host_collectives.append(f"{func} on a host tensor at {_caller()}")
+                self.host_collectives.append(f"{func} on a host tensor at {code_site()}")
         fake = any(isinstance(t, FakeTensor) for t in leaves)
         if fake and func is torch.ops.aten._local_scalar_dense.default and _called_from(_PIPELINING):
             # torch's pipeline schedules read one device int at their first step: the stages'

@@ -40,13 +40,15 @@ def _rounded(nbytes: int) -> int:
     return -(-nbytes // _ROUND) * _ROUND
 
 
-def _site() -> str:
-    """``file:line (function)`` of the innermost frame of the project's code."""
-    frame = sys._getframe(2)
+def code_site(depth: int = 2) -> str:
+    """``file:line (function)`` of the innermost frame of the project's or torchtitan's code
+    (outside the simulator) that led to the caller's caller (``depth`` frames up)."""
+    frame = sys._getframe(depth)
     while frame is not None:
         name = frame.f_code.co_filename
-        if "titan_cotrain" in name and "/simulate/" not in name:
-            return f"{name.split('titan_cotrain/')[-1]}:{frame.f_lineno} ({frame.f_code.co_name})"
+        if ("titan_cotrain" in name or "torchtitan" in name) and "/simulate/" not in name:
+            short = name.split("titan_cotrain/")[-1] if "titan_cotrain/" in name else name.split("site-packages/")[-1]
+            return f"{short}:{frame.f_lineno} ({frame.f_code.co_name})"
         frame = frame.f_back
     return "?"
 
@@ -115,7 +117,7 @@ class MemoryTracker:
             tag = _origin()
             if tag is None:
                 return
-            site = _site() if nbytes >= _SITE_BYTES else None
+            site = code_site() if nbytes >= _SITE_BYTES else None
             self._live[key] = (StorageWeakRef(storage), nbytes, tag, site)
             self._bytes += nbytes
         if self._bytes > self.peak_bytes or self._bytes > self.phase_peaks.get(self.current_phase, 0):

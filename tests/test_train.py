@@ -19,6 +19,10 @@ SHORT = ("--task.sft_steps", "2", "--training.steps", "2", "--task.sft_batch_siz
          "--training.seq_len", "64", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0",
          "--lr_scheduler.warmup_steps", "1")
 
+# Parity with one process: the first of the CP / PP peers generates all their rollouts (the
+# one-process job's) and sends them, instead of each generating a share.
+LEADER_GENERATES = ("--rollout.no-split_prompts",)
+
 
 def _run(*args: str, nproc: int | None = 2) -> subprocess.CompletedProcess:
     """The main job under torchrun with ``nproc`` ranks, or as a plain process (None)."""
@@ -78,7 +82,7 @@ def test_bad_config_fails_with_one_message(tmp_path):
 def test_context_parallel_job_matches_one_process(tmp_path):
     """``[parallelism] context_parallel_degree = 2``: two ranks train zigzag shards of the
     same rows; losses and gradient norms match a one-process run of the same job."""
-    args = (*SHORT, "--training.steps", "1", "--checkpoint.no-enable")
+    args = (*SHORT, "--training.steps", "1", "--checkpoint.no-enable", *LEADER_GENERATES)
     single = _run(*args, "--job.dump_folder", str(tmp_path / "single"), nproc=None)
     assert single.returncode == 0, single.stderr[-3000:]
     cp = _run(*args, "--parallelism.context_parallel_degree", "2", "--job.dump_folder", str(tmp_path / "cp"))
@@ -93,7 +97,7 @@ def test_pipeline_parallel_job_matches_one_process_and_resumes_exactly(tmp_path)
     row, two per schedule step, so a minibatch runs several accumulated schedule steps)
     train the same job as one process: warm-start and RL losses and the global gradient
     norms match; a resume from the PP checkpoint continues bit-identically."""
-    args = (*SHORT, "--rl.updates_per_step", "2", "--training.local_batch_size", "2")
+    args = (*SHORT, "--rl.updates_per_step", "2", "--training.local_batch_size", "2", *LEADER_GENERATES)
     pp_args = ("--parallelism.pipeline_parallel_degree", "2")
     single = _run(*args, "--checkpoint.no-enable", "--job.dump_folder", str(tmp_path / "single"), nproc=None)
     assert single.returncode == 0, single.stderr[-3000:]
@@ -123,7 +127,8 @@ def test_pipeline_parallel_job_matches_one_process_and_resumes_exactly(tmp_path)
 
 
 # One warm-start and one RL step: a 4-process job on 2 shared cores is slow.
-ONE_EACH = (*SHORT, "--task.sft_steps", "1", "--training.steps", "1", "--training.local_batch_size", "2")
+ONE_EACH = (*SHORT, "--task.sft_steps", "1", "--training.steps", "1", "--training.local_batch_size", "2",
+            *LEADER_GENERATES)
 MATCHED = ("loss/policy", "loss/draft", "grad_norm/policy", "grad_norm/draft", "draft/acc_pass1", "reward/mean",
            "rollout/acceptance_length")
 

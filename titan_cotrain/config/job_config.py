@@ -155,6 +155,13 @@ class Rollout:
     long-context job whose rows hold many rollouts should set it, or every cached sequence
     is sized for a whole row)."""
 
+    split_prompts: bool = True
+    """How the ranks that train the same rows (the context-parallel x pipeline peers of one
+    data-parallel coordinate) get their rollouts, generated once either way and exchanged:
+    true, each generates an equal share of the prompts (GRPO groups kept whole), ``cp x pp``
+    times less work per rank; false, the first of them generates all and sends them (the
+    rollouts a one-process job of the same seed generates)."""
+
     temperature: float = 1.0
     """Sampling temperature; 0 means greedy."""
 

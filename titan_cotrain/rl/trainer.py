@@ -7,8 +7,8 @@ and an update phase (``update_phase``: pack on the host, microbatched forward/ba
 the gradients scaled by the global counts, clipping, optimizer steps); ``run`` is the loop.
 
 Every data-parallel rank generates for its own share of the prompts with its own inference
-copy of the policy and draft (colocated; context-parallel and pipeline peers generate the
-same rollouts), trains its packed rows with FSDP2 over the data-parallel (x context-parallel)
+copy of the policy and draft (colocated; context-parallel and pipeline peers, who train the
+same rows, share out that generation and exchange the results: ``rl/generation_group.py``), trains its packed rows with FSDP2 over the data-parallel (x context-parallel)
 mesh, and refreshes the engine's weights from the sharded training state, one tensor at a
 time, before each RL step. Step ``s`` is a warm-start (SFT) step for ``s <= task.sft_steps``
 and an RL step after; its prompts and sampling seeds derive from ``(debug.seed, s, dp
@@ -46,6 +46,7 @@ from titan_cotrain.parallel.parallelize import copy_shards, parallelize
 from titan_cotrain.parallel.pipeline import gather_state_dict, pipeline_step
 from titan_cotrain.parallel.pipeline import clip_grad_norms as pipeline_clip_grad_norms
 from titan_cotrain.rl.batching import Sample, pack_samples
+from titan_cotrain.rl.generation_group import GenerationGroup
 from titan_cotrain.rl.grpo import group_advantages, ppo_loss
 from titan_cotrain.rl.nonfinite import NonfiniteStop, NonfiniteWeights, all_finite, nonfinite_flags
 from titan_cotrain.rl.progress import RolloutProgress, progress_bar
@@ -118,8 +119,8 @@ class Trainer:
         self.device = _training_device()
         if world_size > 1:
             dims.build_mesh()
-        # Context-parallel peers train the same rows, sharded: they generate the same
-        # rollouts (same weights, same seeds), so everything random is keyed by dp rank.
+        # Context-parallel and pipeline peers train the same rows: they draw the same prompts
+        # (everything random is keyed by dp rank) and share out their generation.
         self.cp_group = dims.get_mesh("cp").get_group() if dims.cp_enabled else None
         self.dp_degree = dims.dp_replicate * dims.dp_shard
         self.dp_rank = dims.get_mesh("batch").get_local_rank() if dims.dp_enabled else 0
@@ -144,9 +145,11 @@ class Trainer:
             pp_ranks = dims.get_mesh("pp").mesh.flatten().tolist()
             self.log_rank = pp_ranks[self.pipeline.plan.stage_ranks[-1]] - pp_ranks[0]
         self.cotrain = config.draft.enable  # under PP, self.draft is None off the last stage
+        self.generation = GenerationGroup(dims.pp, self.dp_degree, dims.cp, rank, config.rollout.split_prompts,
+                                          dp_rank=self.dp_rank, communicate=simulation is None)
         self.engine = RolloutEngine.from_models(
             models.engine_policy, models.engine_draft, device=self.device,
-            max_batch_size=max(self.prompts_per_rank * config.rl.group_size, 1),
+            max_batch_size=max(self.generation.max_share(self.prompts_per_rank) * config.rl.group_size, 1),
             max_seq_len=(config.rollout.max_prompt_tokens + config.rollout.max_new_tokens
                          if config.rollout.max_prompt_tokens else config.training.seq_len),
             max_draft_tokens=config.rollout.draft_tokens,
@@ -342,22 +345,30 @@ class Trainer:
         return problems, prompts
 
     def rollout_phase(self, step: int) -> tuple[list[Sample], dict[str, float]]:
-        """This rank's rollouts of step ``step``, scored and turned into GRPO samples (host
-        lists), and the rollout metrics (reduced over every rank)."""
+        """Step ``step``'s rollouts of this rank's data-parallel coordinate, scored and turned
+        into GRPO samples (host lists, the same on every CP and PP peer: each generates its
+        share of the problems and the shares are exchanged, ``rl.generation_group``), and the
+        rollout metrics (reduced over every rank, each rollout counted once)."""
         cfg = self.config
+        group_size = cfg.rl.group_size
         problems, prompts = self._prompts(step)
+        share = self.generation.share(len(problems))
+        own_prompts = [prompts[i * group_size + j] for i in share for j in range(group_size)]
         params = SamplingParams(temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
                                 top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens,
                                 eos_token_id=self.tokenizer.eos_id)
         generator = None  # the simulated device has no generators (and its draws are fake)
         if self.simulation is None:
-            generator = torch.Generator(device=self.device).manual_seed(
-                (self.seed * 1_000_003 + step) * 1009 + self.dp_rank)
+            seed = (self.seed * 1_000_003 + step) * 1009 + self.dp_rank
+            generator = torch.Generator(device=self.device).manual_seed(seed + 7919 * self.generation.member)
         t0 = time.perf_counter()
         progress = RolloutProgress() if self.rank == self.log_rank and self.simulation is None else None
         k = cfg.rollout.draft_tokens if cfg.rollout.speculative and self.engine.draft is not None else 0
-        rollouts = self.engine.generate(prompts, params, generator=generator, progress=progress, draft_tokens=k,
-                                        max_rounds=self.simulation.decode_rounds if self.simulation else None)
+        rollouts = None
+        if own_prompts:
+            rollouts = self.engine.generate(own_prompts, params, generator=generator, progress=progress,
+                                            draft_tokens=k,
+                                            max_rounds=self.simulation.decode_rounds if self.simulation else None)
         if progress is not None:
             progress.close()
         if cfg.rollout.release_between_rollouts:
@@ -369,33 +380,52 @@ class Trainer:
             samples = [Sample(prompt, [1] * n, [0.0] * n, 0.0, 0.0) for prompt in prompts]
             return samples, {}
 
+        # Per problem: its group of samples and their details, in problem order on every peer.
+        groups = self.generation.exchange(self._score([problems[i] for i in share], own_prompts, rollouts),
+                                          len(problems), self.generation.digest(prompts))
+        samples = [sample for group, _ in groups for sample in group]
+        details = [d for _, group_details in groups for d in group_details]
+        detail_keys = sorted(details[0]) if details else []
+        # The group's rollouts are counted once in the sums: by its first member.
+        counted = float(self.generation.member == 0)
+        rewards_t = torch.tensor([s.reward for s in samples]) * counted
+        generated = rollouts is not None
+        stats = rollouts.stats if generated else None
+        totals = self._all_reduce([
+            float(rewards_t.sum()), float((rewards_t ** 2).sum()), len(samples) * counted,
+            float(sum(len(s.response) for s in samples)) * counted,
+            stats.acceptance_length if generated else 0.0, stats.tokens_per_s if generated else 0.0, float(generated),
+            *((stats.acceptance_rate if generated else []) + [0.0] * k)[:k],
+            *(sum(d[key] for d in details) * counted for key in detail_keys)])
+        count, ranks = totals[2], totals[6]
+        mean = totals[0] / count
+        metrics = {
+            "reward/mean": mean,
+            "reward/std": max(totals[1] / count - mean ** 2, 0.0) ** 0.5,
+            "rollout/response_len": totals[3] / count,
+            "rollout/acceptance_length": totals[4] / ranks,
+            "rollout/tokens_per_s": totals[5],  # every rollout is generated once, by one rank
+            "time/rollout_s": t_rollout,
+        }
+        metrics |= {f"rollout/acceptance_rate_{d}": rate / ranks for d, rate in enumerate(totals[7:7 + k], start=1)}
+        metrics |= {f"task/{key}": total / count for key, total in zip(detail_keys, totals[7 + k:])}
+        return samples, metrics
+
+    def _score(self, problems: list, prompts: list[list[int]], rollouts) -> list[tuple[list[Sample], list[dict]]]:
+        """This rank's rollouts as GRPO groups: per problem, its ``rl.group_size`` samples (with
+        group-normalised advantages) and the task's details of each response."""
+        if rollouts is None:
+            return []
+        group_size = self.config.rl.group_size
         lengths = rollouts.response_lens.tolist()
         responses = [rollouts.tokens[i, :n].tolist() for i, n in enumerate(lengths)]
         logprobs = [rollouts.logprobs[i, :n].tolist() for i, n in enumerate(lengths)]
         texts = [self.tokenizer.decode(ids) for ids in responses]
-        sample_problems = [problems[i // cfg.rl.group_size] for i in range(len(prompts))]
-        rewards, details = score(self.task, sample_problems, texts)
-        detail_keys = sorted(details[0]) if details else []
-        rewards_t = torch.tensor(rewards)
-        advantages = group_advantages(rewards_t, cfg.rl.group_size)
+        rewards, details = score(self.task, [problems[i // group_size] for i in range(len(prompts))], texts)
+        advantages = group_advantages(torch.tensor(rewards), group_size)
         samples = [Sample(prompt, responses[i], logprobs[i], rewards[i], float(advantages[i]))
                    for i, prompt in enumerate(prompts)]
-        stats = self._all_reduce([float(rewards_t.sum()), float((rewards_t ** 2).sum()), float(len(rewards)),
-                                  rollouts.stats.acceptance_length, rollouts.stats.tokens_per_s, 1.0,
-                                  *(sum(d[key] for d in details) for key in detail_keys)])
-        mean = stats[0] / stats[2]
-        metrics = {
-            "reward/mean": mean,
-            "reward/std": max(stats[1] / stats[2] - mean ** 2, 0.0) ** 0.5,
-            "rollout/acceptance_length": stats[3] / stats[5],
-            # CP and PP peers generate the same rollouts.
-            "rollout/tokens_per_s": stats[4] / (self.parallel_dims.cp * self.parallel_dims.pp),
-            "rollout/response_len": sum(lengths) / len(lengths),
-            "time/rollout_s": t_rollout,
-        }
-        metrics |= {f"task/{key}": total / stats[2] for key, total in zip(detail_keys, stats[6:])}
-        metrics |= {k: v for k, v in rollouts.stats.metrics().items() if "acceptance_rate" in k}
-        return samples, metrics
+        return [(samples[i:i + group_size], details[i:i + group_size]) for i in range(0, len(samples), group_size)]
 
     def update_phase(self, step: int, samples: list[Sample]) -> dict[str, float]:
         """Pack ``samples`` and run the RL update(s) on them (policy and, unless frozen, draft)."""

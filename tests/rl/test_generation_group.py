@@ -1,0 +1,75 @@
+"""No duplicated generation: the CP x PP peers of one data-parallel coordinate share out their
+rollouts and all train the same received batch; prompts that differ between peers stop the job."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.multiprocess import run_on_ranks
+from titan_cotrain.rl.generation_group import GenerationGroup
+
+
+def test_groups_follow_the_pp_dp_cp_rank_layout_and_share_whole_problems():
+    pp, dp, cp = 2, 2, 2
+    layout = torch.arange(pp * dp * cp).view(pp, dp, cp)  # torchtitan's rank order
+    for rank in range(pp * dp * cp):
+        p, b, c = (layout == rank).nonzero()[0].tolist()
+        group = GenerationGroup(pp, dp, cp, rank, split=True, dp_rank=b, communicate=False)
+        assert group.ranks == layout[:, b, :].flatten().tolist()
+        assert group.member == p * cp + c
+    group = GenerationGroup(pp, dp, cp, 0, split=True, dp_rank=0, communicate=False)
+    shares = [group.share(10, member) for member in range(4)]
+    assert shares == [[0, 4, 8], [1, 5, 9], [2, 6], [3, 7]] and group.max_share(10) == 3
+    leader = GenerationGroup(pp, dp, cp, 0, split=False, dp_rank=0, communicate=False)
+    assert [leader.share(10, m) for m in range(4)] == [list(range(10)), [], [], []]
+    with pytest.raises(RuntimeError, match="data-parallel coordinate is 1"):
+        GenerationGroup(pp, dp, cp, 0, split=True, dp_rank=1, communicate=False)
+
+
+ARGS = ("--task.sft_steps", "0", "--training.steps", "1", "--training.seq_len", "64", "--rl.prompts_per_step", "4",
+        "--rl.group_size", "2", "--rollout.max_new_tokens", "8", "--parallelism.context_parallel_degree", "2",
+        "--checkpoint.no-enable", "--metrics.no-enable_tensorboard")
+
+
+def _split_rollouts(rank: int, world_size: int, folder: str) -> None:
+    from titan_cotrain.config import load_job_config
+    from titan_cotrain.rl.trainer import Trainer
+
+    trainer = Trainer(load_job_config([*ARGS, "--job.dump_folder", folder], world_size=world_size),
+                      world_size, rank)
+    generated = []
+    real_generate = trainer.engine.generate
+
+    def recording(prompts, *args, **kwargs):
+        generated.append([list(p) for p in prompts])
+        return real_generate(prompts, *args, **kwargs)
+
+    trainer.engine.generate = recording
+    trainer.refresh_engine()
+    samples, metrics = trainer.rollout_phase(1)
+    _, prompts = trainer._prompts(1)
+    # This rank generated its share only: its problem (of 4), both of its samples.
+    assert len(generated) == 1 and generated[0] == [prompts[i] for i in (2 * rank, 2 * rank + 1, 4 + 2 * rank,
+                                                                         5 + 2 * rank)]
+    # Every peer holds the whole batch, in problem order, the same on both ranks.
+    assert [s.prompt for s in samples] == prompts
+    both = [None, None]
+    dist.all_gather_object(both, (samples, metrics))
+    assert both[0][0] == both[1][0]
+    volatile = ("time/", "rollout/tokens_per_s")
+    assert {k: v for k, v in both[0][1].items() if not k.startswith(volatile)} == \
+        {k: v for k, v in both[1][1].items() if not k.startswith(volatile)}
+    mine = {tuple(p) for p in generated[0]}
+    assert {tuple(s.prompt) for s in samples} - mine  # the rest was received, not generated
+    update = trainer.update_phase(1, samples)  # the CP update trains the received rows
+    assert torch.isfinite(torch.tensor(update["loss/policy"]))
+
+    # Peers that drew different prompts cannot share rollouts: every one of them stops.
+    if rank == 1:
+        trainer._prompts = lambda step, real=trainer._prompts: real(step + 1)
+    with pytest.raises(RuntimeError, match=r"the ranks \[0, 1\], which train the same rows, drew different prompts"):
+        trainer.rollout_phase(1)
+
+
+def test_cp_peers_generate_a_share_each_and_train_the_same_received_batch(tmp_path):
+    run_on_ranks(_split_rollouts, 2, str(tmp_path))

@@ -176,7 +176,14 @@ class Rollout:
     """Decode with the co-trained draft (lossless speculative sampling)."""
 
     draft_tokens: int = 4
-    """k: tokens the draft proposes per verify round."""
+    """k: tokens the draft proposes per verify round (the most, with ``adaptive_speculation``)."""
+
+    adaptive_speculation: bool = True
+    """Choose k in ``0..draft_tokens`` for each rollout phase from measured round costs and
+    per-position acceptance at the batch's size, for the highest expected tokens/s (0 when
+    the draft does not pay), re-estimated as the policy and the draft move
+    (``titan_cotrain.rl.speculation``). The chosen k follows timings, so sampled rollouts
+    are not reproducible run to run; false always drafts ``draft_tokens`` (bit-exact resumes)."""
 
     kv_cache_gib: float = 0.0
     """GiB per rank for the rollout engine's KV caches (target + draft). They then hold

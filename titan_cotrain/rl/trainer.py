@@ -52,6 +52,7 @@ from titan_cotrain.rl.nonfinite import NonfiniteStop, NonfiniteWeights, all_fini
 from titan_cotrain.rl.progress import RolloutProgress, progress_bar
 from titan_cotrain.rl.rollout import RolloutEngine
 from titan_cotrain.rl.sampling import SamplingParams
+from titan_cotrain.rl.speculation import SpeculationTuner
 from titan_cotrain.rl.tasks import get_task, score
 
 __all__ = ["Trainer", "next_token_loss"]
@@ -147,6 +148,8 @@ class Trainer:
         self.cotrain = config.draft.enable  # under PP, self.draft is None off the last stage
         self.generation = GenerationGroup(dims.pp, self.dp_degree, dims.cp, rank, config.rollout.split_prompts,
                                           dp_rank=self.dp_rank, communicate=simulation is None)
+        self.speculation = SpeculationTuner(
+            config.rollout.draft_tokens if config.rollout.speculative and models.engine_draft is not None else 0)
         self.engine = RolloutEngine.from_models(
             models.engine_policy, models.engine_draft, device=self.device,
             max_batch_size=max(self.generation.max_share(self.prompts_per_rank) * config.rl.group_size, 1),
@@ -363,12 +366,18 @@ class Trainer:
             generator = torch.Generator(device=self.device).manual_seed(seed + 7919 * self.generation.member)
         t0 = time.perf_counter()
         progress = RolloutProgress() if self.rank == self.log_rank and self.simulation is None else None
-        k = cfg.rollout.draft_tokens if cfg.rollout.speculative and self.engine.draft is not None else 0
+        k_max = self.speculation.k_max
+        wave = min(len(own_prompts), self.engine.max_batch_size)
+        k = self.speculation.choose(wave) if cfg.rollout.adaptive_speculation else k_max
         rollouts = None
         if own_prompts:
             rollouts = self.engine.generate(own_prompts, params, generator=generator, progress=progress,
                                             draft_tokens=k,
                                             max_rounds=self.simulation.decode_rounds if self.simulation else None)
+        if rollouts is not None and rollouts.stats.target_forwards:
+            stats = rollouts.stats
+            self.speculation.observe(wave, k, (stats.draft_s + stats.verify_s) / stats.target_forwards,
+                                     stats.acceptance_rate)
         if progress is not None:
             progress.close()
         if cfg.rollout.release_between_rollouts:
@@ -395,7 +404,10 @@ class Trainer:
             float(rewards_t.sum()), float((rewards_t ** 2).sum()), len(samples) * counted,
             float(sum(len(s.response) for s in samples)) * counted,
             stats.acceptance_length if generated else 0.0, stats.tokens_per_s if generated else 0.0, float(generated),
-            *((stats.acceptance_rate if generated else []) + [0.0] * k)[:k],
+            float(k) if generated else 0.0,
+            # Positions a rank did not draft this step count as not judged (rate 0, weight 0).
+            *((stats.acceptance_rate if generated else []) + [0.0] * k_max)[:k_max],
+            *(float(generated and d < k) for d in range(k_max)),
             *(sum(d[key] for d in details) * counted for key in detail_keys)])
         count, ranks = totals[2], totals[6]
         mean = totals[0] / count
@@ -407,8 +419,11 @@ class Trainer:
             "rollout/tokens_per_s": totals[5],  # every rollout is generated once, by one rank
             "time/rollout_s": t_rollout,
         }
-        metrics |= {f"rollout/acceptance_rate_{d}": rate / ranks for d, rate in enumerate(totals[7:7 + k], start=1)}
-        metrics |= {f"task/{key}": total / count for key, total in zip(detail_keys, totals[7 + k:])}
+        metrics["rollout/draft_tokens"] = totals[7] / ranks
+        rates, judged = totals[8:8 + k_max], totals[8 + k_max:8 + 2 * k_max]
+        metrics |= {f"rollout/acceptance_rate_{d}": rate / n
+                    for d, (rate, n) in enumerate(zip(rates, judged), start=1) if n}
+        metrics |= {f"task/{key}": total / count for key, total in zip(detail_keys, totals[8 + 2 * k_max:])}
         return samples, metrics
 
     def _score(self, problems: list, prompts: list[list[int]], rollouts) -> list[tuple[list[Sample], list[dict]]]:

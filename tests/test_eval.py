@@ -50,7 +50,8 @@ def test_math_dataset_trains_and_evaluates_end_to_end(tmp_path):
     train = _run(*job, nproc=None)
     assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
     # Split first (4 held out by seed), then the 64 - 12 = 52-token budget drops the long question.
-    summary = re.search(r"task math: .*math.jsonl: (\d+) training and (\d+) held-out prompts \((\d+) longer", train.stdout)
+    summary = re.search(r"task math: .*math.jsonl: (\d+) training and (\d+) held-out prompts \((\d+) longer",
+                        train.stdout)
     n_train, n_held, too_long = map(int, summary.groups())
     assert too_long == 1 and n_train + n_held == 12 and n_held in (3, 4)
     metrics = _metrics(dump)

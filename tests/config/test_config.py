@@ -190,7 +190,8 @@ def test_dataset_task_keys(tmp_path):
     assert (config.task.dataset_format, config.task.prompt_field, config.task.answer_field) == \
         ("json", "question", "answer")
     # The scale simulator never reads the file: it need not exist.
-    assert _load(DEFAULT, "--task.name", "math", "--task.dataset_path", missing, "--simulate.enable").task.name == "math"
+    simulated = _load(DEFAULT, "--task.name", "math", "--task.dataset_path", missing, "--simulate.enable")
+    assert simulated.task.name == "math"
 
 
 @pytest.mark.parametrize("name, world_size", [("qwen3_8b_fsdp_cp.toml", 8), ("qwen3_32b_pp_cp.toml", 16)])

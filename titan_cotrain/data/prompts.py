@@ -77,7 +77,8 @@ def _read_records(task) -> list[PromptRecord]:
     try:
         table = datasets.load_dataset(fmt, data_files=str(path), split="train")
     except Exception as e:  # datasets raises many kinds for a malformed file
-        raise PromptDatasetError(f"task.dataset_path = {path!r}: not readable as {fmt}: {type(e).__name__}: {e}") from None
+        raise PromptDatasetError(f"task.dataset_path = {path!r}: not readable as {fmt}: "
+                                 f"{type(e).__name__}: {e}") from None
     if len(table) == 0:
         raise PromptDatasetError(f"task.dataset_path = {path!r}: the dataset has no records")
     fields = {"prompt_field": task.prompt_field, "answer_field": task.answer_field}

@@ -24,10 +24,10 @@ SHORT = ("--task.sft_steps", "2", "--training.steps", "2", "--task.sft_batch_siz
 LEADER_GENERATES = ("--rollout.no-split_prompts",)
 
 
-def _run(*args: str, nproc: int | None = 2) -> subprocess.CompletedProcess:
-    """The main job under torchrun with ``nproc`` ranks, or as a plain process (None)."""
+def _run(*args: str, nproc: int | None = 2, module: str = "titan_cotrain.train") -> subprocess.CompletedProcess:
+    """The main job (or another entry point) under torchrun with ``nproc`` ranks, or as a plain process (None)."""
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
-    cmd = [sys.executable, *launcher, "-m", "titan_cotrain.train", *args]
+    cmd = [sys.executable, *launcher, "-m", module, *args]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 

@@ -12,11 +12,13 @@ import torch.distributed as dist
 
 from titan_cotrain.components import titan
 from titan_cotrain.config import ConfigError, load_job_config
+from titan_cotrain.data.prompts import PromptDatasetError
 from titan_cotrain.rl.nonfinite import NonfiniteStop
 from titan_cotrain.rl.trainer import Trainer
 
 
-def _init_distributed(config) -> int:
+def init_distributed(config) -> int:
+    """The job's process group when launched by torchrun (torchtitan's init); the world size."""
     if "WORLD_SIZE" not in os.environ:
         return 1
     titan.init_torchtitan()
@@ -37,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         return _simulate(config, args)
     if config.simulate.check_at_start and _simulate(config, args, before_training=True):
         return 1
-    world_size = _init_distributed(config)
+    world_size = init_distributed(config)
     rank = dist.get_rank() if dist.is_initialized() else 0
     try:
         Trainer(config, world_size, rank).run()
@@ -45,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"training stopped: {e}", file=sys.stderr, flush=True)
         return 1
+    except PromptDatasetError as e:
+        print(f"dataset error: {e}", file=sys.stderr)
+        return 2
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

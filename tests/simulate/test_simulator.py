@@ -43,6 +43,26 @@ def test_parameter_and_optimizer_bytes_match_the_analytic_count(tmp_path):
     assert result["host_collectives"] == []
 
 
+def test_a_dataset_task_simulates_without_its_file(tmp_path, monkeypatch):
+    """The simulator never reads ``[task] dataset_path``: its prompts are synthetic, of
+    ``[simulate] prompt_tokens`` (here capped by the 128 - 64 = 64-token prompt budget)."""
+    from titan_cotrain.rl import trainer
+
+    lengths = []
+    generate = trainer.RolloutEngine.generate
+
+    def recording_generate(self, prompts, *args, **kwargs):
+        lengths.extend(map(len, prompts))
+        return generate(self, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(trainer.RolloutEngine, "generate", recording_generate)
+    config = _config(tmp_path, "--task.name", "gsm8k", "--task.dataset_path", str(tmp_path / "none.jsonl"),
+                     "--simulate.prompt_tokens", "100")
+    result = simulate(config, "debug_cpu.toml")
+    assert result["ranks"][0]["peak_gib"] > 0 and result["host_collectives"] == []
+    assert set(lengths) == {64} and len(lengths) == config.rl.prompts_per_step // WORLD * config.rl.group_size
+
+
 def test_a_rank_over_budget_is_refused_naming_its_biggest_category(tmp_path):
     config = _config(tmp_path, "--simulate.gpu_memory_gib", "0.001")
     with pytest.raises(SimulationFailed, match=r"rank 0 .* over the 0\.001 GiB budget; the biggest category is "):

@@ -35,6 +35,7 @@ __all__ = [
     "clip_grad_norm_",
     "device_memory_stats",
     "device_type",
+    "encode_without_special_tokens",
     "use_device_type",
     "fsdp_sum_gradients",
     "init_torchtitan",
@@ -237,3 +238,9 @@ def load_tokenizer(path: str):
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
     return HuggingFaceTokenizer(path)
+
+
+def encode_without_special_tokens(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` with no special token added by the tokenizer (its post-processor's
+    BOS included): how Hugging Face tokenizes a rendered chat template."""
+    return tokenizer.tokenizer.encode(text, add_special_tokens=False).ids

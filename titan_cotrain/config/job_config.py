@@ -199,10 +199,53 @@ class Rollout:
 @dataclass
 class Task:
     name: str = "arithmetic"
-    """Verifiable task that generates prompts and scores responses: ``arithmetic`` or ``sort``."""
+    """Verifiable task that generates prompts and scores responses: ``arithmetic`` or ``sort``
+    (synthetic), or ``math`` or ``gsm8k`` (prompts and reference answers from ``dataset_path``;
+    see ``docs/datasets.md``)."""
 
     seed: int = 0
-    """Seed of the task's deterministic data generator."""
+    """Seed of the task's deterministic data generator; for a dataset task, of the held-out
+    split and the order of the records."""
+
+    dataset_path: str = ""
+    """Local JSONL or Parquet file of a dataset task (``math``, ``gsm8k``): one record per
+    problem, read with Hugging Face ``datasets`` (never downloaded). Not read under the scale
+    simulator, whose prompts are synthetic (``[simulate] prompt_tokens``)."""
+
+    dataset_format: Literal["", "json", "parquet"] = ""
+    """Format of ``dataset_path``: ``json`` (JSON Lines) or ``parquet``. Empty: from the
+    extension (``.jsonl``, ``.json``, ``.parquet``)."""
+
+    prompt_field: str = "question"
+    """Field of a record holding the question (GSM8K: ``question``; MATH: ``problem``)."""
+
+    answer_field: str = "answer"
+    """Field holding the reference answer. ``gsm8k``: an integer, or a solution ending in
+    ``#### N``; ``math``: the answer, or a solution whose last ``\\boxed{}`` is it (MATH's
+    ``solution``)."""
+
+    solution_field: str = ""
+    """Field of a worked solution, the warm start's demonstration. Empty: the answer field (a
+    bare answer then becomes ``\\boxed{answer}`` / ``#### answer``)."""
+
+    chat_template: bool = True
+    """Render every prompt with the tokenizer's chat template (``chat_template.jinja`` or the
+    ``chat_template`` of ``tokenizer_config.json`` in the tokenizer folder), the question as
+    the user's message, when the folder has one. False, or no template: BOS + the question."""
+
+    system_prompt: str = ""
+    """System message put before the question by the chat template (needs one). Empty: none."""
+
+    eval_size: int = 0
+    """Records of the dataset held out for ``python -m titan_cotrain.eval`` (never trained
+    on), chosen by ``seed``. Set this or ``eval_fraction``; 0 and 0: none."""
+
+    eval_fraction: float = 0.0
+    """Share of the dataset's records held out (rounded), instead of ``eval_size``."""
+
+    format_reward: float = 0.0
+    """Reward added when the final answer is in the task's form (``math``: ``\\boxed{}``;
+    ``gsm8k``: ``#### N``), right or wrong; the reward is ``correct + format_reward x format``."""
 
     sft_steps: int = 0
     """Supervised warm-start steps on task demonstrations before RL (0 skips it)."""
@@ -233,6 +276,10 @@ class Simulate:
 
     microbatches: int = 2
     """Training microbatches of the update to run (memory repeats from one to the next)."""
+
+    prompt_tokens: int = 256
+    """Length of the synthetic prompts of a dataset task (``[task] dataset_path`` is not read):
+    the dataset's typical prompt, chat template included (at most the prompt budget)."""
 
     output: str = ""
     """Where to write the JSON report. Empty: ``assets/scale/<config file stem>.json``."""

@@ -1,5 +1,7 @@
 """Cross-field checks of a parsed job config (types were checked when the TOML was read)."""
 
+import os
+
 from titan_cotrain.models.args import ARCHITECTURES, ModelArgs, model_args_for
 from titan_cotrain.models.taps import default_tap_layers, validate_tap_layers
 
@@ -103,8 +105,37 @@ def _range_errors(config) -> list[str]:
         ("rollout.draft_tokens", ro.draft_tokens, ro.draft_tokens >= 1, ">= 1"),
         ("task.sft_steps", config.task.sft_steps, config.task.sft_steps >= 0, ">= 0"),
         ("task.sft_batch_size", config.task.sft_batch_size, config.task.sft_batch_size >= 1, ">= 1"),
+        ("task.eval_size", config.task.eval_size, config.task.eval_size >= 0, ">= 0"),
+        ("task.eval_fraction", config.task.eval_fraction, 0 <= config.task.eval_fraction < 1, "in [0, 1)"),
+        ("simulate.prompt_tokens", config.simulate.prompt_tokens, config.simulate.prompt_tokens >= 1, ">= 1"),
     ]
     return [f"{key} must be {rule}, got {value!r}" for key, value, ok, rule in checks if not ok]
+
+
+def _dataset_errors(config) -> list[str]:
+    """A dataset task's file (readable, of a known format) and split; the scale simulator
+    never reads the file, so it need not exist there."""
+    from titan_cotrain.data.prompts import PromptDatasetError, dataset_format
+    from titan_cotrain.rl.tasks import DATASET_TASKS
+
+    t = config.task
+    if t.name not in DATASET_TASKS:
+        return []
+    if not t.dataset_path:
+        return [f"task.dataset_path: task {t.name!r} reads its prompts from a local JSONL or Parquet file: set it"]
+    errors = []
+    if t.eval_size and t.eval_fraction:
+        errors.append(f"task.eval_size ({t.eval_size}) and task.eval_fraction ({t.eval_fraction}): set one of them")
+    try:
+        dataset_format(t)
+    except PromptDatasetError as e:
+        errors.append(str(e))
+    if not config.simulate.enable:
+        if not os.path.isfile(t.dataset_path):
+            errors.append(f"task.dataset_path = {t.dataset_path!r}: no such file")
+        elif not os.access(t.dataset_path, os.R_OK):
+            errors.append(f"task.dataset_path = {t.dataset_path!r}: not readable")
+    return errors
 
 
 def validate_job_config(config, world_size: int, source: str = "<config>") -> None:
@@ -144,6 +175,7 @@ def validate_job_config(config, world_size: int, source: str = "<config>") -> No
 
     if config.task.name not in TASKS:
         errors.append(f"task.name: unknown task {config.task.name!r}; known: {', '.join(sorted(TASKS))}")
+    errors += _dataset_errors(config)
     try:
         args = resolve_model_args(config)
         if config.draft.enable:

@@ -16,6 +16,14 @@ each (the SFT warm start's data) and scores any response with code, never a mode
   draft fall behind.
 * ``sort``: sort a list of numbers, ``sort:5,12,3=`` -> ``3,5,12#``. Partial credit per
   position, so the reward has a different shape.
+
+Dataset tasks read their problems from a local file (``[task] dataset_path``, see
+``titan_cotrain.data.prompts``); ``get_task`` builds them from its ``PromptSplits``:
+
+* ``math``: MATH-style answers (``\\frac{1}{2}``, ``(1, 2)``, ``\\sqrt{3}``): the response's final
+  answer (``titan_cotrain.rl.answers.final_answer``) must equal the reference by ``math_verify``.
+* ``gsm8k``: integer answers (the reference after GSM8K's ``####``, or a plain number); the
+  response's ``#### N``, boxed or stated answer must be the same integer.
 """
 
 import math
@@ -24,14 +32,22 @@ import re
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["TASKS", "Problem", "RewardError", "Task", "get_task", "score"]
+from titan_cotrain.data.prompts import PromptDatasetError, PromptRecord, PromptSplits
+from titan_cotrain.rl.answers import final_answer, gsm8k_answer, integer_answer, last_boxed, math_equivalent
+
+__all__ = ["DATASET_TASKS", "TASKS", "Problem", "RewardError", "Task", "get_task", "score"]
 
 
 @dataclass(frozen=True)
 class Problem:
+    """``prompt``: the question (the trainer encodes it, chat template and all); ``answer``:
+    the reference; ``numbers``: a synthetic task's operands; ``solution``: a dataset task's
+    demonstration."""
+
     prompt: str
     answer: str
-    numbers: tuple[int, ...]
+    numbers: tuple[int, ...] = ()
+    solution: str = ""
 
 
 class Task(Protocol):
@@ -140,12 +156,93 @@ class Sort:
         return {"positions_correct": hits / max(len(want), len(got)), "exact": float(got == want)}
 
 
-TASKS: dict[str, type] = {"arithmetic": Arithmetic, "sort": Sort}
+class _DatasetTask:
+    """Problems from a ``PromptSplits``: ``sample`` draws one of the training split
+    uniformly with the caller's seeded ``rng`` (so a step's prompts, like everything else,
+    derive from the step: a resumed run draws the same ones); ``held_out`` is the
+    evaluation split. The reward is ``correct + format_reward x format``, where ``format``
+    is 1 when the final answer is written in the task's ``form``."""
+
+    name: str
+    form: str
+
+    def __init__(self, prompts: PromptSplits, format_reward: float = 0.0) -> None:
+        self.format_reward = format_reward
+        self.train = [self.problem(r) for r in prompts.train]
+        self.held_out = [self.problem(r) for r in prompts.held_out]
+
+    def problem(self, record: PromptRecord) -> Problem:
+        """The record as this task's problem: its reference answer and demonstration."""
+        raise NotImplementedError
+
+    def sample(self, rng: random.Random) -> Problem:
+        return self.train[rng.randrange(len(self.train))]
+
+    def demonstration(self, problem: Problem, rng: random.Random) -> str:
+        return problem.solution
+
+    def reward(self, problem: Problem, response: str) -> float:
+        d = self.details(problem, response)
+        return d["correct"] + self.format_reward * d["format"]
 
 
-def get_task(name: str) -> Task:
+class Math(_DatasetTask):
+    """The reference is the answer field's last ``\\boxed{}`` when it has one (MATH's
+    ``solution``), else the field itself; a demonstration is the solution field (or the
+    answer field) when it states a final answer, else ``\\boxed{reference}``."""
+
+    name, form = "math", "boxed"
+
+    def problem(self, record: PromptRecord) -> Problem:
+        reference = last_boxed(record.answer) or record.answer
+        solution = record.solution or record.answer
+        demonstration = solution if final_answer(solution) else f"\\boxed{{{reference}}}"
+        return Problem(record.question, reference, solution=demonstration)
+
+    def details(self, problem: Problem, response: str) -> dict[str, float]:
+        found = final_answer(response)
+        correct = found is not None and math_equivalent(problem.answer, found[0])
+        return {"answer_found": float(found is not None), "correct": float(correct),
+                "format": float(found is not None and found[1] == self.form)}
+
+
+class GSM8K(_DatasetTask):
+    """The reference is the integer after the answer field's last ``####`` (or the field's
+    number); a demonstration is the solution field (or the answer field) when it has a
+    ``####`` answer, else ``#### reference``. A response's answer (``#### N``, boxed or
+    stated) counts when its first number is the same integer."""
+
+    name, form = "gsm8k", "####"
+
+    def problem(self, record: PromptRecord) -> Problem:
+        stated = gsm8k_answer(record.answer)
+        reference = integer_answer(stated[0] if stated else record.answer)
+        if reference is None:
+            raise PromptDatasetError(f"task gsm8k: the answer {record.answer!r} of {record.question!r} is not an "
+                                     "integer (task.answer_field)")
+        solution = record.solution or record.answer
+        demonstration = solution if "####" in solution else f"#### {reference}"
+        return Problem(record.question, str(reference), solution=demonstration)
+
+    def details(self, problem: Problem, response: str) -> dict[str, float]:
+        found = gsm8k_answer(response)
+        value = integer_answer(found[0]) if found is not None else None
+        return {"answer_found": float(value is not None), "correct": float(value == int(problem.answer)),
+                "format": float(found is not None and found[1] == self.form)}
+
+
+TASKS: dict[str, type] = {"arithmetic": Arithmetic, "sort": Sort, "math": Math, "gsm8k": GSM8K}
+DATASET_TASKS = ("gsm8k", "math")
+
+
+def get_task(name: str, prompts: PromptSplits | None = None, format_reward: float = 0.0) -> Task:
+    """The task ``name``; a dataset task (``DATASET_TASKS``) needs its ``prompts``."""
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; known: {', '.join(sorted(TASKS))}")
+    if name in DATASET_TASKS:
+        if prompts is None:
+            raise ValueError(f"task {name!r} reads its prompts from a dataset: set task.dataset_path")
+        return TASKS[name](prompts, format_reward)
     return TASKS[name]()
 
 

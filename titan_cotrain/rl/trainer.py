@@ -30,6 +30,7 @@ pipeline's stages are built for.
 import json
 import os
 import random
+import shutil
 import time
 
 import torch
@@ -41,6 +42,7 @@ from titan_cotrain.config import resolve_model_args
 from titan_cotrain.cotrain.step import PackedBatch, PolicyLoss, clip_grad_norms, forward_backward, step_optimizers
 from titan_cotrain.cotrain.vocab import chunked_token_logprobs
 from titan_cotrain.data.packing import LabelRows, layout_from_document_ids
+from titan_cotrain.data.prompts import ChatTemplate, PromptEncoder, load_prompt_splits, synthetic_prompt_splits
 from titan_cotrain.models.build import job_seed
 from titan_cotrain.parallel.parallelize import copy_shards, parallelize
 from titan_cotrain.parallel.pipeline import gather_state_dict, pipeline_step
@@ -53,7 +55,7 @@ from titan_cotrain.rl.progress import RolloutProgress, progress_bar
 from titan_cotrain.rl.rollout import RolloutEngine
 from titan_cotrain.rl.sampling import SamplingParams
 from titan_cotrain.rl.speculation import SpeculationTuner
-from titan_cotrain.rl.tasks import get_task, score
+from titan_cotrain.rl.tasks import DATASET_TASKS, get_task, score
 
 __all__ = ["Trainer", "next_token_loss"]
 
@@ -90,7 +92,7 @@ def _training_device() -> torch.device:
     return torch.device(kind, 0) if kind != "cpu" else torch.device("cpu")
 
 
-def _load_tokenizer(config, simulation=None):
+def _tokenizer_folder(config, simulation=None) -> str:
     path = config.model.hf_path or config.model.hf_assets_path
     if not path and simulation is not None:
         # The simulator needs token ids, not the real vocabulary: the project's own tokenizer.
@@ -101,7 +103,18 @@ def _load_tokenizer(config, simulation=None):
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         raise ValueError(f"[model] {'hf_path' if config.model.hf_path else 'hf_assets_path'} = {path!r} has no "
                          "tokenizer.json")
-    return titan.load_tokenizer(path)
+    return path
+
+
+def _build_task(config, encode: PromptEncoder, max_prompt_tokens: int, simulation=None):
+    """The ``[task]``; a dataset task's prompts from its file, or synthetic ones of
+    ``[simulate] prompt_tokens`` under the simulator (which never reads the file)."""
+    t = config.task
+    prompts = None
+    if t.name in DATASET_TASKS:
+        prompts = (synthetic_prompt_splits(encode, min(simulation.prompt_tokens, max_prompt_tokens))
+                   if simulation is not None else load_prompt_splits(t, encode, max_prompt_tokens))
+    return get_task(t.name, prompts, t.format_reward), prompts
 
 
 class Trainer:
@@ -126,8 +139,15 @@ class Trainer:
         self.dp_degree = dims.dp_replicate * dims.dp_shard
         self.dp_rank = dims.get_mesh("batch").get_local_rank() if dims.dp_enabled else 0
         self.seed = job_seed(config)
-        self.tokenizer = _load_tokenizer(config, simulation)
-        self.task = get_task(config.task.name)
+        self.tokenizer_folder = folder = _tokenizer_folder(config, simulation)
+        self.tokenizer = titan.load_tokenizer(folder)
+        self.encode_prompt = PromptEncoder(self.tokenizer,
+                                           ChatTemplate.from_folder(folder) if config.task.chat_template else None,
+                                           config.task.system_prompt)
+        ro = config.rollout
+        # The engine's positions per sequence; what a prompt may take of them.
+        max_seq_len = ro.max_prompt_tokens + ro.max_new_tokens if ro.max_prompt_tokens else config.training.seq_len
+        self.task, prompts = _build_task(config, self.encode_prompt, max_seq_len - ro.max_new_tokens, simulation)
         self.total_steps = config.task.sft_steps + config.training.steps
         self.prompts_per_rank = config.rl.prompts_per_step // self.dp_degree
 
@@ -148,16 +168,14 @@ class Trainer:
         self.cotrain = config.draft.enable  # under PP, self.draft is None off the last stage
         self.generation = GenerationGroup(dims.pp, self.dp_degree, dims.cp, rank, config.rollout.split_prompts,
                                           dp_rank=self.dp_rank, communicate=simulation is None)
-        self.speculation = SpeculationTuner(
-            config.rollout.draft_tokens if config.rollout.speculative and models.engine_draft is not None else 0)
         self.engine = RolloutEngine.from_models(
             models.engine_policy, models.engine_draft, device=self.device,
             max_batch_size=max(self.generation.max_share(self.prompts_per_rank) * config.rl.group_size, 1),
-            max_seq_len=(config.rollout.max_prompt_tokens + config.rollout.max_new_tokens
-                         if config.rollout.max_prompt_tokens else config.training.seq_len),
+            max_seq_len=max_seq_len,
             max_draft_tokens=config.rollout.draft_tokens,
             kv_cache_gib=config.rollout.kv_cache_gib, load=models.engine_loadable,
         )
+        self.speculation = SpeculationTuner(self.draft_tokens)
         self.policy_opt = titan.build_optimizers([self.policy], config.optimizer, self.parallel_dims)
         self.policy_lr = titan.build_lr_schedulers(self.policy_opt, config.lr_scheduler, self.total_steps)
         self.draft_opt = self.draft_lr = None
@@ -176,6 +194,8 @@ class Trainer:
                                                      self.policy_opt, self.policy_lr, states)
         self.tb = None
         if simulation is None and rank == self.log_rank:
+            if prompts is not None:
+                print(f"task {config.task.name}: {prompts.summary()}", flush=True)
             os.makedirs(config.job.dump_folder, exist_ok=True)
             if config.metrics.enable_tensorboard:
                 self.tb = titan.tensorboard_logger(os.path.join(config.job.dump_folder,
@@ -197,16 +217,13 @@ class Trainer:
     def _rng(self, step: int, salt: str) -> random.Random:
         return random.Random(f"{self.seed}/{step}/{self.dp_rank}/{salt}")
 
-    def _encode_prompt(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_bos=True, add_eos=False)
-
     def _demonstration_counts(self) -> torch.Tensor:
         """Token counts of a sample of demonstrations: the corpus of a reduced draft vocab."""
         rng = random.Random(f"{self.seed}/vocab")
         ids = []
         for _ in range(256):
             problem = self.task.sample(rng)
-            ids += self._encode_prompt(problem.prompt) + self.tokenizer.encode(
+            ids += self.encode_prompt(problem.prompt) + self.tokenizer.encode(
                 self.task.demonstration(problem, rng), add_bos=False, add_eos=True)
         return torch.bincount(torch.tensor(ids), minlength=resolve_model_args(self.config).vocab_size)
 
@@ -317,7 +334,7 @@ class Trainer:
         for _ in range(self.config.task.sft_batch_size):
             problem = self.task.sample(rng)
             response = self.tokenizer.encode(self.task.demonstration(problem, rng), add_bos=False, add_eos=True)
-            samples.append(Sample(self._encode_prompt(problem.prompt), response, [0.0] * len(response), 0.0))
+            samples.append(Sample(self.encode_prompt(problem.prompt), response, [0.0] * len(response), 0.0))
         batch = self._pack(samples)
         batch.advantages = batch.old_logprobs = None
         return self._update(batch, next_token_loss, train_draft=self.cotrain)
@@ -338,7 +355,8 @@ class Trainer:
         cfg = self.config
         rng = self._rng(step, "prompts")
         problems = [self.task.sample(rng) for _ in range(self.prompts_per_rank)]
-        prompts = [self._encode_prompt(p.prompt) for p in problems for _ in range(cfg.rl.group_size)]
+        encoded = [self.encode_prompt(p.prompt) for p in problems]
+        prompts = [ids for ids in encoded for _ in range(cfg.rl.group_size)]
         longest = max(map(len, prompts))
         self._stop_if_any_rank_failed(
             f"a prompt of {longest} tokens plus rollout.max_new_tokens = {cfg.rollout.max_new_tokens} exceeds "
@@ -346,6 +364,19 @@ class Trainer:
             f"+ max_new_tokens)"
             if longest + cfg.rollout.max_new_tokens > self.engine.max_seq_len else None)
         return problems, prompts
+
+    def sampling_params(self) -> SamplingParams:
+        """The ``[rollout]`` sampling settings (responses end at the tokenizer's EOS)."""
+        ro = self.config.rollout
+        return SamplingParams(temperature=ro.temperature, top_k=ro.top_k, top_p=ro.top_p,
+                              max_new_tokens=ro.max_new_tokens, eos_token_id=self.tokenizer.eos_id)
+
+    @property
+    def draft_tokens(self) -> int:
+        """k of speculative rollouts: ``[rollout] draft_tokens``, 0 without speculation or a draft
+        (the most the adaptive choice drafts)."""
+        ro = self.config.rollout
+        return ro.draft_tokens if ro.speculative and self.engine.draft is not None else 0
 
     def rollout_phase(self, step: int) -> tuple[list[Sample], dict[str, float]]:
         """Step ``step``'s rollouts of this rank's data-parallel coordinate, scored and turned
@@ -357,9 +388,7 @@ class Trainer:
         problems, prompts = self._prompts(step)
         share = self.generation.share(len(problems))
         own_prompts = [prompts[i * group_size + j] for i in share for j in range(group_size)]
-        params = SamplingParams(temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
-                                top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens,
-                                eos_token_id=self.tokenizer.eos_id)
+        params = self.sampling_params()
         generator = None  # the simulated device has no generators (and its draws are fake)
         if self.simulation is None:
             seed = (self.seed * 1_000_003 + step) * 1009 + self.dp_rank
@@ -566,9 +595,9 @@ class Trainer:
             raise NonfiniteWeights(f"{what} is not written: the weights are not finite")
 
     def export(self) -> None:
-        """Write the final policy (Hugging Face folder) and draft (EAGLE-3 folder) to
-        ``<dump_folder>/export``: all ranks gather the whole models into the rollout
-        engine's copies (FSDP shards, PP stages), the logging rank writes them."""
+        """Write the final policy (Hugging Face folder, with the job's tokenizer files) and
+        draft (EAGLE-3 folder) to ``<dump_folder>/export``: all ranks gather the whole models
+        into the rollout engine's copies (FSDP shards, PP stages), the logging rank writes them."""
         from titan_cotrain.models.eagle3 import save_eagle3
         from titan_cotrain.models.hf import save_hf
 
@@ -580,6 +609,9 @@ class Trainer:
         folder = os.path.join(self.config.job.dump_folder, "export")
         policy, draft = self.engine.policy, self.engine.draft
         save_hf(policy, os.path.join(folder, "policy"))
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            if os.path.isfile(os.path.join(self.tokenizer_folder, name)):
+                shutil.copy(os.path.join(self.tokenizer_folder, name), os.path.join(folder, "policy", name))
         exported = "the policy"
         if draft is not None and len(policy.tap_layers) == 3:
             save_eagle3(draft, os.path.join(folder, "draft"), policy.tap_layers,

@@ -307,13 +307,16 @@ class Transformer(nn.Module):
         return KVCache(a.n_layers, batch, max_len, a.n_kv_heads, a.head_dim, dtype, self.embed_tokens.weight.device)
 
     def forward_cached(
-        self, tokens: torch.Tensor, cache: KVCache, start_pos: torch.Tensor, *, return_taps: bool = False
+        self, tokens: torch.Tensor, cache: KVCache, start_pos: torch.Tensor, *, return_taps: bool = False,
+        logits_at: torch.Tensor | None = None,
     ) -> torch.Tensor | TargetOutput:
         """Prefill or decode ``tokens [B, s]`` at positions ``start_pos[b] + (0..s-1)``.
 
         Each sequence has its own offset (ragged prompts, ragged acceptance). Cache slots
         past a sequence's current position may hold stale entries; they are never
         attended (keys are masked by position) and are overwritten as the sequence grows.
+        Logits are fp32 ``[B, s, V]``, or ``[B, 1, V]`` at the offsets ``logits_at [B]`` only
+        (a prefill needs one position per prompt: no ``[B, P, V]`` fp32 tensor).
         """
         b, s = tokens.shape
         positions = start_pos.view(b, 1).to(torch.int64) + torch.arange(s, device=tokens.device)
@@ -324,6 +327,8 @@ class Transformer(nn.Module):
             x = layer.forward_cached(x, cos, sin, cache, i, positions)
             if return_taps and i in self.tap_layers:
                 taps.append(x.detach())
+        if logits_at is not None:
+            x = x[torch.arange(b, device=x.device), logits_at].unsqueeze(1)
         logits = self.lm_head(self.norm(x)).float()
         if not return_taps:
             return logits

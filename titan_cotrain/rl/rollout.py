@@ -474,8 +474,8 @@ class RolloutEngine:
         rows = torch.arange(b, device=prompt.device)
         last = prompt_lens - 1
         out = self.policy.forward_cached(prompt, target_cache.rows(b, width), torch.zeros_like(prompt_lens),
-                                         return_taps=draft_cache is not None)
-        logits = processed_logits((out.logits if draft_cache is not None else out)[rows, last], params)
+                                         return_taps=draft_cache is not None, logits_at=last)
+        logits = processed_logits((out.logits if draft_cache is not None else out)[:, 0], params)
         token = draw(logits, params, generator)
         logprob = logits.log_softmax(-1).gather(-1, token.unsqueeze(-1))
         self._commit(seqs, token.unsqueeze(-1), logprob, torch.ones_like(token), params)

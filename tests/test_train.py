@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 SHORT = ("--task.sft_steps", "2", "--training.steps", "2", "--task.sft_batch_size", "8",
          "--rl.prompts_per_step", "2", "--rl.group_size", "2", "--rollout.max_new_tokens", "12",
          "--training.seq_len", "64", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0",
-         "--lr_scheduler.warmup_steps", "1")
+         "--lr_scheduler.warmup_steps", "1", "--task.sft_warmup_steps", "1")
 
 # Parity with one process: the first of the CP / PP peers generates all their rollouts (the
 # one-process job's) and sends them, instead of each generating a share.

@@ -29,7 +29,7 @@ def test_default_config_loads_with_our_sections():
     assert config.model.name == raw["model"]["name"]
     assert config.draft.ttt_steps == raw["draft"]["ttt_steps"]
     assert config.rl.group_size == raw["rl"]["group_size"]
-    assert config.rl.lr == raw["rl"]["lr"]
+    assert config.task.sft_lr == raw["task"]["sft_lr"]
     assert config.optimizer.lr == raw["optimizer"]["lr"]  # torchtitan's own sections are there too
     assert config.draft.lr == raw["draft"]["lr"]
 
@@ -50,15 +50,16 @@ def test_every_shipped_config_reads(sample):
 
 
 def test_a_job_extends_another(tmp_path):
-    base = _write(tmp_path, '[job]\ndescription = "base"\n[rl]\ngroup_size = 4\nlr = 2e-4\n[draft]\nttt_steps = 5\n')
+    base = _write(tmp_path,
+                  '[job]\ndescription = "base"\n[rl]\ngroup_size = 4\nkl_coef = 2e-4\n[draft]\nttt_steps = 5\n')
     middle = tmp_path / "sub" / "middle.toml"
     middle.parent.mkdir()
-    middle.write_text('[job]\nextends = "../job.toml"\n[rl]\nlr = 7e-4\n')
+    middle.write_text('[job]\nextends = "../job.toml"\n[rl]\nkl_coef = 7e-4\n')
     top = tmp_path / "sub" / "top.toml"
     top.write_text('[job]\nextends = "middle.toml"\ndescription = "top"\n[draft]\nfreeze_after_sft = true\n')
     config = _load(top, "--draft.ttt_steps", "6")
     assert config.job.description == "top"
-    assert (config.rl.group_size, config.rl.lr) == (4, 7e-4)  # a table merges key by key
+    assert (config.rl.group_size, config.rl.kl_coef) == (4, 7e-4)  # a table merges key by key
     assert config.draft.freeze_after_sft is True and config.draft.ttt_steps == 6  # the command line wins
     assert _load(base).job.description == "base"
 
@@ -211,3 +212,25 @@ def test_unsupported_compile_and_checkpointing_modes(tmp_path):
     _expect(DEFAULT, "compile.enable", "not supported", overrides=("--compile.enable",))
     _expect(_write(tmp_path, '[activation_checkpoint]\nmode = "selective"\n'),
             "activation_checkpoint.mode must be 'full' | 'none'")
+
+
+def test_draft_combinations_that_cannot_run_are_refused_naming_the_key(tmp_path):
+    # Speculative decoding that drafts nothing: plain decoding is --rollout.no-speculative.
+    _expect(DEFAULT, "rollout.draft_tokens = 0", "--rollout.no-speculative", overrides=("--rollout.draft_tokens", "0"))
+    # Freezing a draft that is not there.
+    _expect(DEFAULT, "draft.freeze_after_sft", "draft.enable is false",
+            overrides=("--draft.no-enable", "--draft.freeze_after_sft"))
+    # Counting generations needs a trained policy and a reduced vocabulary of the job's own.
+    _expect(DEFAULT, "draft.vocab_generations", "model.hf_path", "a reduced draft.vocab_size",
+            overrides=("--draft.vocab_generations", "8"))
+    _expect(DEFAULT, "draft.vocab_generations", "no draft.init_path",
+            overrides=("--draft.vocab_generations", "8", "--draft.vocab_size", "16",
+                       "--draft.init_path", str(tmp_path)))
+    _expect(DEFAULT, "task.sft_min_lr_factor must be in [0, 1]", overrides=("--task.sft_min_lr_factor", "2"))
+
+
+def test_draft_combinations_that_run_are_accepted():
+    for overrides in (("--draft.no-enable",), ("--draft.no-enable", "--rollout.no-speculative"),
+                      ("--rollout.no-speculative", "--rollout.draft_tokens", "0"),
+                      ("--draft.freeze_after_sft", "--rollout.no-speculative")):
+        _load(DEFAULT, *overrides)

@@ -17,10 +17,11 @@ the one place that resolves the device type, and where torchtitan's CPU gaps are
   on CPU.
 """
 
+import bisect
 import importlib
 import resource
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -120,24 +121,53 @@ def build_parallel_dims(parallelism, world_size: int):
     )
 
 
-def build_optimizers(model_parts: list[nn.Module], optimizer_config, parallel_dims, lr: float | None = None):
-    """torchtitan's ``OptimizersContainer`` over ``model_parts``; ``lr`` overrides the config's
-    (the draft gets its own container with its own LR)."""
+def build_optimizers(model_parts: list[nn.Module], optimizer_config, parallel_dims):
+    """torchtitan's ``OptimizersContainer`` over ``model_parts`` (the policy and the draft get one
+    each); their LRs are set by ``build_lr_schedulers``."""
     init_torchtitan()
-    import dataclasses
-
     from torchtitan.components.optimizer import build_optimizers as titan_build_optimizers
 
-    if lr is not None:
-        optimizer_config = dataclasses.replace(optimizer_config, lr=lr)
     return titan_build_optimizers(model_parts, optimizer_config, parallel_dims)
 
 
-def build_lr_schedulers(optimizers, lr_scheduler_config, training_steps: int):
+def build_lr_schedulers(optimizers, phases: Sequence[tuple[object, int, float]]):
+    """torchtitan's LR-schedule container over ``optimizers``, running ``phases`` one after the
+    other: each ``(lr_scheduler_config, steps, peak_lr)`` is torchtitan's warm-up / stable /
+    decay schedule for ``steps`` updates, peaking at ``peak_lr``, that starts (warm-up
+    included) at the first update of its phase. Update ``i`` (0-based, the scheduler's step
+    count) of phase ``p`` runs at ``peak_lr_p x factor_p(i - first update of p)``.
+
+    The LR is a function of the step count alone: every param group's base LR is set to 1
+    (``LambdaLR`` multiplies it by the factor, so the factor is the LR) and a checkpoint's
+    ``base_lrs`` is ignored on load, so a run resumed from any checkpoint follows the
+    schedule of its config."""
     init_torchtitan()
+    from torchtitan.components.lr_scheduler import LRSchedulersContainer
     from torchtitan.components.lr_scheduler import build_lr_schedulers as titan_build_lr_schedulers
 
-    return titan_build_lr_schedulers(optimizers, lr_scheduler_config, training_steps)
+    starts, factors, first = [], [], 0
+    for lr_config, steps, peak in phases:
+        if steps == 0:  # a phase without updates (no warm start)
+            continue
+        # torchtitan's factor function, taken from a scheduler built on a stand-in optimizer.
+        stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+        starts.append(first)
+        factors.append((peak, titan_build_lr_schedulers([stand_in], lr_config, steps).schedulers[0].lr_lambdas[0]))
+        first += steps
+
+    def lr(step: int) -> float:  # a function, not a callable object: LambdaLR does not save it
+        phase = bisect.bisect_right(starts, step) - 1
+        peak, factor = factors[phase]
+        return peak * factor(step - starts[phase])
+
+    class PhasedLRSchedulers(LRSchedulersContainer):
+        def load_state_dict(self, state_dict):
+            super().load_state_dict({k: v for k, v in state_dict.items() if k != "base_lrs"})
+
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] = group["initial_lr"] = 1.0
+    return PhasedLRSchedulers(optimizers, lr)
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, pp_mesh=None) -> torch.Tensor:

@@ -66,7 +66,8 @@ class Compile:
 @dataclass
 class Draft:
     enable: bool = True
-    """Co-train the EAGLE-3 draft. False gives plain RL (and plain decoding)."""
+    """Co-train the EAGLE-3 draft. False gives plain RL: plain decoding whatever
+    ``[rollout] speculative`` says, nothing exported but the policy."""
 
     ttt_steps: int = 7
     """D: number of training-time-test passes per anchor."""
@@ -79,7 +80,24 @@ class Draft:
     """gamma: pass d is weighted ``gamma ** (d - 1)``; 1.0 gives uniform weights."""
 
     vocab_size: int = 0
-    """Draft vocabulary size V_d (top-V_d tokens by frequency). 0 means the target's."""
+    """Draft vocabulary size V_d: the V_d most frequent target tokens of a corpus counted at
+    start (``vocab_samples`` task samples, plus ``vocab_generations`` responses of the initial
+    policy). 0 means the target's. The job is refused when the corpus holds fewer than V_d / 2
+    distinct tokens (the rest of the vocabulary would be arbitrary ids). With ``init_path``
+    the folder's ``d2t`` / ``t2d`` are the vocabulary: leave this 0 or equal to its size."""
+
+    vocab_samples: int = 4096
+    """Task samples (prompt + demonstration, through the task's ``sample`` and
+    ``demonstration``) whose tokens are counted for a reduced ``vocab_size``."""
+
+    vocab_generations: int = 0
+    """Prompts (global, split over data-parallel ranks) that the initial policy answers at
+    start, with the ``[rollout]`` sampling settings, to add its own responses' tokens to the
+    count (EAGLE-3's practice: the draft should cover what the policy writes). Done at
+    construction, from the policy ``[model] hf_path`` loads, not at the switch to RL: the
+    reduced vocabulary sizes the draft's head and is trained from the first warm-start step,
+    so it is chosen once. Needs ``hf_path`` (a random policy writes noise) and a reduced
+    ``vocab_size`` without ``init_path``; 0 counts task samples only."""
 
     tap_layers: list[int] = field(default_factory=list)
     """Decoder layers (0-based, output of the layer) fused by the draft's ``fc``.
@@ -98,7 +116,12 @@ class Draft:
     """Draft MLP width. 0 means the target's."""
 
     lr: float = 3e-4
-    """Learning rate of the draft's optimizer param group."""
+    """Peak learning rate of the draft during RL. The draft's schedule has the policy's shape
+    in each phase (``[task] sft_*`` over the warm start, ``[lr_scheduler]`` over RL), each
+    from its own warm-up."""
+
+    sft_lr: float = 0.0
+    """Peak learning rate of the draft during the warm start; 0 means ``lr``."""
 
     grad_clip: float = 1.0
     """Max global grad norm of the draft's parameters, clipped separately from the policy."""
@@ -111,7 +134,7 @@ class Draft:
 
     freeze_after_sft: bool = False
     """Stop training the draft when RL starts (the frozen-draft baseline): rollouts keep
-    using the draft as the warm start left it."""
+    using the draft as the warm start left it. Needs ``enable``."""
 
 
 @dataclass
@@ -133,10 +156,6 @@ class RL:
 
     updates_per_step: int = 1
     """Optimizer updates (minibatches) per batch of rollouts."""
-
-    lr: float = 0.0
-    """Peak learning rate of the policy during RL, replacing ``[optimizer] lr`` once the
-    warm start is over (the schedule's shape carries on). 0 keeps ``[optimizer] lr``."""
 
 
 @dataclass
@@ -173,10 +192,15 @@ class Rollout:
     """Top-k sampling; 0 disables it (same caveat as ``top_p``)."""
 
     speculative: bool = True
-    """Decode with the co-trained draft (lossless speculative sampling)."""
+    """Decode with the co-trained draft (lossless speculative sampling); false decodes plainly
+    (the draft still trains). Without a draft (``[draft] enable = false``) decoding is plain
+    and this is ignored, with a note at start: it is on by default, so plain RL needs only
+    ``--draft.no-enable``."""
 
     draft_tokens: int = 4
-    """k: tokens the draft proposes per verify round (the most, with ``adaptive_speculation``)."""
+    """k: tokens the draft proposes per verify round (the most, with ``adaptive_speculation``),
+    >= 1 when decoding speculatively (for plain decoding set ``speculative = false``); unused
+    otherwise."""
 
     adaptive_speculation: bool = True
     """Choose k in ``0..draft_tokens`` for each rollout phase from measured round costs and
@@ -252,6 +276,26 @@ class Task:
 
     sft_batch_size: int = 32
     """Demonstrations per data-parallel rank per warm-start step."""
+
+    sft_lr: float = 0.0
+    """Peak learning rate of the policy during the warm start; 0 means ``[optimizer] lr``.
+    Each phase has its own schedule: the warm start's (``sft_warmup_steps``,
+    ``sft_decay_type``, ``sft_min_lr_factor``, torchtitan's warm-up/decay over ``sft_steps``)
+    peaks here; RL's is ``[lr_scheduler]`` over ``[training] steps``, peaking at
+    ``[optimizer] lr``, from its own warm-up at the first RL update. The draft follows the
+    same shapes at ``[draft] sft_lr`` and ``[draft] lr``."""
+
+    sft_warmup_steps: int = 0
+    """Linear warm-up steps of the warm start's schedule (``[lr_scheduler] warmup_steps``'s
+    meaning, over ``sft_steps``)."""
+
+    sft_decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
+    """Decay of the warm start's schedule after its warm-up (``[lr_scheduler] decay_type``'s
+    meaning)."""
+
+    sft_min_lr_factor: float = 0.0
+    """The warm start's LR decays to ``sft_min_lr_factor x`` its peak at ``sft_steps``
+    (``[lr_scheduler] min_lr_factor``'s meaning)."""
 
 
 @dataclass

@@ -5,7 +5,7 @@ import os
 from titan_cotrain.models.args import ARCHITECTURES, ModelArgs, model_args_for
 from titan_cotrain.models.taps import default_tap_layers, validate_tap_layers
 
-__all__ = ["resolve_model_args", "resolve_tap_layers", "validate_job_config"]
+__all__ = ["resolve_model_args", "resolve_tap_layers", "rollout_draft_tokens", "validate_job_config"]
 
 
 def _config_error(message: str):
@@ -40,6 +40,12 @@ def resolve_tap_layers(config, n_layers: int) -> tuple[int, ...]:
         return default_tap_layers(n_layers)
     except ValueError as e:
         raise _config_error(f"draft.tap_layers: {e}") from None
+
+
+def rollout_draft_tokens(config) -> int:
+    """k of the rollouts: ``[rollout] draft_tokens`` when decoding speculatively (``[rollout]
+    speculative`` with ``[draft] enable``), else 0 (plain decoding)."""
+    return config.rollout.draft_tokens if config.rollout.speculative and config.draft.enable else 0
 
 
 def _parallel_errors(p, world_size: int) -> list[str]:
@@ -89,7 +95,10 @@ def _range_errors(config) -> list[str]:
         ("draft.loss_weight", d.loss_weight, d.loss_weight >= 0, ">= 0"),
         ("draft.pass_decay", d.pass_decay, 0 < d.pass_decay <= 1, "in (0, 1]"),
         ("draft.vocab_size", d.vocab_size, d.vocab_size >= 0, ">= 0 (0 = the target's)"),
+        ("draft.vocab_samples", d.vocab_samples, d.vocab_samples >= 0, ">= 0"),
+        ("draft.vocab_generations", d.vocab_generations, d.vocab_generations >= 0, ">= 0 (0 = off)"),
         ("draft.lr", d.lr, d.lr > 0, "> 0"),
+        ("draft.sft_lr", d.sft_lr, d.sft_lr >= 0, ">= 0 (0 = draft.lr)"),
         ("draft.grad_clip", d.grad_clip, d.grad_clip > 0, "> 0"),
         ("rl.group_size", rl.group_size, rl.group_size >= 2, ">= 2 (advantages are normalised within a group)"),
         ("rl.prompts_per_step", rl.prompts_per_step, rl.prompts_per_step >= 1, ">= 1"),
@@ -97,17 +106,20 @@ def _range_errors(config) -> list[str]:
         ("rl.clip_eps_high", rl.clip_eps_high, rl.clip_eps_high >= 0, ">= 0"),
         ("rl.kl_coef", rl.kl_coef, rl.kl_coef >= 0, ">= 0"),
         ("rl.updates_per_step", rl.updates_per_step, rl.updates_per_step >= 1, ">= 1"),
-        ("rl.lr", rl.lr, rl.lr >= 0, ">= 0 (0 = the optimizer's)"),
         ("rollout.max_new_tokens", ro.max_new_tokens, ro.max_new_tokens >= 1, ">= 1"),
         ("rollout.temperature", ro.temperature, ro.temperature >= 0, ">= 0 (0 = greedy)"),
         ("rollout.top_p", ro.top_p, 0 < ro.top_p <= 1, "in (0, 1]"),
         ("rollout.top_k", ro.top_k, ro.top_k >= 0, ">= 0 (0 = off)"),
-        ("rollout.draft_tokens", ro.draft_tokens, ro.draft_tokens >= 1, ">= 1"),
+        ("rollout.draft_tokens", ro.draft_tokens, ro.draft_tokens >= 0, ">= 0"),
         ("task.sft_steps", config.task.sft_steps, config.task.sft_steps >= 0, ">= 0"),
         ("task.sft_batch_size", config.task.sft_batch_size, config.task.sft_batch_size >= 1, ">= 1"),
         ("task.eval_size", config.task.eval_size, config.task.eval_size >= 0, ">= 0"),
         ("task.eval_fraction", config.task.eval_fraction, 0 <= config.task.eval_fraction < 1, "in [0, 1)"),
         ("simulate.prompt_tokens", config.simulate.prompt_tokens, config.simulate.prompt_tokens >= 1, ">= 1"),
+        ("task.sft_lr", config.task.sft_lr, config.task.sft_lr >= 0, ">= 0 (0 = [optimizer] lr)"),
+        ("task.sft_warmup_steps", config.task.sft_warmup_steps, config.task.sft_warmup_steps >= 0, ">= 0"),
+        ("task.sft_min_lr_factor", config.task.sft_min_lr_factor, 0 <= config.task.sft_min_lr_factor <= 1,
+         "in [0, 1]"),
     ]
     return [f"{key} must be {rule}, got {value!r}" for key, value, ok, rule in checks if not ok]
 
@@ -186,5 +198,26 @@ def validate_job_config(config, world_size: int, source: str = "<config>") -> No
             )
     except ValueError as e:  # ConfigError from the model checks
         errors.append(str(e))
+    errors += _draft_errors(config)
     if errors:
         raise _config_error(f"{source}: invalid config:\n  " + "\n  ".join(errors))
+
+
+def _draft_errors(config) -> list[str]:
+    """Combinations of the draft's keys that cannot do what they say."""
+    d, errors = config.draft, []
+    if config.rollout.speculative and d.enable and config.rollout.draft_tokens == 0:
+        errors.append("rollout.draft_tokens = 0 drafts nothing: speculative decoding needs >= 1 (for plain "
+                      "decoding set --rollout.no-speculative)")
+    if d.freeze_after_sft and not d.enable:
+        errors.append("draft.freeze_after_sft freezes the draft, but draft.enable is false: there is none "
+                      "(drop --draft.freeze_after_sft or enable the draft)")
+    if d.vocab_generations:
+        missing = [need for need, ok in (
+            ("draft.enable", d.enable), ("a reduced draft.vocab_size (> 0)", d.vocab_size),
+            ("no draft.init_path (its folder brings its vocabulary)", not d.init_path),
+            ("model.hf_path (a random policy writes noise)", config.model.hf_path)) if not ok]
+        if missing:
+            errors.append("draft.vocab_generations counts the policy's responses for a reduced draft vocabulary; "
+                          f"it needs {', '.join(missing)}: set it to 0 otherwise")
+    return errors

@@ -14,7 +14,7 @@ from titan_cotrain.config import resolve_model_args, resolve_tap_layers
 from titan_cotrain.models.draft import Draft, DraftArgs, draft_vocab_from_counts
 from titan_cotrain.models.transformer import Transformer, rope_inv_freq
 
-__all__ = ["build_draft", "build_target", "init_draft_", "init_target_", "job_seed"]
+__all__ = ["build_draft", "build_target", "draft_vocab_maps", "init_draft_", "init_target_", "job_seed"]
 
 # fill(param, whole): copy a whole host tensor (or a reader of its slices) into ``param``.
 Fill = Callable[[torch.Tensor, object], None]
@@ -64,7 +64,8 @@ def build_draft(config, target: Transformer, token_counts: torch.Tensor | None =
     left uninitialised (its vocabulary maps are host buffers; fill it with ``init_draft_``).
 
     A reduced vocabulary (``[draft] vocab_size`` below the target's) keeps the most
-    frequent tokens of ``token_counts [V]``, which the caller counts on its corpus.
+    frequent tokens of ``token_counts [V]``, which the caller counts on its corpus
+    (``draft_vocab_maps``); a folder brings its own.
     """
     d = config.draft
     if not d.enable:
@@ -84,12 +85,24 @@ def build_draft(config, target: Transformer, token_counts: torch.Tensor | None =
     if args.draft_vocab_size != args.vocab_size:
         if token_counts is None:
             raise ValueError("a reduced draft vocabulary ([draft] vocab_size) needs token counts of a corpus")
-        maps = draft_vocab_from_counts(token_counts, args.draft_vocab_size)
+        maps = draft_vocab_maps(config, token_counts)
     with torch.device(device):
         draft = Draft(args, *(maps or (None, None)))
     if str(device) != "meta":
         init_draft_(draft, config, target)
     return draft
+
+
+def draft_vocab_maps(config, token_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d2t, t2d)`` of the ``[draft] vocab_size`` most frequent tokens of ``token_counts [V]``;
+    a corpus too small for that size (``draft_vocab_from_counts``) is refused naming the keys."""
+    try:
+        return draft_vocab_from_counts(token_counts, config.draft.vocab_size)
+    except ValueError as e:
+        raise ValueError(f"[draft] vocab_size = {config.draft.vocab_size}: {e}. Count more text "
+                         "([draft] vocab_samples: task samples; [draft] vocab_generations: the policy's own "
+                         "responses, with [model] hf_path), lower [draft] vocab_size, or set it to 0 (the "
+                         "target's vocabulary)") from None
 
 
 def init_draft_(draft: Draft, config, target: Transformer, fill: Fill = _plain_fill) -> None:
@@ -113,6 +126,10 @@ def _load_init_draft(config, target: Transformer) -> Draft:
         raise ValueError(f"draft.init_path {path!r} taps layers {list(taps)} of a width-"
                          f"{draft.args.target_dim} target; the policy taps {list(target.tap_layers)} at width "
                          f"{target.args.dim}")
+    if config.draft.vocab_size not in (0, draft.args.draft_vocab_size):
+        raise ValueError(f"draft.vocab_size = {config.draft.vocab_size}, but draft.init_path {path!r} has a "
+                         f"{draft.args.draft_vocab_size}-token vocabulary (with its d2t / t2d maps): set "
+                         f"draft.vocab_size to 0 or {draft.args.draft_vocab_size}")
     if draft.args.vocab_size != target.args.vocab_size:
         raise ValueError(f"draft.init_path {path!r} was trained for a {draft.args.vocab_size}-token "
                          f"vocabulary; the policy has {target.args.vocab_size}")

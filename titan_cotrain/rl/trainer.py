@@ -11,9 +11,9 @@ copy of the policy and draft (colocated; context-parallel and pipeline peers, wh
 same rows, share out that generation and exchange the results: ``rl/generation_group.py``), trains its packed rows with FSDP2 over the data-parallel (x context-parallel)
 mesh, and refreshes the engine's weights from the sharded training state, one tensor at a
 time, before each RL step. Step ``s`` is a warm-start (SFT) step for ``s <= task.sft_steps``
-and an RL step after; its prompts and sampling seeds derive from ``(debug.seed, s, dp
-rank)``, so a run resumed from a checkpoint of step ``s`` repeats the uninterrupted run
-exactly. Without PP an update runs in microbatches of ``training.local_batch_size`` rows.
+and an RL step after, each phase on its own LR schedule (``titan.build_lr_schedulers``); its
+prompts and sampling seeds derive from ``(debug.seed, s, dp rank)``, so a run resumed from a
+checkpoint of step ``s`` repeats the uninterrupted run exactly. Without PP an update runs in microbatches of ``training.local_batch_size`` rows.
 
 With pipeline parallelism (``pipeline_parallel_degree > 1``) each minibatch is padded with
 empty rows (loss mask 0) to a multiple of the rows of one schedule step
@@ -27,6 +27,7 @@ Under context parallelism, rows are packed in the CP layout (``pack_samples(pad_
 every row's zigzag layout is exactly ``training.seq_len`` tokens, the fixed CP row length the
 pipeline's stages are built for.
 """
+import dataclasses
 import json
 import os
 import random
@@ -39,11 +40,13 @@ import torch.nn.functional as F
 
 from titan_cotrain.components import titan
 from titan_cotrain.config import resolve_model_args
+from titan_cotrain.config.validate import rollout_draft_tokens
 from titan_cotrain.cotrain.step import PackedBatch, PolicyLoss, clip_grad_norms, forward_backward, step_optimizers
 from titan_cotrain.cotrain.vocab import chunked_token_logprobs
 from titan_cotrain.data.packing import LabelRows, layout_from_document_ids
 from titan_cotrain.data.prompts import ChatTemplate, PromptEncoder, load_prompt_splits, synthetic_prompt_splits
-from titan_cotrain.models.build import job_seed
+from titan_cotrain.models.build import draft_vocab_maps, job_seed
+from titan_cotrain.models.draft import count_tokens, set_vocab_maps_
 from titan_cotrain.parallel.parallelize import copy_shards, parallelize
 from titan_cotrain.parallel.pipeline import gather_state_dict, pipeline_step
 from titan_cotrain.parallel.pipeline import clip_grad_norms as pipeline_clip_grad_norms
@@ -64,6 +67,16 @@ def next_token_loss(logits: torch.Tensor, rows: LabelRows) -> PolicyLoss:
     """Summed CE of each position's next token inside its document, over training targets."""
     ce = F.cross_entropy(logits.flatten(0, 1).float(), rows.next_tokens.flatten(), reduction="none")
     return PolicyLoss((ce * rows.next_token_mask.flatten()).sum(), rows.next_token_mask.sum())
+
+
+def _lr_phases(config, sft_peak: float, rl_peak: float) -> list[tuple[object, int, float]]:
+    """The two phases of an LR schedule (``titan.build_lr_schedulers``): the warm start's
+    (``[task] sft_*`` over ``task.sft_steps``), then RL's (``[lr_scheduler]`` over
+    ``training.steps``), each from its own warm-up to its own peak."""
+    sft = dataclasses.replace(config.lr_scheduler, warmup_steps=config.task.sft_warmup_steps,
+                              decay_type=config.task.sft_decay_type, min_lr_factor=config.task.sft_min_lr_factor,
+                              decay_ratio=None, total_steps=None)
+    return [(sft, config.task.sft_steps, sft_peak), (config.lr_scheduler, config.training.steps, rl_peak)]
 
 
 class _TrainerState:
@@ -155,7 +168,13 @@ class Trainer:
         if self.tokenizer.get_vocab_size() > vocab:
             raise ValueError(f"tokenizer has {self.tokenizer.get_vocab_size()} tokens but the model's vocabulary "
                              f"is {vocab}")
-        counts = self._demonstration_counts() if config.draft.enable and config.draft.vocab_size else None
+        counts = None
+        if config.draft.enable and config.draft.vocab_size and not config.draft.init_path:
+            # Building needs the maps' shapes only: where their values come later (from the
+            # policy's generations, once it is filled) or do not matter (simulated), every id
+            # counts once.
+            later = simulation is not None or config.draft.vocab_generations
+            counts = torch.ones(vocab, dtype=torch.int64) if later else self._task_token_counts()
         models = parallelize(config, dims, world_size, self.device, policy_loss_fn=next_token_loss,
                              token_counts=counts, fill=simulation is None)
         self.policy, self.draft, self.reference, self.pipeline = (models.policy, models.draft, models.reference,
@@ -172,18 +191,23 @@ class Trainer:
             models.engine_policy, models.engine_draft, device=self.device,
             max_batch_size=max(self.generation.max_share(self.prompts_per_rank) * config.rl.group_size, 1),
             max_seq_len=max_seq_len,
-            max_draft_tokens=config.rollout.draft_tokens,
+            max_draft_tokens=rollout_draft_tokens(config),
             kv_cache_gib=config.rollout.kv_cache_gib, load=models.engine_loadable,
         )
         self.speculation = SpeculationTuner(self.draft_tokens)
+        if config.rollout.speculative and not config.draft.enable and rank == self.log_rank:
+            print("note: [draft] enable = false: rollouts decode plainly ([rollout] speculative ignored)", flush=True)
+        if config.draft.vocab_generations and simulation is None:
+            self._draft_vocab_from_generations()
         self.policy_opt = titan.build_optimizers([self.policy], config.optimizer, self.parallel_dims)
-        self.policy_lr = titan.build_lr_schedulers(self.policy_opt, config.lr_scheduler, self.total_steps)
+        self.policy_lr = titan.build_lr_schedulers(self.policy_opt, _lr_phases(
+            config, config.task.sft_lr or config.optimizer.lr, config.optimizer.lr))
         self.draft_opt = self.draft_lr = None
         states = {}
         if self.draft is not None:
-            self.draft_opt = titan.build_optimizers([self.draft], config.optimizer, self.parallel_dims,
-                                                    lr=config.draft.lr)
-            self.draft_lr = titan.build_lr_schedulers(self.draft_opt, config.lr_scheduler, self.total_steps)
+            self.draft_opt = titan.build_optimizers([self.draft], config.optimizer, self.parallel_dims)
+            self.draft_lr = titan.build_lr_schedulers(self.draft_opt, _lr_phases(
+                config, config.draft.sft_lr or config.draft.lr, config.draft.lr))
             states = {"draft": titan.model_stateful(self.draft), "draft_optimizer": self.draft_opt,
                       "draft_lr_scheduler": self.draft_lr}
         if self.reference is not None:
@@ -217,15 +241,40 @@ class Trainer:
     def _rng(self, step: int, salt: str) -> random.Random:
         return random.Random(f"{self.seed}/{step}/{self.dp_rank}/{salt}")
 
-    def _demonstration_counts(self) -> torch.Tensor:
-        """Token counts of a sample of demonstrations: the corpus of a reduced draft vocab."""
+    def _demonstration(self, rng: random.Random) -> tuple[list[int], list[int]]:
+        """A task sample's prompt and demonstration response, as token ids."""
+        problem = self.task.sample(rng)
+        response = self.tokenizer.encode(self.task.demonstration(problem, rng), add_bos=False, add_eos=True)
+        return self.encode_prompt(problem.prompt), response
+
+    def _task_token_counts(self) -> torch.Tensor:
+        """``int64 [V]``: tokens of ``[draft] vocab_samples`` task samples (prompt + demonstration),
+        the same on every rank: the corpus of a reduced draft vocabulary."""
         rng = random.Random(f"{self.seed}/vocab")
-        ids = []
-        for _ in range(256):
-            problem = self.task.sample(rng)
-            ids += self.encode_prompt(problem.prompt) + self.tokenizer.encode(
-                self.task.demonstration(problem, rng), add_bos=False, add_eos=True)
-        return torch.bincount(torch.tensor(ids), minlength=resolve_model_args(self.config).vocab_size)
+        return count_tokens((sum(self._demonstration(rng), []) for _ in range(self.config.draft.vocab_samples)),
+                            resolve_model_args(self.config).vocab_size)
+
+    def _draft_vocab_from_generations(self) -> None:
+        """The reduced draft vocabulary from the task samples' tokens plus the initial policy's own
+        responses to ``[draft] vocab_generations`` prompts (each data-parallel rank answers its
+        share, counts are summed over all ranks, so every rank chooses the same), written into
+        the trained draft and the engine's copy."""
+        cfg = self.config
+        rng = self._rng(0, "vocab")
+        per_rank = -(-cfg.draft.vocab_generations // self.dp_degree)
+        prompts = [self.encode_prompt(self.task.sample(rng).prompt) for _ in range(per_rank)]
+        if self.pipeline is not None:
+            self.refresh_engine()  # a pipeline's engine gets its weights streamed from the stages
+        generator = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + self.dp_rank)
+        out = self.engine.generate(prompts, self.sampling_params(), generator=generator, draft_tokens=0)
+        counts = count_tokens((out.tokens[i, :n].tolist() for i, n in enumerate(out.response_lens.tolist())),
+                              resolve_model_args(cfg).vocab_size).to(self.device)
+        if dist.is_initialized():
+            dist.all_reduce(counts)
+        d2t, t2d = draft_vocab_maps(cfg, counts.cpu() + self._task_token_counts())
+        for draft in (self.draft, self.engine.draft):
+            if draft is not None:
+                set_vocab_maps_(draft, d2t.to(draft.d2t.device), t2d.to(draft.t2d.device))
 
     def _to_host(self, values: dict[str, torch.Tensor | float]) -> dict[str, float]:
         """Device scalars -> floats in one transfer (the step's one host sync for metrics).
@@ -332,9 +381,8 @@ class Trainer:
         rng = self._rng(step, "sft")
         samples = []
         for _ in range(self.config.task.sft_batch_size):
-            problem = self.task.sample(rng)
-            response = self.tokenizer.encode(self.task.demonstration(problem, rng), add_bos=False, add_eos=True)
-            samples.append(Sample(self.encode_prompt(problem.prompt), response, [0.0] * len(response), 0.0))
+            prompt, response = self._demonstration(rng)
+            samples.append(Sample(prompt, response, [0.0] * len(response), 0.0))
         batch = self._pack(samples)
         batch.advantages = batch.old_logprobs = None
         return self._update(batch, next_token_loss, train_draft=self.cotrain)
@@ -373,10 +421,9 @@ class Trainer:
 
     @property
     def draft_tokens(self) -> int:
-        """k of speculative rollouts: ``[rollout] draft_tokens``, 0 without speculation or a draft
-        (the most the adaptive choice drafts)."""
-        ro = self.config.rollout
-        return ro.draft_tokens if ro.speculative and self.engine.draft is not None else 0
+        """k of speculative rollouts (the most the adaptive choice drafts): ``[rollout]
+        draft_tokens``, 0 without speculation or a draft."""
+        return rollout_draft_tokens(self.config)
 
     def rollout_phase(self, step: int) -> tuple[list[Sample], dict[str, float]]:
         """Step ``step``'s rollouts of this rank's data-parallel coordinate, scored and turned
@@ -547,11 +594,6 @@ class Trainer:
             step = self.state.step + 1
             t0 = time.perf_counter()
             sft = step <= cfg.task.sft_steps
-            if not sft and cfg.rl.lr > 0:
-                # Scale the policy's schedule to the RL peak LR (saved with the scheduler
-                # state, so a resumed run keeps it).
-                for scheduler in self.policy_lr.schedulers:
-                    scheduler.base_lrs = [cfg.rl.lr] * len(scheduler.base_lrs)
             metrics = self.sft_step(step) if sft else self.rl_step(step)
             metrics["lr/policy"] = self.policy_lr.schedulers[0].get_last_lr()[0]
             self.policy_lr.step()
@@ -587,7 +629,7 @@ class Trainer:
             raise NonfiniteStop(
                 f"at step {step}: {limit} consecutive steps had a non-finite loss or gradient norm "
                 f"(training.max_nonfinite_steps = {limit}); the weights are those of the last finite update, the "
-                "last checkpoint is before it. Lower the learning rates (optimizer.lr, draft.lr, rl.lr) or the "
+                "last checkpoint is before it. Lower the learning rates (optimizer.lr, draft.lr, task.sft_lr, draft.sft_lr) or the "
                 "gradient clips (training.max_norm, draft.grad_clip).")
 
     def _check_finite(self, what: str, *modules, collective: bool = True) -> None:

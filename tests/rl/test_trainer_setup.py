@@ -1,0 +1,159 @@
+"""What the trainer sets up from the draft's and the schedule's keys, on tiny one-process jobs
+run in this process: each phase's own LR schedule (read from the optimizers' param groups at
+every update), every combination of ``[draft] enable`` and ``[rollout] speculative`` that
+runs, and the reduced draft vocabulary counted on task samples or the policy's generations."""
+
+import json
+import math
+import random
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from titan_cotrain.config import load_job_config
+from titan_cotrain.rl.rollout import RolloutEngine
+from titan_cotrain.rl.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = ("--task.sft_batch_size", "4", "--rl.prompts_per_step", "2", "--rl.group_size", "2",
+        "--rollout.max_new_tokens", "8", "--training.seq_len", "64", "--checkpoint.no-enable",
+        "--metrics.no-enable_tensorboard")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models are launch-bound: one thread, so shared cores do not spin-wait."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _trainer(folder: Path, *overrides: str) -> Trainer:
+    config = load_job_config([*TINY, "--job.dump_folder", str(folder), *overrides], world_size=1)
+    return Trainer(config, world_size=1, rank=0)
+
+
+def _metrics(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def _record_lrs(optimizers) -> list[float]:
+    """The LR of every param group at each ``step()`` of ``optimizers`` (one value per update:
+    the groups agree)."""
+    seen = []
+    step = optimizers.step
+
+    def recording_step(*args, **kwargs):
+        lrs = {group["lr"] for optimizer in optimizers for group in optimizer.param_groups}
+        assert len(lrs) == 1
+        seen.append(lrs.pop())
+        return step(*args, **kwargs)
+
+    optimizers.step = recording_step
+    return seen
+
+
+def _factor(i: int, steps: int, warmup: int, decay: str, min_factor: float) -> float:
+    """torchtitan's warm-up / decay at 0-based update ``i`` of a phase of ``steps`` updates: a
+    linear ramp to the peak over ``warmup`` updates, the peak held one more, then the decay
+    from 1 to ``min_factor`` reached at the virtual update ``steps``."""
+    if i < warmup:
+        return (i + 1) / warmup
+    if i < warmup + 1:
+        return 1.0
+    progress = (i + 1 - (warmup + 1)) / (steps - warmup)
+    shape = 1 - progress if decay == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    return min_factor + (1 - min_factor) * shape
+
+
+def test_the_warm_start_and_rl_each_run_their_own_lr_schedule(tmp_path):
+    sft = dict(steps=5, warmup=2, decay="linear", min_factor=0.5)
+    rl = dict(steps=5, warmup=3, decay="cosine", min_factor=0.1)
+    trainer = _trainer(
+        tmp_path, "--task.sft_steps", "5", "--training.steps", "5",
+        "--task.sft_lr", "3e-3", "--task.sft_warmup_steps", "2", "--task.sft_decay_type", "linear",
+        "--task.sft_min_lr_factor", "0.5",
+        "--optimizer.lr", "1e-4", "--lr_scheduler.warmup_steps", "3", "--lr_scheduler.decay_type", "cosine",
+        "--lr_scheduler.min_lr_factor", "0.1", "--draft.sft_lr", "2e-3", "--draft.lr", "5e-4")
+    policy, draft = _record_lrs(trainer.policy_opt), _record_lrs(trainer.draft_opt)
+    trainer.run()
+    expected_policy = ([3e-3 * _factor(i, **sft) for i in range(5)] + [1e-4 * _factor(i, **rl) for i in range(5)])
+    expected_draft = ([2e-3 * _factor(i, **sft) for i in range(5)] + [5e-4 * _factor(i, **rl) for i in range(5)])
+    assert policy == pytest.approx(expected_policy, rel=1e-12, abs=0)
+    assert draft == pytest.approx(expected_draft, rel=1e-12, abs=0)
+    # The first RL update runs at the RL schedule's first value, not at the warm start's LR, and
+    # RL's warm-up ramps to its own peak.
+    assert policy[5] == pytest.approx(1e-4 / 3, rel=1e-12) and policy[5] < policy[6] < policy[7] == 1e-4
+    assert policy[:3] == pytest.approx([1.5e-3, 3e-3, 3e-3], rel=1e-12)  # the warm start's ramp and peak
+    assert [m["lr/policy"] for m in _metrics(tmp_path)] == policy
+    assert [m["lr/draft"] for m in _metrics(tmp_path)] == draft
+
+
+@pytest.mark.parametrize("overrides, speculative", [
+    (("--draft.no-enable",), False),  # plain RL: rollout.speculative (on by default) is ignored, with a note
+    (("--draft.no-enable", "--rollout.no-speculative"), False),
+    (("--rollout.no-speculative", "--rollout.draft_tokens", "0"), False),  # the draft trains, decoding is plain
+    ((), True),
+], ids=["no-draft", "no-draft-no-speculative", "draft-plain-decoding", "draft-speculative"])
+def test_every_runnable_draft_and_decoding_combination_runs(tmp_path, capsys, overrides, speculative):
+    trainer = _trainer(tmp_path, "--task.sft_steps", "1", "--training.steps", "2", *overrides)
+    trainer.run()
+    drafted = "--draft.no-enable" not in overrides
+    assert trainer.engine.max_draft_tokens == (3 if speculative else 0)
+    metrics = _metrics(tmp_path)
+    assert [m["phase"] for m in metrics] == ["sft", "rl", "rl"]
+    for m in metrics[1:]:
+        assert ("loss/draft" in m) == drafted
+        if not speculative:
+            assert m["rollout/acceptance_length"] == 1.0
+    note = "[rollout] speculative ignored" in capsys.readouterr().out
+    assert note == (overrides == ("--draft.no-enable",))
+    assert (tmp_path / "export" / "draft").exists() == drafted
+
+
+def _chosen_ids(draft) -> list[int]:
+    return (torch.arange(draft.args.draft_vocab_size) + draft.d2t.cpu()).tolist()
+
+
+def _top(counts: Counter, k: int, vocab: int) -> list[int]:
+    return sorted(sorted(range(vocab), key=lambda t: (-counts[t], t))[:k])
+
+
+def test_a_reduced_draft_vocabulary_is_counted_on_task_samples(tmp_path):
+    """Through the task protocol: ``vocab_samples`` prompts + demonstrations, as tokenized for
+    the warm start; a vocabulary larger than twice what the task writes is refused."""
+    trainer = _trainer(tmp_path, "--draft.vocab_size", "12", "--draft.vocab_samples", "50")
+    rng, counts = random.Random(f"{trainer.seed}/vocab"), Counter()
+    for _ in range(50):
+        problem = trainer.task.sample(rng)
+        counts.update(trainer.tokenizer.encode(problem.prompt, add_bos=True, add_eos=False))
+        counts.update(trainer.tokenizer.encode(trainer.task.demonstration(problem, rng), add_bos=False, add_eos=True))
+    assert _chosen_ids(trainer.draft) == _top(counts, 12, 256) == _chosen_ids(trainer.engine.draft)
+    with pytest.raises(ValueError, match=r"\[draft\] vocab_size = 64: the corpus .* holds 1[0-9] distinct tokens"):
+        _trainer(tmp_path, "--draft.vocab_size", "64")
+
+
+def test_a_reduced_draft_vocabulary_can_count_the_policys_own_generations(tmp_path, monkeypatch):
+    """``vocab_generations``: the initial policy (a Hugging Face folder) answers task prompts at
+    construction, and its responses are the corpus (with ``vocab_samples = 0``)."""
+    from titan_cotrain.models.build import build_target
+    from titan_cotrain.models.hf import save_hf
+
+    folder = tmp_path / "policy"
+    save_hf(build_target(load_job_config([], world_size=1)), folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(REPO / "assets" / "tokenizer" / name, folder / name)
+    outputs = []
+    generate = RolloutEngine.generate
+    monkeypatch.setattr(RolloutEngine, "generate", lambda *a, **k: outputs.append(generate(*a, **k)) or outputs[-1])
+    trainer = _trainer(tmp_path / "run", "--model.hf_path", str(folder), "--draft.vocab_size", "16",
+                       "--draft.vocab_samples", "0", "--draft.vocab_generations", "4")
+    (out,) = outputs
+    assert out.tokens.shape[0] == 4
+    counts = Counter(t for i, n in enumerate(out.response_lens.tolist()) for t in out.tokens[i, :n].tolist())
+    assert _chosen_ids(trainer.draft) == _top(counts, 16, 256) == _chosen_ids(trainer.engine.draft)
+    assert trainer.draft.t2d.sum() == 16 and trainer.engine.draft.t2d.sum() == 16

@@ -19,13 +19,8 @@ from titan_cotrain.simulate.device import SimulatedDevice, sim_device
 GIB = 2**30
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models are launch-bound: one thread, so shared cores do not spin-wait."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny models are launch-bound: one intra-op thread, so shared cores do not spin-wait.
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def _kv_bytes(engine: RolloutEngine) -> int:

@@ -23,13 +23,8 @@ TINY = ("--task.sft_batch_size", "4", "--rl.prompts_per_step", "2", "--rl.group_
         "--metrics.no-enable_tensorboard")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models are launch-bound: one thread, so shared cores do not spin-wait."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny models are launch-bound: one intra-op thread, so shared cores do not spin-wait.
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def _trainer(folder: Path, *overrides: str) -> Trainer:

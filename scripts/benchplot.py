@@ -12,3 +12,10 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def plain_ticks(axis) -> None:
+    """Log-axis tick labels as plain numbers (``64``, not ``2^6``): readable values."""
+    from matplotlib.ticker import FuncFormatter
+
+    axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))

@@ -41,7 +41,7 @@ BENCHMARKS = {
                             lambda a: ["--json", a / "bench_branch_memory.json", "--png", a / "bench_branch_memory.png"]),
     "bench_cp": ([], ["--seq-lens", "4096", "8192", "--mha-seq-lens", "8192"],
                  lambda a: ["--json", a / "bench_cp.json", "--png", a / "bench_cp.png"]),
-    "bench_pp": ([], ["--pp", "2", "--steps", "3", "--repeats", "2"],
+    "bench_pp": ([], ["--pp", "2", "--steps", "3", "--repeats", "1"],
                  lambda a: ["--json", a / "bench_pp.json", "--png", a / "bench_pp.png"]),
     "bench_rollout": ([], ["--repeats", "1", "--target-steps", "60", "--draft-steps", "80", "--new-tokens", "48"],
                       lambda a: ["--json", a / "bench_rollout.json", "--png", a / "bench_rollout.png"]),

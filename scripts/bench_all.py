@@ -192,7 +192,7 @@ def cotrain_rows(result: dict, command: str) -> list[Row]:
             f"frozen {arm(acc['frozen'])}", f"{ratio['mean']:.2f}x +- {ratio['std']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f})",
             f">= {s['goal_acceptance_ratio']}x", _met(s["goal_met"]), hardware, command),
         Row(claim, f"mean reward, {steps}", f"co-trained {arm(reward['cotrain'])}", f"frozen {arm(reward['frozen'])}",
-            f"{reward['cotrain']['mean'] / reward['frozen']['mean']:.2f}x" if reward["frozen"]["mean"] else "-",
+            f"difference {reward['cotrain']['mean'] - reward['frozen']['mean']:+.3f}",
             "same (the draft leaves the policy alone)", "-", hardware, command),
     ]
 

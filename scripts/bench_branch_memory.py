@@ -68,7 +68,7 @@ import torch
 from titan_cotrain.ops import branch_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchplot import plain_ticks, pyplot  # noqa: E402
+from benchtools import command_line, plain_ticks, pyplot  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 N_HEADS, N_KV_HEADS, HEAD_DIM = 4, 2, 64
@@ -78,7 +78,6 @@ SLOPE_RANGE = (0.8, 1.25)
 # Halfway between linear (a doubling of S doubles the peak) and quadratic (quadruples it).
 DOUBLING_SPLIT = 3.0
 WARMUP_TOKENS = 256
-DEFAULT_SEQ_LENS = [1024, 2048, 4096, 8192, 16384, 32768]
 # Dense peak / one fp32 score matrix [Hq, S, S + P*S] (measured 3.1-3.3: scores, masked scores,
 # probabilities and their gradients overlap). Only used to skip sizes beyond the budget.
 DENSE_PEAK_PER_SCORE_MATRIX = 3.5
@@ -266,7 +265,7 @@ def main() -> int:
     parser.add_argument("--ttt-steps", type=int, default=7, help="D; the op sees P = D - 1 branch key sets")
     parser.add_argument("--doc-len", type=int, default=1024, help="tokens per document of the packed layout")
     parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=DEFAULT_SEQ_LENS)
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
     parser.add_argument("--fit-from", type=int, default=4096, help="smallest S in the linearity fit")
     parser.add_argument("--naive-budget-gb", type=float, default=3.0, help="skip dense sizes estimated above this")
     parser.add_argument("--threads", type=int, default=1)
@@ -325,9 +324,7 @@ def main() -> int:
                   "median of the runs",
         "records": records,
         "skipped": skipped,
-        "command": "python scripts/bench_branch_memory.py" + ("" if args.seq_lens == DEFAULT_SEQ_LENS else
-                                                               " --seq-lens " + " ".join(map(str, args.seq_lens))
-                                                               + f" --fit-from {args.fit_from}"),
+        "command": command_line(),
         "checks": {
             "correctness_max_abs_error_fp64": errors, "layouts": numbers, "passed": not failures, "failures": failures,
         },

@@ -86,7 +86,7 @@ from titan_cotrain.parallel.context_parallel import CPShard, plan_padded_rows, s
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-from benchplot import plain_ticks, pyplot  # noqa: E402
+from benchtools import command_line, plain_ticks, pyplot  # noqa: E402
 
 N_HEADS, N_KV_HEADS, HEAD_DIM = 2, 1, 16  # N_KV_HEADS: the GQA config; --mha-seq-lens adds Hkv = Hq
 SCALE = HEAD_DIM**-0.5
@@ -599,6 +599,7 @@ def main() -> int:
         "work_balance": balance,
         "summary": summary,
         "checks": {"passed": not failures, "failures": failures},
+        "command": command_line(),
         "runtime_seconds": round(time.perf_counter() - start, 1),
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -86,7 +86,7 @@ from titan_cotrain.rl.grpo import ppo_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-from benchplot import pyplot  # noqa: E402
+from benchtools import command_line, pyplot  # noqa: E402
 
 MODEL = ModelArgs(dim=128, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=16, ffn_dim=256, vocab_size=1024)
 SEQ, MICROBATCHES = 128, 8
@@ -453,8 +453,7 @@ def main() -> int:
               f"{cpu['median']:.3f} cpu (IQR {cpu['q1']:.3f}-{cpu['q3']:.3f}) (goal <= 1.05)")
     out = {
         "description": __doc__.split("\n\n")[0].replace("\n", " "),
-        "command": "python scripts/bench_pp.py" + (f" --steps {args.steps}" if args.steps != 5 else "")
-                   + (f" --repeats {args.repeats}" if args.repeats != 3 else ""),
+        "command": command_line(),
         "records": records,
         "checks": {"tapchannel_over_no_transport": ratios, "goal": 1.05,
                    "correct_vs_single_device": True, "schedule_action_order_unchanged": True},

@@ -51,7 +51,7 @@ from titan_cotrain.rl.rollout import RolloutEngine, RolloutStats
 from titan_cotrain.rl.sampling import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchplot import pyplot  # noqa: E402
+from benchtools import command_line, pyplot  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCHES, KS = (1, 8, 32), (2, 4, 6)
@@ -260,7 +260,8 @@ def main() -> int:
         runtime_s=time.perf_counter() - t0,
     )
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(dict(records=records, bounds=bounds, summary=summary), indent=1) + "\n")
+    args.json.write_text(json.dumps(dict(records=records, bounds=bounds, summary=summary, command=command_line()),
+                                    indent=1) + "\n")
     plot(records, bounds, args.png)
     print(f"best batch-1 speedup with the trained draft: x{best_b1:.2f} (goal x2.0); "
           f"{summary['runtime_s']:.0f}s; wrote {args.json} and {args.png}")

@@ -46,7 +46,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchplot import pyplot  # noqa: E402
+from benchtools import command_line, pyplot  # noqa: E402
 
 GOAL_RATIO = 1.3
 # --quick: a few minutes on 2 cores, most of it the 8 job launches; the draft barely trains.
@@ -225,7 +225,7 @@ def main() -> int:
         "config": {"sft_steps": args.sft_steps, "rl_steps": args.rl_steps, "seeds": args.seeds, "quick": args.quick,
                    "config_file": "train_configs/debug_cpu.toml", "extra_flags": extra, "processes": 2,
                    "hardware": "2-core CPU, gloo, 2 processes, 1 thread each"},
-        "command": "python scripts/compare_cotrain.py" + (" --quick" if args.quick else ""),
+        "command": command_line(),
         "seeds": args.seeds,
         "steps": [m["step"] - args.sft_steps for m in runs[(first, "cotrain")] if m["phase"] == "rl"],
         "runs": {},

@@ -224,7 +224,7 @@ def main() -> int:
         "description": __doc__.split("\n\n")[1].replace("\n", " "),
         "config": {"sft_steps": args.sft_steps, "rl_steps": args.rl_steps, "seeds": args.seeds, "quick": args.quick,
                    "config_file": "train_configs/debug_cpu.toml", "extra_flags": extra, "processes": 2,
-                   "hardware": "2-core CPU, gloo, 2 processes, 1 thread each"},
+                   "hardware": f"{os.cpu_count()}-core CPU, gloo, 2 processes, 1 thread each"},
         "command": command_line(),
         "seeds": args.seeds,
         "steps": [m["step"] - args.sft_steps for m in runs[(first, "cotrain")] if m["phase"] == "rl"],

@@ -38,12 +38,14 @@ attention over S tokens), the packed one's linear.
 Exits non-zero when (checked first: correctness):
 * branch attention disagrees with the dense implementation (fp64, a small packed row and a
   one-document row, P and P = 0, the output and all five input gradients);
-* in either layout, ``branch``, ``trunk`` or ``added`` does not grow linearly over the sizes
-  from ``--fit-from`` on (below it, fixed costs of a few MiB, kernel scratch and allocator
+* in either layout, ``branch`` or ``trunk`` does not grow linearly over the sizes from
+  ``--fit-from`` on (below it, fixed costs of a few MiB, kernel scratch and allocator
   rounding, dominate the small peaks): every doubling of S must multiply the peak by less
   than 3 (halfway between x2, linear, and x4, quadratic), and the log-log slope of peak vs S
-  must lie in [0.8, 1.25] for ``branch``; for its parts, smaller peaks (``added`` a difference
-  of two runs) whose fixed share bends the fit below 1, in [0.5, 1.25];
+  must lie in [0.8, 1.25] for ``branch``; for the trunk, a smaller peak whose fixed share
+  bends the fit below 1, in [0.5, 1.25]. ``added`` is reported, not checked: it is at most
+  ``branch``, so linear whenever the whole op is, and as a difference of two separate runs'
+  peaks (each within ~10%) its own doublings are too noisy to test at small S;
 * the control fails: in either layout every doubling must multiply the dense baseline's peak
   by more than 3 (a method that cannot see quadratic growth cannot vouch for linear growth).
 
@@ -76,10 +78,10 @@ N_HEADS, N_KV_HEADS, HEAD_DIM = 4, 2, 64
 SCALE = HEAD_DIM**-0.5
 MAX_ABS_ERROR_FP64 = 1e-9
 SLOPE_RANGE = (0.8, 1.25)
-# The parts (trunk alone, branch - trunk) are smaller peaks, one a difference of two runs,
-# with a fixed part (kernel scratch, allocator rounding) that bends a log-log fit below 1:
-# they must not grow faster than linearly, and must visibly grow (the method sees them).
-PART_SLOPE_RANGE = (0.5, 1.25)
+# The trunk alone is a smaller peak with a fixed part (kernel scratch, allocator rounding)
+# that bends a log-log fit below 1: it must not grow faster than linearly, and must visibly
+# grow (the method sees it).
+TRUNK_SLOPE_RANGE = (0.5, 1.25)
 # Halfway between linear (a doubling of S doubles the peak) and quadratic (quadruples it).
 DOUBLING_SPLIT = 3.0
 WARMUP_TOKENS = 256
@@ -234,13 +236,17 @@ def check_growth(records: list[dict], layout: str, fit_from: int) -> tuple[dict,
     for name in ("branch", "trunk", "added"):
         points = [(s, p) for s, p in series[name] if s >= fit_from]
         if len(points) < 2 or min(p for _, p in points) <= 0:
+            if name == "added":  # reported only
+                continue
             failures.append(f"{layout}: {name} has fewer than two positive peaks from S = {fit_from} on")
             continue
         sizes, peaks = zip(*points)
         slope = least_squares_slope([math.log(s) for s in sizes], [math.log(p) for p in peaks])
         numbers[name] = {"loglog_slope": round(slope, 3), "bytes_per_token": round(least_squares_slope(sizes, peaks)),
                          "doubling_ratios": doubling_ratios(points)}
-        low, high = SLOPE_RANGE if name == "branch" else PART_SLOPE_RANGE
+        if name == "added":  # reported only: added <= branch (see the docstring)
+            continue
+        low, high = SLOPE_RANGE if name == "branch" else TRUNK_SLOPE_RANGE
         if not low <= slope <= high:
             failures.append(f"{layout}: the {name} peak grows as S^{slope:.2f} over S >= {fit_from}, not linearly "
                             f"(slope outside [{low}, {high}])")

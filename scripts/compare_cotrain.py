@@ -29,7 +29,7 @@ statistically, not bit for bit (the policy's gradients given the same samples ar
 with the draft loss on or off, which the tests check bitwise).
 
     .venv/bin/python scripts/compare_cotrain.py            # 600 SFT + 3 seeds x 2 arms x 100 RL steps
-    .venv/bin/python scripts/compare_cotrain.py --quick    # 40 SFT, 4 RL steps, to assets/quick/
+    .venv/bin/python scripts/compare_cotrain.py --quick    # 20 SFT, 3 RL steps, to assets/quick/
     .venv/bin/python scripts/compare_cotrain.py --replot   # redraw the PNG from the JSON
 """
 
@@ -50,7 +50,7 @@ from benchtools import command_line, pyplot  # noqa: E402
 
 GOAL_RATIO = 1.3
 # --quick: a few minutes on 2 cores, most of it the 8 job launches; the draft barely trains.
-QUICK_SFT_STEPS, QUICK_RL_STEPS = 40, 4
+QUICK_SFT_STEPS, QUICK_RL_STEPS = 20, 3
 ARMS = ("cotrain", "frozen")
 
 

@@ -118,7 +118,7 @@ def fit_draft(draft: Draft, target: Transformer, engine: RolloutEngine, language
         idx = torch.randint(n, (micro,), generator=g)
         stats = ttt_unroll(draft, taps[idx].flatten(0, 1), target_out.embeddings[idx].flatten(0, 1),
                            tokens[idx].flatten(), layout.positions.flatten(), layout.cu_seqlens,
-                           target_out.logits[idx].flatten(0, 1), region[idx].flatten(), ttt_steps)
+                           region[idx].flatten(), ttt_steps, teacher_logits=target_out.logits[idx].flatten(0, 1))
         loss = draft_loss(stats, weights, (weights * stats.count).sum())
         opt.zero_grad()
         loss.backward()

@@ -86,7 +86,7 @@ from titan_cotrain.parallel.context_parallel import CPShard, plan_padded_rows, s
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-from pngplot import BLUE, GREY, RED, Canvas  # noqa: E402  (the project's small PNG writer)
+from benchtools import command_line, plain_ticks, pyplot  # noqa: E402
 
 N_HEADS, N_KV_HEADS, HEAD_DIM = 2, 1, 16  # N_KV_HEADS: the GQA config; --mha-seq-lens adds Hkv = Hq
 SCALE = HEAD_DIM**-0.5
@@ -539,7 +539,13 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=ROOT / "assets" / "bench_cp.json")
     parser.add_argument("--png", type=Path, default=ROOT / "assets" / "bench_cp.png",
                         help="P = first --branch-sets; the other P values get NAME_p<P>.png")
+    parser.add_argument("--replot", action="store_true", help="only redraw the PNGs from an existing --json")
     args = parser.parse_args()
+    if args.replot:
+        result = json.loads(args.json.read_text())
+        for p, png in png_paths(args.png, result["config"]["branch_sets"]):
+            plot(result["records"], p, png)
+        return 0
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
 
@@ -593,13 +599,13 @@ def main() -> int:
         "work_balance": balance,
         "summary": summary,
         "checks": {"passed": not failures, "failures": failures},
+        "command": command_line(),
         "runtime_seconds": round(time.perf_counter() - start, 1),
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
-    for i, p in enumerate(args.branch_sets):
-        png = args.png if i == 0 else args.png.with_name(f"{args.png.stem}_p{p}{args.png.suffix}")
-        plot(records, p).save(png)
+    for p, png in png_paths(args.png, args.branch_sets):
+        plot(records, p, png)
     for g in summary["goals"]:
         ratios = "  ".join(f"W={w}: {r:.3f}" for w, r in g["ring_over_single_div_w"].items())
         met = ", ".join(f"{name} {'MET' if ok else 'NOT met'}" for name, ok in g["met"].items())
@@ -667,50 +673,39 @@ def summarize(records: list[dict], singles: list[dict]) -> tuple[dict, list[str]
 
 # ---- plot ---------------------------------------------------------------------------------------------
 
-def plot(records: list[dict], p: int) -> Canvas:
+def plot(records: list[dict], p: int, path: Path) -> None:
     """Peak bytes per rank against S (log-log), GQA config, ``P = p``: ring at every W, gather at every W > 1."""
-    colors = {1: (0, 0, 0), 2: (40, 140, 60), 4: BLUE, 8: RED}
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(9, 6))
+    colors = {1: "black", 2: "tab:green", 4: "tab:blue", 8: "tab:red"}
     series = {}
     for r in records:
         if r["sharding"] == "zigzag" and r["branch_sets"] == p and r["n_kv_heads"] == N_KV_HEADS:
             series.setdefault((r["impl"], r["world"]), []).append((r["seq_len"], r["peak_bytes_per_rank"]))
-    sizes = sorted({s for pts in series.values() for s, _ in pts})
-    values = [b for pts in series.values() for _, b in pts]
-    y_lo, y_hi = math.floor(math.log2(min(values))), math.ceil(math.log2(max(values)))
-    canvas = Canvas(900, 620)
-    left, right, top, bottom = 110, 880, 70, 520
-    x_lo, x_hi = math.log2(sizes[0]) - 0.3, math.log2(sizes[-1]) + 0.3
-
-    def xy(s, b):
-        return (left + (math.log2(s) - x_lo) / (x_hi - x_lo) * (right - left),
-                bottom - (math.log2(b) - y_lo) / (y_hi - y_lo) * (bottom - top))
-
-    for s in sizes:
-        x, _ = xy(s, 2**y_lo)
-        canvas.line(x, top, x, bottom, (225, 225, 225))
-        label = f"{s // 1024}K"
-        canvas.text(round(x - canvas.text_width(label) / 2), bottom + 12, label)
-    for e in range(y_lo, y_hi + 1):
-        _, y = xy(sizes[0], 2**e)
-        canvas.line(left, y, right, y, (225, 225, 225))
-        label = f"{2**e / 2**20:g}M" if 2**e >= 2**20 else f"{2**e / 2**10:g}K"
-        canvas.text(left - 12 - canvas.text_width(label), round(y - 7), label)
-    canvas.line(left, top, left, bottom, (0, 0, 0), 2)
-    canvas.line(left, bottom, right, bottom, (0, 0, 0), 2)
     for (impl, world), pts in sorted(series.items()):
-        pixels = [xy(s, b) for s, b in sorted(pts)]
-        for (x0, y0), (x1, y1) in zip(pixels, pixels[1:]):
-            canvas.line(x0, y0, x1, y1, colors.get(world, GREY), 3, dash=0 if impl == "ring" else 8)
-        for x, y in pixels:
-            canvas.rect(round(x) - 4, round(y) - 4, 9, 9, colors.get(world, GREY))
+        sizes, peaks = zip(*sorted(pts))
+        ax.plot(sizes, [b / 2**20 for b in peaks], marker="o", color=colors.get(world, "grey"),
+                ls="-" if impl == "ring" else "--", label=f"{'ring' if impl == 'ring' else 'gather K/V'}, W = {world}")
+    sizes = sorted({s for pts in series.values() for s, _ in pts})
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xticks(sizes, [f"{s // 1024}K" for s in sizes])
+    plain_ticks(ax.yaxis)
+    ax.set_xlabel("tokens per row, S")
+    ax.set_ylabel("peak MiB per rank (live tensor storages)")
     pieces = next(r["pieces"] for r in records if r["impl"] == "ring")
-    title = f"PEAK BYTES PER RANK, DRAFT ATTN FWD+BWD (P={p}, HKV={N_KV_HEADS}, {pieces} PIECES/HOP)"
-    canvas.text((canvas.width - canvas.text_width(title)) // 2, 20, title)
-    canvas.text((left + right - canvas.text_width("TOKENS PER ROW, S")) // 2, bottom + 45, "TOKENS PER ROW, S")
-    legend = [(colors[w], 0, f"RING W={w}") for w in (1, 2, 4, 8)]
-    legend.append((GREY, 8, "DASHED: GATHER K/V, SAME COLOUR = SAME W"))
-    canvas.legend(left + 20, top + 14, legend, step=24)
-    return canvas
+    ax.set_title(f"draft attention fwd+bwd per rank, P = {p}, Hkv = {N_KV_HEADS}, {pieces} pieces per hop (CPU, fp32)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(ncol=2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def png_paths(png: Path, branch_sets: list[int]) -> list[tuple[int, Path]]:
+    """The first P gets ``png``, the others ``<stem>_p<P>.png``."""
+    return [(p, png if i == 0 else png.with_name(f"{png.stem}_p{p}{png.suffix}")) for i, p in enumerate(branch_sets)]
 
 
 if __name__ == "__main__":

@@ -23,8 +23,10 @@ Time (``step_seconds``): ranks start each step together (a barrier) and the step
 every rank with the pipeline's metrics broadcast, so a step's time is the slowest rank's.
 Modes take turns step by step, in a rotating order (one warm-up round, then ``--steps``
 rounds), and the record keeps the median, so a change in the machine's load hits all four
-alike; the ``tapchannel / no_transport`` ratio in ``checks`` is the median of the per-round
-ratios. On a shared machine wall time still moves by tens of percent from round to round,
+alike. ``--repeats N`` repeats the whole run (fresh processes, fresh pipelines) N times;
+the ``tapchannel / no_transport`` ratio in ``checks`` is the median of the per-round ratios
+(the two modes ran back to back in each round) over all rounds of all repeats, with their
+quartiles, min/max and each repeat's own median as the spread. On a shared machine wall time still moves by tens of percent from round to round,
 more than the transport costs; ``cpu_seconds`` (median over rounds of the CPU time all
 ranks' processes used in the step, gloo's threads included) measures the work added and is
 far steadier under contention. ``config.load_average_1min`` records the machine's load at
@@ -46,7 +48,8 @@ metric and every policy and draft gradient, ``draft_off`` and ``no_transport`` o
 all four modes: TapChannel leaves the schedule alone. Any failure exits 1 before anything is
 written.
 
-    PYTHONPATH=. .venv/bin/python scripts/bench_pp.py        # ~5 min on 2 busy cores
+    PYTHONPATH=. .venv/bin/python scripts/bench_pp.py            # 3 repeats x 5 rounds: ~7 min on 2 busy cores
+    PYTHONPATH=. .venv/bin/python scripts/bench_pp.py --replot   # redraw the PNG from the JSON
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ from titan_cotrain.rl.grpo import ppo_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-from pngplot import BLUE, GREY, RED, Canvas  # noqa: E402  (the project's small PNG writer)
+from benchtools import command_line, pyplot  # noqa: E402
 
 MODEL = ModelArgs(dim=128, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=16, ffn_dim=256, vocab_size=1024)
 SEQ, MICROBATCHES = 128, 8
@@ -317,65 +320,92 @@ def reference_step():
     return metrics, grads
 
 
-def merge(pp: int, per_rank: list[list[dict]]) -> list[dict]:
+def merge(pp: int, runs: list[list[list[dict]]]) -> list[dict]:
+    """One record per (schedule, mode) from ``runs[repeat][rank]``: per round the slowest rank's
+    wall time and all ranks' CPU time, the rounds of all repeats in order, and their medians."""
     records = []
-    for i, first in enumerate(per_rank[0]):
-        ranks = [r[i] for r in per_rank]
-        step_max = [max(ts) for ts in zip(*(r["step_seconds"] for r in ranks))]
-        cpu_sum = [sum(ts) for ts in zip(*(r["cpu_seconds"] for r in ranks))]
+    for i, first in enumerate(runs[0][0]):
+        step_max, cpu_sum, peaks = [], [], []
+        for per_rank in runs:
+            ranks = [r[i] for r in per_rank]
+            step_max += [max(ts) for ts in zip(*(r["step_seconds"] for r in ranks))]
+            cpu_sum += [sum(ts) for ts in zip(*(r["cpu_seconds"] for r in ranks))]
+            peaks.append([r["peak_bytes"] for r in ranks])
+        # The peak is the first step's, one per repeat; the largest repeat's is kept.
+        per_rank_peak = max(peaks, key=max)
         records.append({
             "pp": pp, "schedule": first["schedule"], "mode": first["mode"],
             "step_seconds": statistics.median(step_max),
-            "peak_bytes": max(r["peak_bytes"] for r in ranks),
-            "peak_bytes_per_rank": [r["peak_bytes"] for r in ranks],
+            "peak_bytes": max(per_rank_peak),
+            "peak_bytes_per_rank": per_rank_peak,
             "cpu_seconds": statistics.median(cpu_sum),
             "step_seconds_all": step_max,
             "cpu_seconds_all": cpu_sum,
+            "rounds_per_repeat": len(step_max) // len(runs),
         })
     return records
 
 
+def ratio_spread(ratios: list[float], per_repeat: int) -> dict:
+    """Median, quartiles, min/max of per-round ratios, and each repeat's own median."""
+    q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+    repeats = [statistics.median(ratios[i:i + per_repeat]) for i in range(0, len(ratios), per_repeat)]
+    return {"median": statistics.median(ratios), "q1": q1, "q3": q3, "min": min(ratios), "max": max(ratios),
+            "per_repeat_median": repeats, "rounds": len(ratios)}
+
+
+def transport_ratios(records: list[dict]) -> dict:
+    """tapchannel / no_transport per (pp, schedule), wall and CPU, round by round."""
+    ratios = {"step_seconds": {}, "cpu_seconds": {}}
+    by_key = {(r["pp"], r["schedule"], r["mode"]): r for r in records}
+    for (pp, schedule, mode), r in by_key.items():
+        if mode == "tapchannel":
+            base = by_key[(pp, schedule, "no_transport")]
+            for field, values in ratios.items():
+                per_round = [t / n for t, n in zip(r[f"{field}_all"], base[f"{field}_all"])]
+                values[f"pp={pp} {schedule}"] = ratio_spread(per_round, r["rounds_per_repeat"])
+    return ratios
+
+
 # ---- the plot -------------------------------------------------------------------------------
 
-GREEN = (40, 150, 70)
-COLORS = dict(zip(MODES, (BLUE, GREEN, GREY, RED)))
-LABELS = {"tapchannel": "TAPCHANNEL", "no_transport": "NO TRANSPORT", "draft_off": "DRAFT OFF", "naive": "NAIVE"}
+COLORS = dict(zip(MODES, ("tab:blue", "tab:green", "tab:grey", "tab:red")))
 
 
-def plot(records: list[dict]) -> Canvas:
-    """Three bar panels (wall time, CPU time, peak memory), one group of four bars per (pp, schedule)."""
+def plot(result: dict, path: Path) -> None:
+    """Three bar panels (wall time, CPU time, peak memory), one group of four bars per (pp,
+    schedule); the time bars carry the interquartile range over rounds."""
+    plt = pyplot()
+    records = result["records"]
     groups = sorted({(r["pp"], r["schedule"]) for r in records})
     by_key = {(r["pp"], r["schedule"], r["mode"]): r for r in records}
-    panels = (("step_seconds", "STEP SECONDS, WALL (MEDIAN, SLOWEST RANK)", lambda v: f"{v:.2f}"),
-              ("cpu_seconds", "STEP SECONDS, CPU (MEDIAN, ALL RANKS)", lambda v: f"{v:.2f}"),
-              ("peak_bytes", "PEAK MIB (LARGEST RANK)", lambda v: f"{v / 2**20:.1f}"))
-    width, margin, panel_h = 1100, 70, 200
-    canvas = Canvas(width, 60 + len(panels) * (panel_h + 80))
-    canvas.text(margin, 14, "PIPELINE CO-TRAINING ON CPU: STEP TIME AND PEAK MEMORY PER MODE", scale=2)
-    for i, mode in enumerate(MODES):
-        x = margin + i * 230
-        canvas.rect(x, 44, 18, 14, COLORS[mode])
-        canvas.text(x + 26, 45, LABELS[mode], scale=2)
-    group_w = (width - 2 * margin) / len(groups)
-    bar_w = int(group_w / (len(MODES) + 1.5))
-    for p, (field, title, fmt) in enumerate(panels):
-        top = 90 + p * (panel_h + 80)
-        base = top + panel_h
-        top_value = max(r[field] for r in records) * 1.15
-        canvas.text(margin, top - 18, title, scale=2)
-        canvas.line(margin, base, width - margin, base, (0, 0, 0))
-        for g, (pp, schedule) in enumerate(groups):
-            x0 = margin + g * group_w + bar_w * 0.75
-            for i, mode in enumerate(MODES):
-                value = by_key[(pp, schedule, mode)][field]
-                h = int(panel_h * value / top_value)
-                x = int(x0 + i * bar_w)
-                canvas.rect(x + 2, base - h, bar_w - 4, h, COLORS[mode])
-                label = fmt(value)
-                canvas.text(x + (bar_w - Canvas.text_width(label, 1)) // 2, base - h - 10, label, scale=1)
-            name = f"PP={pp} {schedule}"
-            canvas.text(int(margin + g * group_w + (group_w - Canvas.text_width(name, 2)) / 2), base + 8, name, scale=2)
-    return canvas
+    panels = (("step_seconds", "step seconds, wall (median, slowest rank; bars: IQR over rounds)", 1),
+              ("cpu_seconds", "step seconds, CPU (median, all ranks; bars: IQR over rounds)", 1),
+              ("peak_bytes", "peak MiB above the step's start (largest rank)", 2**20))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 10))
+    width = 0.2
+    for ax, (field, title, unit) in zip(axes, panels):
+        for i, mode in enumerate(MODES):
+            xs = [g + (i - 1.5) * width for g in range(len(groups))]
+            values = [by_key[(pp, schedule, mode)][field] / unit for pp, schedule in groups]
+            errors = None
+            if field != "peak_bytes":
+                quartiles = [statistics.quantiles(by_key[(pp, schedule, mode)][f"{field}_all"], n=4)
+                             for pp, schedule in groups]
+                errors = [[v - q[0] for v, q in zip(values, quartiles)], [q[2] - v for v, q in zip(values, quartiles)]]
+            ax.bar(xs, values, width, yerr=errors, capsize=2, color=COLORS[mode], label=mode)
+        ax.set_xticks(range(len(groups)), [f"pp = {pp}, {schedule}" for pp, schedule in groups])
+        ax.set_title(title)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].legend(ncol=4, fontsize="small")
+    ratios = result["checks"]["tapchannel_over_no_transport"]["step_seconds"]
+    fig.suptitle("pipeline co-training on CPU; tapchannel / no_transport wall: " +
+                 ", ".join(f"{k.split()[0]} {k.split()[1][:5]} {v['median']:.3f}" for k, v in ratios.items()),
+                 fontsize="medium")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 # ---- main ------------------------------------------------------------------------------------
@@ -384,10 +414,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--schedules", nargs="+", default=["1F1B", "Interleaved1F1B"])
-    parser.add_argument("--steps", type=int, default=5, help="timed rounds (after one warm-up round)")
+    parser.add_argument("--steps", type=int, default=5, help="timed rounds per repeat (after one warm-up round)")
+    parser.add_argument("--repeats", type=int, default=3, help="whole runs, each in fresh processes")
     parser.add_argument("--json", type=Path, default=ROOT / "assets" / "bench_pp.json")
     parser.add_argument("--png", type=Path, default=ROOT / "assets" / "bench_pp.png")
+    parser.add_argument("--replot", action="store_true", help="only redraw --png from an existing --json")
     args = parser.parse_args()
+    if args.replot:
+        plot(json.loads(args.json.read_text()), args.png)
+        return 0
 
     from tests.multiprocess import run_on_ranks
 
@@ -395,46 +430,43 @@ def main() -> int:
     reference = reference_step()
     records = []
     for pp in args.pp:
-        with tempfile.TemporaryDirectory() as out_dir:
-            try:
-                run_on_ranks(run_rank, pp, out_dir, args.schedules, args.steps, reference)
-            except AssertionError as e:
-                print(f"bench_pp: pp={pp} failed (a correctness check, or a rank crashed):\n{e}", file=sys.stderr)
-                return 1
-            per_rank = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(pp)]
-        records += merge(pp, per_rank)
-        print(f"pp={pp} done ({time.perf_counter() - started:.0f}s)", flush=True)
+        runs = []
+        for repeat in range(args.repeats):
+            with tempfile.TemporaryDirectory() as out_dir:
+                try:
+                    run_on_ranks(run_rank, pp, out_dir, args.schedules, args.steps, reference)
+                except AssertionError as e:
+                    print(f"bench_pp: pp={pp} failed (a correctness check, or a rank crashed):\n{e}", file=sys.stderr)
+                    return 1
+                runs.append([json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(pp)])
+            print(f"pp={pp} repeat {repeat + 1}/{args.repeats} done ({time.perf_counter() - started:.0f}s)", flush=True)
+        records += merge(pp, runs)
 
-    # tapchannel over no_transport, round by round (the two ran back to back), then the median.
-    ratios = {"step_seconds": {}, "cpu_seconds": {}}
-    by_key = {(r["pp"], r["schedule"], r["mode"]): r for r in records}
-    for (pp, schedule, mode), r in by_key.items():
-        if mode == "tapchannel":
-            base = by_key[(pp, schedule, "no_transport")]
-            for field, values in ratios.items():
-                values[f"pp={pp} {schedule}"] = statistics.median(
-                    t / n for t, n in zip(r[f"{field}_all"], base[f"{field}_all"]))
+    ratios = transport_ratios(records)
     for r in records:
         print(f"pp={r['pp']} {r['schedule']:16s} {r['mode']:13s} {r['step_seconds']:.3f}s wall  "
               f"{r['cpu_seconds']:.3f}s cpu  peak {r['peak_bytes'] / 2**20:6.1f} MiB  per rank "
               f"{[round(b / 2**20, 1) for b in r['peak_bytes_per_rank']]}")
-    for key in ratios["step_seconds"]:
-        print(f"{key}: tapchannel / no_transport = {ratios['step_seconds'][key]:.3f} wall, "
-              f"{ratios['cpu_seconds'][key]:.3f} cpu (goal <= 1.05)")
+    for key, wall in ratios["step_seconds"].items():
+        cpu = ratios["cpu_seconds"][key]
+        print(f"{key}: tapchannel / no_transport = {wall['median']:.3f} wall (IQR {wall['q1']:.3f}-{wall['q3']:.3f}), "
+              f"{cpu['median']:.3f} cpu (IQR {cpu['q1']:.3f}-{cpu['q3']:.3f}) (goal <= 1.05)")
     out = {
+        "description": __doc__.split("\n\n")[0].replace("\n", " "),
+        "command": command_line(),
         "records": records,
-        "checks": {"tapchannel_over_no_transport_median_of_round_ratios": ratios, "goal": 1.05,
+        "checks": {"tapchannel_over_no_transport": ratios, "goal": 1.05,
                    "correct_vs_single_device": True, "schedule_action_order_unchanged": True},
         "config": {"model": {k: getattr(MODEL, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                                                              "ffn_dim", "vocab_size")},
                    "seq_len": SEQ, "microbatches": MICROBATCHES, "microbatch_size": 1, **STEP,
-                   "timed_rounds": args.steps, "threads_per_rank": 1, "device": "cpu (gloo)",
-                   "torch": torch.__version__, "seconds": round(time.perf_counter() - started, 1),
+                   "timed_rounds": args.steps, "repeats": args.repeats, "threads_per_rank": 1,
+                   "device": "cpu (gloo)", "torch": torch.__version__, "seconds": round(time.perf_counter() - started, 1),
                    "cores": os.cpu_count(), "load_average_1min": [load_start, os.getloadavg()[0]]},
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=1) + "\n")
-    plot(records).save(args.png)
+    plot(out, args.png)
     print(f"wrote {args.json} and {args.png} ({time.perf_counter() - started:.0f}s)")
     return 0
 

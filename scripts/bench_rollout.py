@@ -51,7 +51,7 @@ from titan_cotrain.rl.rollout import RolloutEngine, RolloutStats
 from titan_cotrain.rl.sampling import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pngplot import BLACK, BLUE, GREY, GRID, RED, Canvas  # noqa: E402  (the scripts' PNG writer)
+from benchtools import command_line, pyplot  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCHES, KS = (1, 8, 32), (2, 4, 6)
@@ -118,7 +118,7 @@ def fit_draft(draft: Draft, target: Transformer, engine: RolloutEngine, language
         idx = torch.randint(n, (micro,), generator=g)
         stats = ttt_unroll(draft, taps[idx].flatten(0, 1), target_out.embeddings[idx].flatten(0, 1),
                            tokens[idx].flatten(), layout.positions.flatten(), layout.cu_seqlens,
-                           target_out.logits[idx].flatten(0, 1), region[idx].flatten(), ttt_steps)
+                           region[idx].flatten(), ttt_steps, teacher_logits=target_out.logits[idx].flatten(0, 1))
         loss = draft_loss(stats, weights, (weights * stats.count).sum())
         opt.zero_grad()
         loss.backward()
@@ -172,7 +172,12 @@ def main() -> int:
                         help="fail unless batch 1 with the trained draft reaches this speedup (0: report only)")
     parser.add_argument("--json", type=Path, default=ROOT / "assets" / "bench_rollout.json")
     parser.add_argument("--png", type=Path, default=ROOT / "assets" / "bench_rollout.png")
+    parser.add_argument("--replot", action="store_true", help="only redraw --png from an existing --json")
     args = parser.parse_args()
+    if args.replot:
+        result = json.loads(args.json.read_text())
+        plot(result["records"], result["bounds"], args.png)
+        return 0
     torch.set_num_threads(args.threads)
     if args.device == "cpu":
         device_name = f"cpu ({args.threads} thread{'s' if args.threads > 1 else ''})"
@@ -255,8 +260,9 @@ def main() -> int:
         runtime_s=time.perf_counter() - t0,
     )
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(dict(records=records, bounds=bounds, summary=summary), indent=1) + "\n")
-    plot(records, bounds, device_name, args.model).save(args.png)
+    args.json.write_text(json.dumps(dict(records=records, bounds=bounds, summary=summary, command=command_line()),
+                                    indent=1) + "\n")
+    plot(records, bounds, args.png)
     print(f"best batch-1 speedup with the trained draft: x{best_b1:.2f} (goal x2.0); "
           f"{summary['runtime_s']:.0f}s; wrote {args.json} and {args.png}")
     if args.min_speedup and best_b1 < args.min_speedup:
@@ -265,50 +271,39 @@ def main() -> int:
     return 0
 
 
-def plot(records: list[dict], bounds: list[dict], device: str, model: str) -> Canvas:
+def plot(records: list[dict], bounds: list[dict], path: Path) -> None:
     """Greedy speedup over plain decoding: per batch size, bars for k = 2, 4, 6 with the
     untrained and the trained draft, and the bound (k + 1) / (1 + k c) over each trained bar."""
-    canvas = Canvas(900, 520)
-    left, right, top, bottom = 90, 880, 80, 440
-    y_max = max(3.0, max(b["bound"] for b in bounds) + 0.5)
-
-    def y_of(value: float) -> int:
-        return round(bottom - value / y_max * (bottom - top))
-
-    for tick in range(int(y_max) + 1):
-        canvas.line(left, y_of(tick), right, y_of(tick), GRID)
-        canvas.text(left - 12 - canvas.text_width(f"{tick}X"), y_of(tick) - 7, f"{tick}X")
-    canvas.line(left, y_of(1), right, y_of(1), GREY, 2, dash=8)
-    canvas.line(left, y_of(2), right, y_of(2), RED, 2, dash=8)
-    group_w = (right - left) // len(BATCHES)
-    bar_w = 28
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    width = 0.38
+    ticks, labels = [], []
     for i, batch in enumerate(BATCHES):
-        x0 = left + i * group_w + 40
         for j, k in enumerate(KS):
-            for m, (name, color) in enumerate((("untrained", GREY), ("trained", BLUE))):
+            x = i * (len(KS) + 1) + j
+            ticks.append(x)
+            labels.append(f"k={k}\nbatch {batch}" if j == 1 else f"k={k}")
+            for m, (name, color) in enumerate((("untrained", "tab:grey"), ("trained", "tab:blue"))):
                 r = next(r for r in records if r["batch"] == batch and r["k"] == k and r["draft"] == name
                          and r["temperature"] == 0)
-                x = x0 + j * (2 * bar_w + 14) + m * bar_w
-                canvas.rect(x, y_of(r["speedup"]), bar_w - 2, bottom - y_of(r["speedup"]), color)
-                if name == "trained":
-                    bound = next(b["bound"] for b in bounds if b["batch"] == batch and b["k"] == k
-                                 and b["draft"] == name)
-                    canvas.rect(x - 3, y_of(bound) - 1, bar_w + 4, 3, BLACK)
-            label = f"K={k}"
-            canvas.text(x0 + j * (2 * bar_w + 14) + bar_w - canvas.text_width(label) // 2, bottom + 10, label)
-        label = f"BATCH {batch}"
-        canvas.text(left + i * group_w + (group_w - canvas.text_width(label)) // 2, bottom + 40, label)
-    canvas.line(left, top, left, bottom, BLACK, 2)
-    canvas.line(left, bottom, right, bottom, BLACK, 2)
-    title = f"SPEC / PLAIN TOKENS PER S, GREEDY, {model.upper()}, {device.upper()}"
-    canvas.text((canvas.width - canvas.text_width(title)) // 2, 20, title)
-    for i, (color, label) in enumerate(((BLUE, "TRAINED DRAFT"), (GREY, "UNTRAINED"))):
-        canvas.rect(left + 10 + 210 * i, 50, 16, 16, color)
-        canvas.text(left + 34 + 210 * i, 51, label)
-    canvas.rect(left + 370, 56, 22, 3, BLACK)
-    canvas.text(left + 400, 51, "(K+1)/(1+KC)")
-    canvas.text(left + 600, 51, "2X GOAL", RED)
-    return canvas
+                ax.bar(x + (m - 0.5) * width, r["speedup"], width, color=color,
+                       label=f"{name} draft" if (i, j) == (0, 0) else None)
+            bound = next(b["bound"] for b in bounds if b["batch"] == batch and b["k"] == k and b["draft"] == "trained")
+            ax.plot([x, x + width], [bound, bound], color="black", lw=2,
+                    label="bound (k+1)/(1+kc), trained" if (i, j) == (0, 0) else None)
+    ax.axhline(1, color="grey", ls="--", lw=1)
+    ax.axhline(2, color="tab:red", ls="--", lw=1, label="2x goal (batch 1)")
+    ax.set_xticks(ticks, labels)
+    ax.set_ylabel("speculative / plain tokens per s")
+    r0 = records[0]
+    ax.set_title(f"greedy decoding speedup, {r0['model']}, {r0['device']}")
+    ax.grid(alpha=0.3, axis="y")
+    ax.set_ylim(0, 1.2 * max(b["bound"] for b in bounds if b["draft"] == "trained"))
+    ax.legend(loc="upper center", ncol=2, fontsize="small")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

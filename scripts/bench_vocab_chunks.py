@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shlex
 import sys
 import time
 from functools import partial
@@ -55,6 +54,9 @@ from titan_cotrain.simulate.device import SimulatedDevice, register_simulated_de
 from titan_cotrain.simulate.memory import MemoryTracker
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from benchtools import command_line  # noqa: E402
+
 GIB = 2**30
 TOLERANCE = 1e-5
 LOSS_FN = ppo_loss(0.2, 0.28, kl_coef=0.05, temperature=1.0)
@@ -207,7 +209,7 @@ def main() -> int:
         "one_chunk_fp32_logits_gib": {"policy": c * v * 4 / GIB, "draft": c * v_d * 4 / GIB},
         "records": records,
         "correctness": correctness,
-        "command": shlex.join([".venv/bin/python", "scripts/bench_vocab_chunks.py", *sys.argv[1:]]),
+        "command": command_line(),
         "runtime_seconds": round(time.monotonic() - start, 1),
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)

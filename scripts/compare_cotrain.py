@@ -1,134 +1,255 @@
-"""Co-trained vs frozen draft on the embedded default: measured rollout acceptance length
-and reward per RL step.
+"""Co-trained vs frozen draft on the embedded default, over several RL seeds: measured
+rollout acceptance length and reward per RL step.
 
-Both arms share the warm start: the co-trained run writes a checkpoint at the last SFT
-step, and the frozen run resumes from a copy of it with ``--draft.freeze_after_sft``, so
-the two differ only in whether the draft keeps training during RL. Same seeds, same
-prompts. Writes ``assets/compare_cotrain.json`` and ``assets/acceptance_vs_step.png``.
+Claim: a draft co-trained during RL keeps up with the moving policy, a draft frozen after
+the warm start falls behind; goal: the co-trained arm's acceptance length over the last
+quarter of the RL steps is >= 1.3x the frozen arm's.
 
-Speculative sampling is lossless in distribution, not sample for sample: the two arms
-draw different random numbers once their drafts differ, so their reward curves agree
-statistically (the policy's gradients are identical given the same samples, which the
-tests check bitwise), not bit for bit. The script reports both curves and their means.
+Method. One warm start is shared by every seed and arm: the co-trained run of the first
+seed writes a checkpoint at the last SFT step (``step-<sft>``); every other run resumes from
+a copy of that folder. So all arms start from the same policy, draft and optimizer states,
+and the seeds vary only what RL does: ``--debug.seed`` drives each RL step's prompts and
+sampling (the trainer derives them from ``(seed, step, dp rank)``). The frozen arm adds
+``--draft.freeze_after_sft``; nothing else differs between the arms of one seed. The
+per-seed ratio is co-trained / frozen of that seed's last-quarter mean acceptance length;
+the summary gives each arm's mean, std and min/max over seeds and the ratio's.
 
-    .venv/bin/python scripts/compare_cotrain.py [--rl-steps N] [extra --section.key value ...]
+Checked first, exit 1 on failure:
+* every resumed run's warm-start copy has the warm start's hash (sha256 of the folder's
+  files), before and after its run;
+* the frozen arm's exported draft (``<dump>/export/draft``, read with ``load_eagle3``) is
+  bitwise the warm start's: the warm start's own draft is exported by resuming a copy with
+  ``--task.sft_steps <sft - 1> --training.steps 1`` (its last step is the warm start's: load,
+  no step, export); and the co-trained arm's draft is not (so
+  the comparison can see a change).
+
+Speculative sampling is lossless in distribution, not sample for sample: the two arms of a
+seed draw different random numbers once their drafts differ, so their reward curves agree
+statistically, not bit for bit (the policy's gradients given the same samples are identical
+with the draft loss on or off, which the tests check bitwise).
+
+    .venv/bin/python scripts/compare_cotrain.py            # 600 SFT + 3 seeds x 2 arms x 100 RL steps
+    .venv/bin/python scripts/compare_cotrain.py --quick    # 20 SFT, 3 RL steps, to assets/quick/
+    .venv/bin/python scripts/compare_cotrain.py --replot   # redraw the PNG from the JSON
 """
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pngplot import BLACK, BLUE, GREY, GRID, RED, Canvas  # noqa: E402
+from benchtools import command_line, pyplot  # noqa: E402
+
+GOAL_RATIO = 1.3
+# --quick: a few minutes on 2 cores, most of it the 8 job launches; the draft barely trains.
+QUICK_SFT_STEPS, QUICK_RL_STEPS = 20, 3
+ARMS = ("cotrain", "frozen")
 
 
 def run(dump: Path, extra: list[str]) -> list[dict]:
+    """One training job on 2 CPU processes; its metrics, one dict per step."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "titan_cotrain.train", "--job.config_file", str(ROOT / "train_configs" / "debug_cpu.toml"),
            "--job.dump_folder", str(dump), *extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     print("+", " ".join(cmd[3:]), flush=True)
     subprocess.run(cmd, cwd=ROOT, env=env, check=True)
-    return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    path = dump / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def folder_hash(folder: Path) -> str:
+    """sha256 over the folder's files: relative path and contents, in sorted order."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(folder)).encode() + b"\0")
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def draft_state(dump: Path) -> dict:
+    from titan_cotrain.models import load_eagle3
+
+    draft, _ = load_eagle3(dump / "export" / "draft")
+    return {k: v.detach().clone() for k, v in draft.state_dict().items()}
+
+
+def same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and a[k].equal(b[k]) for k in a)
 
 
 def rl_curve(metrics: list[dict], key: str) -> list[float]:
     return [m[key] for m in metrics if m["phase"] == "rl"]
 
 
-def _panel(canvas: Canvas, box: tuple[int, int, int, int], curves: dict[str, list[float]], title: str) -> None:
-    """Two curves (co-trained blue, frozen red) over the RL steps in ``box`` = left, right, top, bottom."""
-    left, right, top, bottom = box
-    lo = min(min(c) for c in curves.values())
-    hi = max(max(c) for c in curves.values())
-    lo, hi = lo - 0.05 * (hi - lo + 1e-6), hi + 0.05 * (hi - lo + 1e-6)
-    n = max(len(c) for c in curves.values())
+def spread(xs: list[float]) -> dict:
+    return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0,
+            "min": min(xs), "max": max(xs), "values": xs}
 
-    def xy(i: int, v: float) -> tuple[float, float]:
-        return left + (right - left) * i / max(n - 1, 1), bottom - (bottom - top) * (v - lo) / (hi - lo)
 
-    for k in range(5):
-        y = top + (bottom - top) * k / 4
-        canvas.line(left, y, right, y, GRID)
-        canvas.text(10, int(y) - 7, f"{hi - (hi - lo) * k / 4:.2f}", GREY)
-    canvas.line(left, top, left, bottom, BLACK, 2)
-    canvas.line(left, bottom, right, bottom, BLACK, 2)
-    for name, color in (("frozen", RED), ("cotrain", BLUE)):
-        points = [xy(i, v) for i, v in enumerate(curves[name])]
-        for (x0, y0), (x1, y1) in zip(points, points[1:]):
-            canvas.line(x0, y0, x1, y1, color, 3)
-    canvas.text(left, top - 25, title, BLACK)
+def summarize(result: dict) -> dict:
+    """Last-quarter acceptance length per seed and arm, the per-seed ratio, their spreads."""
+    n = len(result["steps"])
+    tail = max(n // 4, 1)
+    last = {arm: [statistics.fmean(result["runs"][str(s)][arm]["acceptance_length"][-tail:])
+                  for s in result["seeds"]] for arm in ARMS}
+    ratios = [c / f for c, f in zip(last["cotrain"], last["frozen"])]
+    reward = {arm: [statistics.fmean(result["runs"][str(s)][arm]["reward"][-tail:]) for s in result["seeds"]]
+              for arm in ARMS}
+    return {
+        "last_steps_averaged": tail,
+        "acceptance_length_last_quarter": {arm: spread(last[arm]) for arm in ARMS},
+        "acceptance_ratio_cotrain_over_frozen": spread(ratios),
+        "reward_last_quarter": {arm: spread(reward[arm]) for arm in ARMS},
+        "goal_acceptance_ratio": GOAL_RATIO,
+        "goal_met": statistics.fmean(ratios) >= GOAL_RATIO,
+    }
 
 
 def plot(result: dict, path: Path) -> None:
-    canvas = Canvas(900, 860)
+    """Acceptance length and reward per RL step: the mean over seeds, the min-max band."""
+    plt = pyplot()
+    fig, axes = plt.subplots(2, 1, figsize=(9, 8), sharex=True)
     steps = result["steps"]
-    _panel(canvas, (90, 860, 60, 430), {k: result[k]["acceptance_length"] for k in ("cotrain", "frozen")},
-           "ROLLOUT ACCEPTANCE LENGTH PER RL STEP")
-    canvas.text(100, 70, "CO-TRAINED DRAFT", BLUE)
-    canvas.text(100, 90, "FROZEN AFTER WARM START", RED)
-    _panel(canvas, (90, 860, 520, 790), {k: result[k]["reward"] for k in ("cotrain", "frozen")},
-           "MEAN REWARD PER RL STEP")
-    canvas.text(90, 810, f"RL STEP {steps[0]} TO {steps[-1]}", GREY)
-    canvas.save(path)
-
-
-def mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs)
+    for ax, key, title in ((axes[0], "acceptance_length", "rollout acceptance length (k = 3 drafted, at most 4)"),
+                           (axes[1], "reward", "mean reward")):
+        for arm, color, label in (("cotrain", "tab:blue", "co-trained draft"),
+                                  ("frozen", "tab:red", "draft frozen after the warm start")):
+            curves = [result["runs"][str(s)][arm][key] for s in result["seeds"]]
+            columns = list(zip(*curves))
+            ax.plot(steps, [statistics.fmean(c) for c in columns], color=color, lw=2,
+                    label=f"{label} (mean of {len(curves)} seeds)")
+            ax.fill_between(steps, [min(c) for c in columns], [max(c) for c in columns], color=color, alpha=0.2,
+                            lw=0)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    tail = result["summary"]["last_steps_averaged"]
+    axes[0].axvspan(steps[-tail], steps[-1], color="grey", alpha=0.1, label=f"last {tail} steps (the ratio)")
+    axes[0].legend(loc="lower left")
+    axes[1].set_xlabel("RL step (after the shared warm start); bands: min-max over seeds")
+    ratio = result["summary"]["acceptance_ratio_cotrain_over_frozen"]
+    fig.suptitle(f"co-trained / frozen acceptance length, last quarter: {ratio['mean']:.2f}x "
+                 f"(seeds {ratio['min']:.2f}-{ratio['max']:.2f}); {result['config']['sft_steps']} SFT steps")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sft-steps", type=int, default=600)
     parser.add_argument("--rl-steps", type=int, default=100)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{QUICK_SFT_STEPS} SFT and {QUICK_RL_STEPS} RL steps, written to assets/quick/ "
+                             "(a smoke run of the script and its checks, not the claim)")
     parser.add_argument("--warm-start", type=Path, default=None,
-                        help="an existing warm-start checkpoint folder (step-<sft-steps>) both arms resume from, "
-                             "instead of running the SFT phase in the co-trained arm")
-    parser.add_argument("--work", type=Path, default=ROOT / "outputs" / "compare_cotrain")
-    parser.add_argument("--json", type=Path, default=ROOT / "assets" / "compare_cotrain.json")
-    parser.add_argument("--png", type=Path, default=ROOT / "assets" / "acceptance_vs_step.png")
+                        help="an existing warm-start checkpoint folder (step-<sft-steps>) every run resumes from, "
+                             "instead of running the SFT phase in the first seed's co-trained arm")
+    parser.add_argument("--work", type=Path, default=None, help="run folders (default outputs/compare_cotrain[_quick])")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--png", type=Path, default=None)
     parser.add_argument("--replot", action="store_true", help="only redraw --png from an existing --json")
     args, extra = parser.parse_known_args()
+    assets = ROOT / "assets" / ("quick" if args.quick else "")
+    if args.quick:
+        args.sft_steps, args.rl_steps = QUICK_SFT_STEPS, QUICK_RL_STEPS
+    args.work = args.work or ROOT / "outputs" / ("compare_cotrain_quick" if args.quick else "compare_cotrain")
+    args.json = args.json or assets / "compare_cotrain.json"
+    args.png = args.png or assets / "acceptance_vs_step.png"
     if args.replot:
         plot(json.loads(args.json.read_text()), args.png)
         return 0
-    shutil.rmtree(args.work, ignore_errors=True)
-    common = ["--task.sft_steps", str(args.sft_steps), "--training.steps", str(args.rl_steps),
-              "--checkpoint.interval", str(args.sft_steps), "--checkpoint.keep_latest_k", "0", *extra]
-    warm_start = args.work / "cotrain" / "checkpoint" / f"step-{args.sft_steps}"
-    if args.warm_start is not None:
-        shutil.copytree(args.warm_start, warm_start)
-    cotrain = run(args.work / "cotrain", common)
-    frozen_dump = args.work / "frozen"
-    shutil.copytree(warm_start, frozen_dump / "checkpoint" / f"step-{args.sft_steps}")
-    frozen = run(frozen_dump, [*common, "--draft.freeze_after_sft"])
 
-    result = {"steps": [m["step"] - args.sft_steps for m in cotrain if m["phase"] == "rl"]}
-    for name, metrics in (("cotrain", cotrain), ("frozen", frozen)):
-        result[name] = {"acceptance_length": rl_curve(metrics, "rollout/acceptance_length"),
-                        "reward": rl_curve(metrics, "reward/mean")}
-        result[name] |= {key.split("/", 1)[1]: rl_curve(metrics, key) for key in sorted(metrics[-1])
-                         if key.startswith("task/") or key.startswith("rollout/acceptance_rate_")}
-    tail = max(len(result["steps"]) // 4, 1)
-    ratio = mean(result["cotrain"]["acceptance_length"][-tail:]) / mean(result["frozen"]["acceptance_length"][-tail:])
-    result["summary"] = {
-        "sft_steps": args.sft_steps, "rl_steps": args.rl_steps, "last_steps_averaged": tail,
-        "acceptance_ratio_cotrain_over_frozen": ratio,
-        "mean_reward_cotrain": mean(result["cotrain"]["reward"]),
-        "mean_reward_frozen": mean(result["frozen"]["reward"]),
-        "first_rl_step_reward": [result["cotrain"]["reward"][0], result["frozen"]["reward"][0]],
-        "goal_acceptance_ratio": 1.3, "goal_met": ratio >= 1.3,
+    start = time.perf_counter()
+    shutil.rmtree(args.work, ignore_errors=True)
+    common = ["--task.sft_steps", str(args.sft_steps), "--checkpoint.interval", str(args.sft_steps), "--checkpoint.keep_latest_k", "0", *extra]
+    rl = ["--training.steps", str(args.rl_steps)]
+    step_dir = f"step-{args.sft_steps}"
+    first = args.seeds[0]
+
+    def dump(seed: int, arm: str) -> Path:
+        return args.work / f"seed{seed}" / arm
+
+    def resume(folder: Path, warm: Path, flags: list[str]) -> list[dict]:
+        """Run from a copy of the warm start; its hash must match before and after the run."""
+        copy = folder / "checkpoint" / step_dir
+        shutil.copytree(warm, copy)
+        before = folder_hash(copy)
+        metrics = run(folder, flags)
+        hashes.append({"run": str(folder.relative_to(args.work)), "before": before, "after": folder_hash(copy)})
+        return metrics
+
+    hashes, runs = [], {}
+    if args.warm_start is not None:
+        warm = args.work / "warm_start" / step_dir
+        shutil.copytree(args.warm_start, warm)
+    else:
+        # The first seed's co-trained arm runs the SFT phase and writes the warm start at its last step.
+        runs[(first, "cotrain")] = run(dump(first, "cotrain"), [*common, *rl, "--debug.seed", str(first)])
+        warm = dump(first, "cotrain") / "checkpoint" / step_dir
+    warm_hash = folder_hash(warm)
+    for seed in args.seeds:
+        for arm in ARMS:
+            if (seed, arm) not in runs:
+                flags = [*common, *rl, "--debug.seed", str(seed)] + (["--draft.freeze_after_sft"] if arm == "frozen" else [])
+                runs[(seed, arm)] = resume(dump(seed, arm), warm, flags)
+    # The warm start's own draft: resume it in a job whose last step is the warm start's
+    # (training.steps must be >= 1, so one fewer SFT step), which loads, steps nothing, exports.
+    resume(args.work / "warm_start_export", warm, [*common, "--task.sft_steps", str(args.sft_steps - 1),
+                                                    "--training.steps", "1"])
+
+    failures = [f"{h['run']}: warm-start copy hash {h['before'][:12]} -> {h['after'][:12]}, warm start {warm_hash[:12]}"
+                for h in hashes if not h["before"] == h["after"] == warm_hash]
+    warm_draft = draft_state(args.work / "warm_start_export")
+    drafts = {}
+    for seed in args.seeds:
+        for arm in ARMS:
+            drafts[f"seed{seed}/{arm}"] = same_weights(draft_state(dump(seed, arm)), warm_draft)
+            if arm == "frozen" and not drafts[f"seed{seed}/{arm}"]:
+                failures.append(f"seed {seed}: the frozen arm's exported draft differs from the warm start's")
+            if arm == "cotrain" and drafts[f"seed{seed}/{arm}"]:
+                failures.append(f"seed {seed}: the co-trained arm's draft equals the warm start's: it did not train")
+
+    result = {
+        "description": __doc__.split("\n\n")[1].replace("\n", " "),
+        "config": {"sft_steps": args.sft_steps, "rl_steps": args.rl_steps, "seeds": args.seeds, "quick": args.quick,
+                   "config_file": "train_configs/debug_cpu.toml", "extra_flags": extra, "processes": 2,
+                   "hardware": f"{os.cpu_count()}-core CPU, gloo, 2 processes, 1 thread each"},
+        "command": command_line(),
+        "seeds": args.seeds,
+        "steps": [m["step"] - args.sft_steps for m in runs[(first, "cotrain")] if m["phase"] == "rl"],
+        "runs": {},
     }
+    for seed in args.seeds:
+        result["runs"][str(seed)] = {}
+        for arm in ARMS:
+            metrics = runs[(seed, arm)]
+            curves = {"acceptance_length": rl_curve(metrics, "rollout/acceptance_length"),
+                      "reward": rl_curve(metrics, "reward/mean")}
+            curves |= {key.split("/", 1)[1]: rl_curve(metrics, key) for key in sorted(metrics[-1])
+                       if key.startswith("task/") or key.startswith("rollout/acceptance_rate_")}
+            result["runs"][str(seed)][arm] = curves
+    result["summary"] = summarize(result)
+    result["checks"] = {"warm_start_sha256": warm_hash, "warm_start_copies": hashes,
+                        "draft_equals_warm_start": drafts, "passed": not failures, "failures": failures}
+    result["runtime_seconds"] = round(time.perf_counter() - start, 1)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
     plot(result, args.png)
     print(json.dumps(result["summary"], indent=2))
-    return 0
+    for failure in failures:
+        print(f"FAIL: {failure}", file=sys.stderr)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

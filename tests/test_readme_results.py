@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _bench_all():
     spec = importlib.util.spec_from_file_location("bench_all", ROOT / "scripts" / "bench_all.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their annotations through it
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 

@@ -8,12 +8,15 @@ the gradients scaled by the global counts, clipping, optimizer steps); ``run`` i
 
 Every data-parallel rank generates for its own share of the prompts with its own inference
 copy of the policy and draft (colocated; context-parallel and pipeline peers, who train the
-same rows, share out that generation and exchange the results: ``rl/generation_group.py``), trains its packed rows with FSDP2 over the data-parallel (x context-parallel)
-mesh, and refreshes the engine's weights from the sharded training state, one tensor at a
-time, before each RL step. Step ``s`` is a warm-start (SFT) step for ``s <= task.sft_steps``
-and an RL step after, each phase on its own LR schedule (``titan.build_lr_schedulers``); its
-prompts and sampling seeds derive from ``(debug.seed, s, dp rank)``, so a run resumed from a
-checkpoint of step ``s`` repeats the uninterrupted run exactly. Without PP an update runs in microbatches of ``training.local_batch_size`` rows.
+same rows, share out that generation and exchange the results: ``rl/generation_group.py``),
+trains its packed rows with FSDP2 over the data-parallel (x context-parallel) mesh, and
+refreshes the engine's weights from the sharded training state, one tensor at a time, before
+each RL step. Step ``s`` is a warm-start (SFT) step for ``s <= task.sft_steps`` and an RL step
+after, each phase on its own LR schedule (``titan.build_lr_schedulers``); its prompts and
+sampling seeds derive from ``(debug.seed, s, dp rank)``, so a run resumed from a checkpoint of
+step ``s`` repeats the uninterrupted run exactly when the drafted tokens per round are fixed
+(``[rollout] adaptive_speculation = false``: the adaptive choice follows timings). Without PP
+an update runs in microbatches of ``training.local_batch_size`` rows.
 
 With pipeline parallelism (``pipeline_parallel_degree > 1``) each minibatch is padded with
 empty rows (loss mask 0) to a multiple of the rows of one schedule step

@@ -92,6 +92,24 @@ def test_context_parallel_job_matches_one_process(tmp_path):
             assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(a[key])), (a["step"], key, a[key], b[key])
 
 
+def test_a_tensor_parallel_engine_job_matches_one_process_and_exports_whole_weights(tmp_path):
+    """``[rollout] tensor_parallel_degree = 2`` over the two CP ranks: one engine group splits
+    the policy's copy and generates the one-process job's rollouts; the export gathers it."""
+    from safetensors.torch import load_file
+
+    args = (*SHORT, "--training.steps", "1", "--checkpoint.no-enable")
+    single = _run(*args, "--job.dump_folder", str(tmp_path / "single"), nproc=None)
+    assert single.returncode == 0, single.stderr[-3000:]
+    tp = _run(*args, "--parallelism.context_parallel_degree", "2", "--rollout.tensor_parallel_degree", "2",
+              "--job.dump_folder", str(tmp_path / "tp"))
+    assert tp.returncode == 0, tp.stdout[-3000:] + tp.stderr[-3000:]
+    _assert_match(tmp_path / "single", tmp_path / "tp")
+    ours, theirs = (load_file(tmp_path / run / "export" / "policy" / "model.safetensors") for run in ("tp", "single"))
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_pipeline_parallel_job_matches_one_process_and_resumes_exactly(tmp_path):
     """``[parallelism] pipeline_parallel_degree = 2``: two stages (1F1B, microbatches of one
     row, two per schedule step, so a minibatch runs several accumulated schedule steps)

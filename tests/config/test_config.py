@@ -165,6 +165,14 @@ def test_tensor_parallel_is_refused():
             world_size=2)
 
 
+def test_an_engine_tensor_parallel_degree_must_divide_the_peers_and_the_heads():
+    _expect(DEFAULT, "rollout.tensor_parallel_degree (2) must divide context_parallel_degree x "
+            "pipeline_parallel_degree = 1", overrides=("--rollout.tensor_parallel_degree", "2"), world_size=2)
+    _expect(DEFAULT, "rollout.tensor_parallel_degree (4) must divide the policy's kv heads",
+            overrides=("--rollout.tensor_parallel_degree", "4", "--parallelism.context_parallel_degree", "4",
+                       "--model.name", "qwen3", "--model.flavor", "debugmodel"), world_size=4)
+
+
 def test_foreign_custom_config_module(tmp_path):
     _expect(_write(tmp_path, '[job]\ncustom_config_module = "somewhere.else"\n'), "job.custom_config_module")
 

@@ -200,11 +200,15 @@ def test_released_engine_frees_its_memory_and_refuses_to_generate_until_reloaded
     engine = RolloutEngine.from_models(policy, None, device="cpu", max_batch_size=2, max_seq_len=32)
     params = SamplingParams(temperature=0.0, max_new_tokens=6)
     before = engine.generate([[1, 2, 3], [4, 5]], params).tokens
-    held = sum(t.numel() for t in engine.cache_tensors()) + sum(p.numel() for p in engine.policy.parameters())
+    def held(tensors):
+        return sum(t.untyped_storage().nbytes() for t in tensors)
+
+    weights = held(engine.policy.parameters())
+    assert weights == 4 * sum(p.numel() for p in engine.policy.parameters()) and held(engine.cache_tensors()) > 0
     engine.release()
-    assert held > 0 and sum(t.numel() for t in engine.cache_tensors()) == 0
-    assert sum(p.numel() for p in engine.policy.parameters()) == 0
+    assert held(engine.cache_tensors()) == 0 and held(engine.policy.parameters()) == 0
     with _pytest.raises(RuntimeError, match="load_weights first"):
         engine.generate([[1, 2, 3]], params)
     engine.load_weights(_copy.deepcopy(policy).state_dict())
+    assert held(engine.policy.parameters()) == weights
     assert torch.equal(engine.generate([[1, 2, 3], [4, 5]], params).tokens, before)

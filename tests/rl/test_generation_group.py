@@ -26,6 +26,19 @@ def test_groups_follow_the_pp_dp_cp_rank_layout_and_share_whole_problems():
         GenerationGroup(pp, dp, cp, 0, split=True, dp_rank=1, communicate=False)
 
 
+def test_tensor_parallel_engine_groups_generate_together_and_their_first_rank_sends():
+    pp, dp, cp = 2, 2, 2
+    groups = [GenerationGroup(pp, dp, cp, rank, split=True, dp_rank=(rank // cp) % dp, communicate=False,
+                              tensor_parallel=2) for rank in range(pp * dp * cp)]
+    # Each coordinate's peers [0, 1, 4, 5] and [2, 3, 6, 7] make two engine groups of two.
+    assert groups[0].engine_groups() == [[0, 1], [4, 5], [2, 3], [6, 7]]
+    assert [g.unit for g in groups] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert groups[0].share(5) == groups[1].share(5) == [0, 2, 4] and groups[4].share(5) == [1, 3]
+    assert [g.sends() for g in groups[:2]] == [True, False] and groups[0].max_share(5) == 3
+    with pytest.raises(ValueError, match="must divide cp x pp = 4"):
+        GenerationGroup(pp, dp, cp, 0, split=True, dp_rank=0, communicate=False, tensor_parallel=3)
+
+
 ARGS = ("--task.sft_steps", "0", "--training.steps", "1", "--training.seq_len", "64", "--rl.prompts_per_step", "4",
         "--rl.group_size", "2", "--rollout.max_new_tokens", "8", "--parallelism.context_parallel_degree", "2",
         "--checkpoint.no-enable", "--metrics.no-enable_tensorboard")

@@ -209,13 +209,22 @@ class Rollout:
     (``titan_cotrain.rl.speculation``). The chosen k follows timings, so sampled rollouts
     are not reproducible run to run; false always drafts ``draft_tokens`` (bit-exact resumes)."""
 
+    tensor_parallel_degree: int = 1
+    """Split the engine's policy copy over this many ranks (Megatron's colwise / rowwise
+    layout, ``titan_cotrain.parallel.engine_tp``), for a policy whose bf16 copy does not fit
+    one GPU beside its training state. The ranks of an engine group are consecutive CP x PP
+    peers of one data-parallel coordinate (ranks that train the same rows), so it must divide
+    ``context_parallel_degree x pipeline_parallel_degree``, and the policy's heads, KV heads,
+    FFN width and vocabulary. Each rank holds ``1 / t`` of the weights and of the target's KV
+    cache; the draft stays whole. The engine groups of a coordinate share its prompts out."""
+
     kv_cache_gib: float = 0.0
     """GiB per rank for the rollout engine's KV caches (target + draft). They then hold
     ``floor(kv_cache_gib / per-sequence bytes)`` sequences, at most the
     ``prompts_per_step / dp x group_size`` a rank generates; the rest decode in later waves.
     Per sequence, with ``S = [training] seq_len`` and ``k = draft_tokens``: ``2 (keys, values)
-    x bytes per element x (target layers x kv heads x head dim x (S + k + 1) + draft kv heads
-    x head dim x (S + 2k))``.
+    x bytes per element x (target layers x kv heads / tensor_parallel_degree x head dim x
+    (S + k + 1) + draft kv heads x head dim x (S + 2k))``.
     The caches and the engine's weights are bf16 on an accelerator and fp32 on CPU (no key
     sets it). 0 sizes the caches for the whole batch at once."""
 

@@ -174,6 +174,10 @@ def validate_job_config(config, world_size: int, source: str = "<config>") -> No
     if ro.max_new_tokens >= config.training.seq_len:
         errors.append(f"rollout.max_new_tokens ({ro.max_new_tokens}) must leave room for the prompt within "
                       f"training.seq_len ({config.training.seq_len})")
+    tp, peers = ro.tensor_parallel_degree, p.context_parallel_degree * p.pipeline_parallel_degree
+    if tp < 1 or peers % tp:
+        errors.append(f"rollout.tensor_parallel_degree ({tp}) must divide context_parallel_degree x "
+                      f"pipeline_parallel_degree = {peers}: an engine group is made of ranks that train the same rows")
     pp, mb = config.parallelism.pipeline_parallel_degree, config.parallelism.pipeline_parallel_microbatch_size
     if pp > 1 and config.rl.kl_coef > 0:
         errors.append("rl.kl_coef > 0 is not supported with pipeline parallelism yet (the KL reference is "
@@ -192,6 +196,10 @@ def validate_job_config(config, world_size: int, source: str = "<config>") -> No
         args = resolve_model_args(config)
         if config.draft.enable:
             resolve_tap_layers(config, args.n_layers)
+        for what, n in (("heads", args.n_heads), ("kv heads", args.n_kv_heads), ("ffn width", args.ffn_dim),
+                        ("vocabulary", args.vocab_size)):
+            if tp > 1 and n % tp:
+                errors.append(f"rollout.tensor_parallel_degree ({tp}) must divide the policy's {what} ({n})")
         if config.draft.vocab_size > args.vocab_size:
             errors.append(
                 f"draft.vocab_size ({config.draft.vocab_size}) exceeds the target vocabulary ({args.vocab_size})"

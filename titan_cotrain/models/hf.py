@@ -220,7 +220,8 @@ def load_hf_weights_(model: Transformer, path: PathLike, fill) -> None:
     model.rope_inv_freq.copy_(rope_inv_freq(model.args.head_dim, model.args.rope_theta, model.args.rope_scaling))
 
 
-def save_hf(model: Transformer, path: PathLike, max_shard_bytes: int | None = None) -> None:
+def save_hf(model: Transformer, path: PathLike, max_shard_bytes: int | None = None,
+            state: Mapping[str, torch.Tensor] | None = None) -> None:
     """Write ``model`` as an HF folder that ``load_hf`` and transformers both load.
 
     ``config.json`` plus ``model.safetensors``; with ``max_shard_bytes``, a model that does not
@@ -228,7 +229,9 @@ def save_hf(model: Transformer, path: PathLike, max_shard_bytes: int | None = No
     (a larger tensor gets a shard to itself) plus ``model.safetensors.index.json``. Tensors
     keep the model's dtype and are written contiguous from CPU; a tied ``lm_head`` is left out,
     as HF re-ties it from ``tie_word_embeddings``. Weight files of an earlier save in ``path``
-    are removed first, so a stale index can never shadow the new weights.
+    are removed first, so a stale index can never shadow the new weights. ``state``: the
+    whole tensors to write instead of ``model.state_dict()`` (a tensor-parallel copy's,
+    gathered).
     """
     if max_shard_bytes is not None and max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
@@ -237,7 +240,7 @@ def save_hf(model: Transformer, path: PathLike, max_shard_bytes: int | None = No
     args = model.args
     tensors = {
         _hf_name(name): t.detach().to("cpu").contiguous()
-        for name, t in model.state_dict().items()
+        for name, t in (model.state_dict() if state is None else state).items()
         if not (args.tie_embeddings and name == "lm_head.weight")
     }
     config = hf_config_from_model_args(args)

@@ -134,7 +134,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.head_dim = args.head_dim
         self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
@@ -146,11 +146,12 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """``x [..., dim]`` -> rotated ``q [..., Hq, Dh]``, ``k, v [..., Hkv, Dh]``."""
+        """``x [..., dim]`` -> rotated ``q [..., Hq, Dh]``, ``k, v [..., Hkv, Dh]``: the heads
+        the projections give, ``1 / t`` of them on a rank of a tensor-parallel engine."""
         lead = x.shape[:-1]
-        q = self.q_proj(x).view(*lead, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(*lead, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(*lead, self.n_kv_heads, self.head_dim)
+        q = self.q_proj(x).view(*lead, -1, self.head_dim)
+        k = self.k_proj(x).view(*lead, -1, self.head_dim)
+        v = self.v_proj(x).view(*lead, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
@@ -300,11 +301,14 @@ class Transformer(nn.Module):
             return logits
         return TargetOutput(logits=logits, taps=tuple(taps), embeddings=h.detach())
 
-    def new_kv_cache(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
-        """A static cache for ``batch`` sequences of at most ``max_len`` tokens."""
+    def new_kv_cache(self, batch: int, max_len: int, dtype: torch.dtype | None = None,
+                     n_kv_heads: int | None = None) -> KVCache:
+        """A static cache for ``batch`` sequences of at most ``max_len`` tokens, of all KV
+        heads or (a tensor-parallel rank's) ``n_kv_heads`` of them."""
         a = self.args
         dtype = dtype or self.embed_tokens.weight.dtype
-        return KVCache(a.n_layers, batch, max_len, a.n_kv_heads, a.head_dim, dtype, self.embed_tokens.weight.device)
+        return KVCache(a.n_layers, batch, max_len, n_kv_heads or a.n_kv_heads, a.head_dim, dtype,
+                       self.embed_tokens.weight.device)
 
     def forward_cached(
         self, tokens: torch.Tensor, cache: KVCache, start_pos: torch.Tensor, *, return_taps: bool = False,

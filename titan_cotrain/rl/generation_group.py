@@ -13,6 +13,11 @@ rank trains on a batch it *received*.
 (the rollouts are then those a one-process job of the same seed generates, which the parity
 tests compare against).
 
+With a tensor-parallel engine of degree ``t`` (``[rollout] tensor_parallel_degree``) the
+generating unit is an *engine group* of ``t`` consecutive members, which generate together
+(``parallel.engine_tp``): unit ``u = j // t`` takes the share member ``u`` would take in a
+group of ``g / t``, and only its first member sends the results.
+
 World layout (torchtitan's ``ParallelDims``): ranks are ordered ``[pp, dp, cp]`` (tensor
 parallel 1), so the group of data-parallel coordinate ``b`` is ``{(p * DP + b) * CP + c}``.
 """
@@ -28,32 +33,54 @@ __all__ = ["GenerationGroup"]
 class GenerationGroup:
     """This rank's place among the ranks that train the same rows, and the exchange.
 
-    ``size``: ``cp x pp`` (1: nothing to share); ``member``: this rank's index in the group.
-    Every rank must construct it (creating the groups is a collective)."""
+    ``size``: ``cp x pp`` (1: nothing to share); ``member``: this rank's index in the group;
+    ``tensor_parallel``: members per engine group (it must divide ``size``); ``unit``: this
+    rank's engine group within the group. Every rank must construct it (creating the groups
+    is a collective)."""
 
     def __init__(self, pp: int, dp: int, cp: int, rank: int, split: bool, *, dp_rank: int,
-                 communicate: bool = True) -> None:
-        self.size, self.split = pp * cp, split
-        groups = [[(p * dp + b) * cp + c for p in range(pp) for c in range(cp)] for b in range(dp)]
+                 communicate: bool = True, tensor_parallel: int = 1) -> None:
+        self.size, self.split, self.tensor_parallel = pp * cp, split, tensor_parallel
+        if self.size % tensor_parallel:
+            raise ValueError(f"[rollout] tensor_parallel_degree = {tensor_parallel} must divide cp x pp = "
+                             f"{self.size}: an engine group is made of ranks that train the same rows")
+        self.groups = groups = [[(p * dp + b) * cp + c for p in range(pp) for c in range(cp)] for b in range(dp)]
         (self.ranks,) = [ranks for ranks in groups if rank in ranks]
         if groups.index(self.ranks) != dp_rank:
             raise RuntimeError(f"rank {rank}: the mesh's data-parallel coordinate is {dp_rank}, the [pp, dp, cp] "
                                f"layout says {groups.index(self.ranks)}")
         self.member = self.ranks.index(rank)
+        self.unit = self.member // tensor_parallel
         self.group = None
         if self.size > 1 and communicate:
             self.group, _ = dist.new_subgroups_by_enumeration(groups)
 
+    @property
+    def units(self) -> int:
+        """Engine groups per group: ``size / tensor_parallel``."""
+        return self.size // self.tensor_parallel
+
+    def engine_groups(self) -> list[list[int]]:
+        """Every engine group of the job (``tensor_parallel`` consecutive members of each
+        group), the same list on every rank."""
+        t = self.tensor_parallel
+        return [ranks[i: i + t] for ranks in self.groups for i in range(0, len(ranks), t)]
+
     def share(self, n_problems: int, member: int | None = None) -> list[int]:
-        """The indices (of ``n_problems``) that ``member`` (default: this rank) generates."""
-        member = self.member if member is None else member
+        """The indices (of ``n_problems``) that ``member`` (default: this rank) generates,
+        with the rest of its engine group."""
+        unit = (self.member if member is None else member) // self.tensor_parallel
         if not self.split:
-            return list(range(n_problems)) if member == 0 else []
-        return list(range(member, n_problems, self.size))
+            return list(range(n_problems)) if unit == 0 else []
+        return list(range(unit, n_problems, self.units))
+
+    def sends(self, member: int | None = None) -> bool:
+        """Whether ``member``'s results are the ones exchanged (its engine group's first)."""
+        return (self.member if member is None else member) % self.tensor_parallel == 0
 
     def max_share(self, n_problems: int) -> int:
         """The most problems any member generates (what its engine is sized for)."""
-        return n_problems if not self.split else -(-n_problems // self.size)
+        return n_problems if not self.split else -(-n_problems // self.units)
 
     def exchange(self, own: list, n_problems: int, problems_key: bytes) -> list:
         """Every member's ``own`` results (one entry per problem of its ``share``, in order)
@@ -63,13 +90,15 @@ class GenerationGroup:
         if self.group is None:
             return own
         gathered = [None] * self.size
-        dist.all_gather_object(gathered, (problems_key, own), group=self.group)
+        dist.all_gather_object(gathered, (problems_key, own if self.sends() else None), group=self.group)
         keys = {key for key, _ in gathered}
         if len(keys) > 1:
             raise RuntimeError(f"the ranks {self.ranks}, which train the same rows, drew different prompts for this "
                                "step; their rollouts cannot be shared")
         merged = [None] * n_problems
         for member, (_, results) in enumerate(gathered):
+            if not self.sends(member):
+                continue
             indices = self.share(n_problems, member)
             if len(indices) != len(results):
                 raise RuntimeError(f"rank {self.ranks[member]} sent {len(results)} rollout groups, expected "

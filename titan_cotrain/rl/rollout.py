@@ -39,12 +39,14 @@ from typing import TypeVar
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from titan_cotrain.models.args import ModelArgs
 from titan_cotrain.models.draft import Draft, DraftArgs, DraftKVCache
 from titan_cotrain.models.kv_cache import KVCache
 from titan_cotrain.models.transformer import Transformer, rope_inv_freq
+from titan_cotrain.parallel.engine_tp import fill_from_whole, tensor_parallel_engine_policy
 from titan_cotrain.rl.sampling import (
     SamplingParams,
     draw,
@@ -213,20 +215,23 @@ def _pad_prompts(prompts: Sequence[torch.Tensor | Sequence[int]]) -> tuple[torch
     return tokens, lens
 
 
-def _state_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A full tensor from a state-dict entry: DTensors (FSDP2 shards) are all-gathered."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+def _whole(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A whole tensor in ``dtype`` from a state-dict entry: DTensors (FSDP2 shards) are cast
+    first, then all-gathered, so the gather moves the engine's bytes (bf16), not fp32."""
+    return t.to(dtype).full_tensor() if isinstance(t, DTensor) else t
 
 
 @torch.no_grad()
 def _copy_state(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """``module``'s tensors <- ``state``'s, one whole tensor at a time; a tensor-parallel
+    engine keeps its slice of each."""
     own = module.state_dict()
     missing, unexpected = own.keys() - state.keys(), state.keys() - own.keys()
     if missing or unexpected:
         raise KeyError(f"state dict does not match the engine's {type(module).__name__}: "
                        f"missing {sorted(missing)}, unexpected {sorted(unexpected)}")
     for name, dst in own.items():  # the module's order: the same on every rank, as collectives need
-        dst.copy_(_state_tensor(state[name]))
+        fill_from_whole(dst, _whole(state[name], dst.dtype))
 
 
 def _cache_slots(max_seq_len: int, max_draft_tokens: int) -> tuple[int, int]:
@@ -237,12 +242,13 @@ def _cache_slots(max_seq_len: int, max_draft_tokens: int) -> tuple[int, int]:
 
 
 def kv_bytes_per_sequence(policy: ModelArgs, draft: DraftArgs | None, max_seq_len: int, max_draft_tokens: int,
-                          dtype: torch.dtype) -> int:
-    """KV-cache bytes one sequence takes in a ``RolloutEngine``: keys and values of every
-    target layer over ``L = max_seq_len + k + 1`` positions plus, with a draft, the draft's
-    over ``L`` trunk and ``k - 1`` chain slots (``k = max_draft_tokens``), in ``dtype``."""
+                          dtype: torch.dtype, tensor_parallel: int = 1) -> int:
+    """KV-cache bytes one sequence takes on one rank of a ``RolloutEngine``: keys and values
+    of every target layer (``1 / tensor_parallel`` of its KV heads) over ``L = max_seq_len +
+    k + 1`` positions plus, with a draft (whole on every rank), the draft's over ``L`` trunk
+    and ``k - 1`` chain slots (``k = max_draft_tokens``), in ``dtype``."""
     positions, chain = _cache_slots(max_seq_len, max_draft_tokens)
-    elements = policy.n_layers * policy.n_kv_heads * policy.head_dim * positions
+    elements = policy.n_layers * (policy.n_kv_heads // tensor_parallel) * policy.head_dim * positions
     if draft is not None:
         elements += draft.n_kv_heads * draft.head_dim * (positions + chain)
     return 2 * elements * dtype.itemsize
@@ -251,12 +257,16 @@ def kv_bytes_per_sequence(policy: ModelArgs, draft: DraftArgs | None, max_seq_le
 _Model = TypeVar("_Model", Transformer, Draft)
 
 
-def _empty_copy(build: Callable[[], _Model], device: torch.device, dtype: torch.dtype) -> _Model:
-    """``build()`` on the meta device, materialised uninitialised on ``device`` with its
-    parameters in ``dtype``; the weights are the caller's to load. The RoPE frequencies (a
-    non-persistent buffer, in no state dict) are recomputed, in fp32 as the trainer's are."""
+def _empty_copy(build: Callable[[], _Model], device: torch.device, dtype: torch.dtype,
+                tp_mesh: DeviceMesh | None = None) -> _Model:
+    """``build()`` on the meta device (split over ``tp_mesh`` when given), materialised
+    uninitialised on ``device`` with its parameters in ``dtype``; the weights are the
+    caller's to load. The RoPE frequencies (a non-persistent buffer, in no state dict) are
+    recomputed, in fp32 as the trainer's are."""
     with torch.device("meta"):
         model = build().to(dtype)
+    if tp_mesh is not None:
+        tensor_parallel_engine_policy(model, tp_mesh)
     # to_empty gives each alias of a shared parameter (tied embeddings) a tensor of its own.
     ties: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -283,6 +293,10 @@ class RolloutEngine:
     (``kv_bytes_per_sequence`` each); ``generate`` runs more prompts in waves of at most
     ``max_batch_size``, a smaller batch using the caches' leading rows.
 
+    A tensor-parallel policy copy (``from_models(tp_mesh=...)``, ``parallel.engine_tp``)
+    holds ``1 / t`` of the KV heads per rank, so its caches do too; every rank of its mesh
+    calls ``generate`` with the same prompts and seed and gets the same rollouts.
+
     ``compile`` wraps the fixed-shape steps (target decode / verify, draft chain step and
     catch-up) in ``torch.compile``: one graph per ``(batch, k)``, worth it on GPU, slow to
     build on CPU. The prefill (ragged prompt width) stays eager.
@@ -297,9 +311,11 @@ class RolloutEngine:
         self.max_seq_len = max_seq_len
         self.max_draft_tokens = max_draft_tokens if draft is not None else 0
         dtype = policy.embed_tokens.weight.dtype
+        weight = policy.embed_tokens.weight
+        self.tensor_parallel = weight.device_mesh.size() if isinstance(weight, DTensor) else 1
         if kv_cache_gib:
             per_sequence = kv_bytes_per_sequence(policy.args, draft.args if draft is not None else None, max_seq_len,
-                                                 self.max_draft_tokens, dtype)
+                                                 self.max_draft_tokens, dtype, self.tensor_parallel)
             fits = int(kv_cache_gib * 2**30 // per_sequence)
             if fits < 1:
                 raise ValueError(
@@ -309,7 +325,8 @@ class RolloutEngine:
             max_batch_size = min(max_batch_size, fits)
         self.max_batch_size = max_batch_size
         positions, chain = _cache_slots(max_seq_len, self.max_draft_tokens)
-        self.target_cache = policy.new_kv_cache(max_batch_size, positions, dtype)
+        self.target_cache = policy.new_kv_cache(max_batch_size, positions, dtype,
+                                                n_kv_heads=policy.args.n_kv_heads // self.tensor_parallel)
         self.draft_cache = (
             draft.new_kv_cache(max_batch_size, positions, chain_len=chain, dtype=dtype) if draft is not None else None
         )
@@ -322,7 +339,7 @@ class RolloutEngine:
     def from_models(cls, policy: Transformer, draft: Draft | None = None, *, device: torch.device | str,
                     dtype: torch.dtype | None = None, max_batch_size: int, max_seq_len: int,
                     max_draft_tokens: int = 4, kv_cache_gib: float = 0.0, compile: bool = False,
-                    load: bool = True) -> RolloutEngine:
+                    load: bool = True, tp_mesh: DeviceMesh | None = None) -> RolloutEngine:
         """An engine with its own copies of the trainer's ``policy`` and ``draft`` on ``device``.
 
         The sources may be FSDP-wrapped (DTensor shards), plain, or on another device; they
@@ -332,11 +349,13 @@ class RolloutEngine:
         tensor at a time, buffers (``d2t``, ``t2d``) included. With sharded sources this is
         a collective: every rank of their mesh calls it. ``load=False`` takes only the
         shapes (sources on the meta device, e.g. a pipeline's whole model): fill the engine
-        with ``load_weights`` later. Other arguments as ``__init__``.
+        with ``load_weights`` later. ``tp_mesh``: split the policy's copy over this engine
+        group's ranks (``parallel.engine_tp``; the draft stays whole). Other arguments as
+        ``__init__``.
         """
         device = torch.device(device)
         dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
-        own_policy = _empty_copy(lambda: Transformer(policy.args, policy.tap_layers), device, dtype)
+        own_policy = _empty_copy(lambda: Transformer(policy.args, policy.tap_layers), device, dtype, tp_mesh)
         own_draft = None
         if draft is not None:
             d2t, t2d = draft.d2t, draft.t2d
@@ -358,7 +377,8 @@ class RolloutEngine:
 
         The states are ``state_dict()``s of the trained models (same names; values are cast
         to the engine's dtype and moved to its device). FSDP2-sharded entries (DTensors) are
-        gathered one tensor at a time, so the peak is one full parameter; the gather is a
+        gathered one tensor at a time, in the engine's dtype, so the peak is one whole
+        parameter (a tensor-parallel copy keeps its slice of it); the gather is a
         collective: every rank of the training mesh calls this, in the same order,
         generating or not.
         """
@@ -372,17 +392,20 @@ class RolloutEngine:
     def release(self) -> None:
         """Free the device memory of the weights and KV caches until the next ``load_weights``
         (which rewrites every weight anyway): between rollouts, the update phase of a colocated
-        trainer gets it. Buffers (RoPE, the draft's vocabulary maps) stay."""
+        trainer gets it. Their storages shrink to nothing and the tensors stay (FSDP2's way of
+        freeing unsharded parameters), so compiled graphs and a tensor-parallel copy's DTensors
+        keep pointing at them. Buffers (RoPE, the draft's vocabulary maps) stay."""
         if self._released is not None:
             return
-        self._released = []
-        tensors = [(p, "data") for m in (self.policy, self.draft) if m is not None for p in m.parameters()]
-        caches = [self.target_cache] + ([self.draft_cache] if self.draft_cache is not None else [])
-        tensors += [(cache, name) for cache in caches for name in ("k", "v")]
-        for owner, name in tensors:
-            t = getattr(owner, name)
-            self._released.append((owner, name, t.shape, t.dtype))
-            setattr(owner, name, t.new_empty(0))
+        tensors = [p for m in (self.policy, self.draft) if m is not None for p in m.parameters()]
+        tensors += self.cache_tensors()
+        storages = {}
+        for t in tensors:
+            local = t.to_local() if isinstance(t, DTensor) else t
+            storages.setdefault(local.untyped_storage()._cdata, local.untyped_storage())
+        self._released = [(storage, storage.nbytes()) for storage in storages.values()]
+        for storage, _ in self._released:
+            storage.resize_(0)
 
     def restore(self) -> None:
         """Re-allocate what ``release`` freed (weights uninitialised, caches zeroed); a no-op
@@ -390,9 +413,11 @@ class RolloutEngine:
         the engine's own shapes (a pipeline's streamed weights)."""
         if self._released is None:
             return
-        for owner, name, shape, dtype in self._released:
-            setattr(owner, name, torch.zeros(shape, dtype=dtype, device=self.device))
+        for storage, nbytes in self._released:
+            storage.resize_(nbytes)
         self._released = None
+        for t in self.cache_tensors():
+            t.zero_()
 
     def cache_tensors(self) -> list[torch.Tensor]:
         """The KV caches' storage (target and draft keys and values), for memory reports."""

@@ -50,6 +50,7 @@ from titan_cotrain.data.packing import LabelRows, layout_from_document_ids
 from titan_cotrain.data.prompts import ChatTemplate, PromptEncoder, load_prompt_splits, synthetic_prompt_splits
 from titan_cotrain.models.build import draft_vocab_maps, job_seed
 from titan_cotrain.models.draft import count_tokens, set_vocab_maps_
+from titan_cotrain.parallel.engine_tp import engine_tp_mesh, whole_host_state
 from titan_cotrain.parallel.parallelize import copy_shards, parallelize
 from titan_cotrain.parallel.pipeline import gather_state_dict, pipeline_step
 from titan_cotrain.parallel.pipeline import clip_grad_norms as pipeline_clip_grad_norms
@@ -189,13 +190,17 @@ class Trainer:
             self.log_rank = pp_ranks[self.pipeline.plan.stage_ranks[-1]] - pp_ranks[0]
         self.cotrain = config.draft.enable  # under PP, self.draft is None off the last stage
         self.generation = GenerationGroup(dims.pp, self.dp_degree, dims.cp, rank, config.rollout.split_prompts,
-                                          dp_rank=self.dp_rank, communicate=simulation is None)
+                                          dp_rank=self.dp_rank, communicate=simulation is None,
+                                          tensor_parallel=config.rollout.tensor_parallel_degree)
+        self.engine_mesh = None
+        if config.rollout.tensor_parallel_degree > 1:
+            self.engine_mesh = engine_tp_mesh(self.device.type, self.generation.engine_groups())
         self.engine = RolloutEngine.from_models(
             models.engine_policy, models.engine_draft, device=self.device,
             max_batch_size=max(self.generation.max_share(self.prompts_per_rank) * config.rl.group_size, 1),
             max_seq_len=max_seq_len,
             max_draft_tokens=rollout_draft_tokens(config),
-            kv_cache_gib=config.rollout.kv_cache_gib, load=models.engine_loadable,
+            kv_cache_gib=config.rollout.kv_cache_gib, load=models.engine_loadable, tp_mesh=self.engine_mesh,
         )
         self.speculation = SpeculationTuner(self.draft_tokens)
         if config.rollout.speculative and not config.draft.enable and rank == self.log_rank:
@@ -442,12 +447,14 @@ class Trainer:
         generator = None  # the simulated device has no generators (and its draws are fake)
         if self.simulation is None:
             seed = (self.seed * 1_000_003 + step) * 1009 + self.dp_rank
-            generator = torch.Generator(device=self.device).manual_seed(seed + 7919 * self.generation.member)
+            generator = torch.Generator(device=self.device).manual_seed(seed + 7919 * self.generation.unit)
         t0 = time.perf_counter()
         progress = RolloutProgress() if self.rank == self.log_rank and self.simulation is None else None
         k_max = self.speculation.k_max
         wave = min(len(own_prompts), self.engine.max_batch_size)
         k = self.speculation.choose(wave) if cfg.rollout.adaptive_speculation else k_max
+        if self.engine_mesh is not None and self.simulation is None:
+            k = self._engine_group_choice(k)
         rollouts = None
         if own_prompts:
             rollouts = self.engine.generate(own_prompts, params, generator=generator, progress=progress,
@@ -553,6 +560,13 @@ class Trainer:
             out[row, 1:] = logp[:-1].to("cpu", torch.float32)
         return out
 
+    def _engine_group_choice(self, k: int) -> int:
+        """The ``k`` of this rank's engine group's first rank: the ranks of a tensor-parallel
+        engine generate together, and their own timings may choose differently."""
+        choice = torch.tensor([k], device=self.device)
+        dist.broadcast(choice, group=self.engine_mesh.get_group(), group_src=0)
+        return int(choice.item())
+
     def refresh_engine(self) -> None:
         """The rollout engine's models <- the trained weights (a collective: every rank
         calls it; FSDP shards are gathered one tensor at a time, PP stages broadcast)."""
@@ -647,13 +661,16 @@ class Trainer:
         from titan_cotrain.models.hf import save_hf
 
         self.refresh_engine()
-        # Every rank holds the same whole copies: each checks its own, so all stop alike.
-        self._check_finite("the export", self.engine.policy, self.engine.draft, collective=False)
+        # Every rank holds the same whole copies (or, tensor-parallel, its slices: then all
+        # ranks vote): each checks its own, so all stop alike.
+        tp = self.engine.tensor_parallel > 1
+        self._check_finite("the export", self.engine.policy, self.engine.draft, collective=tp)
+        policy, draft = self.engine.policy, self.engine.draft
+        state = whole_host_state(policy, keep=self.rank == self.log_rank) if tp else None
         if self.rank != self.log_rank:
             return
         folder = os.path.join(self.config.job.dump_folder, "export")
-        policy, draft = self.engine.policy, self.engine.draft
-        save_hf(policy, os.path.join(folder, "policy"))
+        save_hf(policy, os.path.join(folder, "policy"), state=state)
         for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
             if os.path.isfile(os.path.join(self.tokenizer_folder, name)):
                 shutil.copy(os.path.join(self.tokenizer_folder, name), os.path.join(folder, "policy", name))

@@ -1,0 +1,106 @@
+"""A tensor-parallel rollout engine (``[rollout] tensor_parallel_degree``): its policy copy is split
+over the ranks of an engine group and still generates what the one-rank engine generates."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.multiprocess import run_on_ranks
+from tests.rl.test_rollout import _prompts
+from titan_cotrain.models.args import model_args_for
+from titan_cotrain.models.draft import DraftArgs
+from titan_cotrain.rl.rollout import RolloutEngine, kv_bytes_per_sequence
+from titan_cotrain.rl.sampling import SamplingParams
+
+
+def _models(seed: int):
+    """The llama3 debug model (vocabulary 64) and a draft over 48 of its ids, random weights
+    at a scale whose logits are O(10), so fp32's reduction order moves log-probs by ~1e-6."""
+    from titan_cotrain.models.draft import Draft, draft_vocab_from_counts
+    from titan_cotrain.models.transformer import Transformer
+
+    target = Transformer(model_args_for("llama3", "debugmodel").replace(vocab_size=64))
+    target.init_weights(std=0.1, generator=torch.Generator().manual_seed(seed))
+    maps = draft_vocab_from_counts(torch.arange(64).float(), 48)
+    draft = Draft(DraftArgs.from_target(target.args, n_taps=3, draft_vocab_size=48), *maps)
+    draft.init_weights(std=0.1, generator=torch.Generator().manual_seed(seed + 1))
+    return target, draft
+
+
+def _tp_engine_matches_one_rank(rank: int, world_size: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from titan_cotrain.parallel.engine_tp import engine_tp_mesh
+
+    target, draft = _models(3)
+    reference = RolloutEngine(*_models(3), max_batch_size=5, max_seq_len=40,
+                              max_draft_tokens=3)
+    # The trainer's side: FSDP2 shards over the same two ranks.
+    mesh = init_device_mesh("cpu", (world_size,))
+    for module in (target, draft):
+        for layer in getattr(module, "layers", ()):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(module, mesh=mesh)
+    tp = engine_tp_mesh("cpu", [list(range(world_size))])
+    engine = RolloutEngine.from_models(target, draft, device="cpu", max_batch_size=5, max_seq_len=40,
+                                       max_draft_tokens=3, tp_mesh=tp)
+    q_proj = engine.policy.layers[0].self_attn.q_proj.weight
+    assert isinstance(q_proj, DTensor) and q_proj.to_local().shape[0] == q_proj.shape[0] // world_size
+    assert engine.target_cache.k.shape[2] == target.args.n_kv_heads // world_size
+    assert engine.policy.lm_head.weight is engine.policy.embed_tokens.weight or not target.args.tie_embeddings
+
+    prompts = _prompts([3, 7, 2, 5, 4], 64, seed=1)
+    cases = [(SamplingParams(temperature=0, max_new_tokens=16), k) for k in (0, 3)]
+    cases += [(SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_new_tokens=16), 3)]
+    for params, k in cases:
+        seeds = [torch.Generator().manual_seed(11) for _ in range(2)]
+        ours = engine.generate(prompts, params, draft_tokens=k, generator=seeds[0])
+        theirs = reference.generate(prompts, params, draft_tokens=k, generator=seeds[1])
+        what = f"temperature {params.temperature}, k {k}"
+        assert torch.equal(ours.tokens, theirs.tokens), what
+        assert torch.equal(ours.response_lens, theirs.response_lens), what
+        torch.testing.assert_close(ours.logprobs, theirs.logprobs, rtol=0, atol=1e-5, msg=what)
+        # The ranks of the engine group hold the very same rollouts (bitwise), as they must.
+        both = [None, None]
+        dist.all_gather_object(both, (ours.tokens, ours.logprobs))
+        assert torch.equal(both[0][0], both[1][0]) and torch.equal(both[0][1], both[1][1]), what
+
+    # Released and refreshed from other weights, it follows them like a fresh one-rank engine.
+    engine.release()
+    assert engine.target_cache.k.untyped_storage().nbytes() == 0 and q_proj.to_local().untyped_storage().nbytes() == 0
+    new_target, new_draft = _models(8)
+    engine.load_weights(new_target.state_dict(), new_draft.state_dict())
+    fresh = RolloutEngine(new_target, new_draft, max_batch_size=5, max_seq_len=40, max_draft_tokens=3)
+    params = SamplingParams(temperature=0, max_new_tokens=16)
+    assert torch.equal(engine.generate(prompts, params).tokens, fresh.generate(prompts, params).tokens)
+
+
+def test_a_tensor_parallel_engine_generates_what_one_rank_generates():
+    run_on_ranks(_tp_engine_matches_one_rank, 2)
+
+
+def test_tensor_parallel_kv_bytes_are_a_share_of_the_targets():
+    args = model_args_for("llama3", "70B")
+    draft = DraftArgs.from_target(args, n_taps=3, draft_vocab_size=16000)
+    whole = kv_bytes_per_sequence(args, None, 1024, 4, torch.bfloat16)
+    assert kv_bytes_per_sequence(args, None, 1024, 4, torch.bfloat16, tensor_parallel=8) * 8 == whole
+    # The draft's cache stays whole on every rank.
+    with_draft = kv_bytes_per_sequence(args, draft, 1024, 4, torch.bfloat16, tensor_parallel=8)
+    assert with_draft - whole // 8 == kv_bytes_per_sequence(args, draft, 1024, 4, torch.bfloat16) - whole
+
+
+def _refuses(rank: int, world_size: int) -> None:
+    from titan_cotrain.models.transformer import Transformer
+    from titan_cotrain.parallel.engine_tp import engine_tp_mesh, tensor_parallel_engine_policy
+
+    args = model_args_for("llama3", "debugmodel")
+    with torch.device("meta"):
+        policy = Transformer(args.replace(n_kv_heads=1, n_heads=3))
+    with pytest.raises(ValueError, match="must divide the policy's heads"):
+        tensor_parallel_engine_policy(policy, engine_tp_mesh("cpu", [list(range(world_size))]))
+
+
+def test_a_degree_that_does_not_divide_the_heads_is_refused():
+    run_on_ranks(_refuses, 2)

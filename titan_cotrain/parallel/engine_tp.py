@@ -1,0 +1,89 @@
+"""Tensor parallelism of the rollout engine's policy copy (``[rollout] tensor_parallel_degree``).
+
+A policy too big for one GPU's engine (a 70B model's bf16 copy is 140 GB) is split over
+``t`` ranks with DTensor's ``parallelize_module``, Megatron's layout:
+
+* ``q/k/v_proj``, ``gate/up_proj``: colwise (each rank holds ``1/t`` of the heads and of the
+  FFN width; their outputs stay local);
+* ``o_proj``, ``down_proj``: rowwise (the partial sums are all-reduced, so every layer's
+  output, and hence every tap, is whole and the same on every rank);
+* ``embed_tokens``: rowwise over the vocabulary (all-reduced lookup); ``lm_head``: colwise
+  over the vocabulary with the logits all-gathered, so sampling sees whole rows. Both shard
+  the ``[V, H]`` weight on dim 0, so a tied embedding stays one parameter.
+
+Norm weights and the draft stay whole on every rank (the draft is one layer). Every rank of
+an engine group runs the same generation on the same inputs, with the same seed: the
+collectives' results are identical on every rank, so are the logits and the draws.
+
+The groups are drawn from the ranks that train the same rows (``rl.generation_group``): the
+CP and PP peers of a data-parallel coordinate, ``t`` consecutive ones per engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+__all__ = ["engine_tp_mesh", "fill_from_whole", "tensor_parallel_engine_policy", "whole_host_state"]
+
+
+def engine_tp_mesh(device_type: str, groups: Sequence[Sequence[int]]) -> DeviceMesh:
+    """The 1-D mesh of this rank's engine group. ``groups``: every engine group of the job
+    (lists of ``t`` global ranks, together every rank once), so all ranks create the same
+    process groups (a collective: every rank calls this)."""
+    grid = torch.tensor([list(g) for g in groups], dtype=torch.int64)
+    mesh = DeviceMesh(device_type, grid, mesh_dim_names=("engine_groups", "engine_tp"))
+    return mesh["engine_tp"]
+
+
+def tensor_parallel_engine_policy(policy: nn.Module, mesh: DeviceMesh) -> None:
+    """Apply the layout above to a ``Transformer`` in place (on the meta device, before its
+    storage is materialised). Ties between the embedding and the head are kept."""
+    t = mesh.size()
+    a = policy.args
+    for what, n in (("heads", a.n_heads), ("kv heads", a.n_kv_heads), ("ffn width", a.ffn_dim),
+                    ("vocabulary", a.vocab_size)):
+        if n % t:
+            raise ValueError(f"[rollout] tensor_parallel_degree = {t} must divide the policy's {what} ({n})")
+    tied = policy.lm_head.weight is policy.embed_tokens.weight
+    plan = {
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    }
+    for i in range(len(policy.layers)):
+        plan |= {f"layers.{i}.self_attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")}
+        plan |= {f"layers.{i}.mlp.{name}": ColwiseParallel() for name in ("gate_proj", "up_proj")}
+        plan[f"layers.{i}.self_attn.o_proj"] = RowwiseParallel()
+        plan[f"layers.{i}.mlp.down_proj"] = RowwiseParallel()
+    parallelize_module(policy, mesh, plan)
+    if tied:
+        policy.lm_head.weight = policy.embed_tokens.weight
+
+
+@torch.no_grad()
+def fill_from_whole(dst: torch.Tensor, whole: torch.Tensor) -> None:
+    """``dst`` <- ``whole`` (one whole tensor, as every rank of the group has it): a plain
+    copy, or for a DTensor this rank's slice of it (no communication)."""
+    if isinstance(dst, DTensor):
+        local = distribute_tensor(whole.to(dst.device), dst.device_mesh, dst.placements, src_data_rank=None)
+        dst.to_local().copy_(local.to_local())
+    else:
+        dst.copy_(whole)
+
+
+@torch.no_grad()
+def whole_host_state(module: nn.Module, keep: bool) -> dict[str, torch.Tensor]:
+    """``module``'s state dict as whole host tensors (an export's), a tensor-parallel copy's
+    slices gathered one tensor at a time: a collective over its mesh, so every rank of it
+    calls this; only where ``keep`` are the tensors kept (else an empty dict)."""
+    out = {}
+    for name, t in module.state_dict().items():
+        whole = t.full_tensor() if isinstance(t, DTensor) else t
+        if keep:
+            out[name] = whole.to("cpu")
+    return out

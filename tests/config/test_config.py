@@ -173,6 +173,12 @@ def test_an_engine_tensor_parallel_degree_must_divide_the_peers_and_the_heads():
                        "--model.name", "qwen3", "--model.flavor", "debugmodel"), world_size=4)
 
 
+def test_truncated_importance_sampling_needs_one_update_per_step():
+    _expect(DEFAULT, "rl.tis_cap needs rl.updates_per_step = 1 (got 2)",
+            overrides=("--rl.tis_cap", "2", "--rl.updates_per_step", "2"))
+    _expect(DEFAULT, "rl.tis_cap", "0 (off) or >= 1", overrides=("--rl.tis_cap", "0.5"))
+
+
 def test_foreign_custom_config_module(tmp_path):
     _expect(_write(tmp_path, '[job]\ncustom_config_module = "somewhere.else"\n'), "job.custom_config_module")
 

@@ -12,6 +12,7 @@ the trainer builds on the step: several schedule steps accumulated into one upda
 policy loss switched per step, clipping by the global norms, the whole models gathered.
 """
 
+import contextlib
 import faulthandler
 import functools
 import time
@@ -326,11 +327,17 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _fsdp_over(mesh):
-    """The stages' data-parallel (and CP) sharding: FSDP2 in the models' own fp64."""
-    from titan_cotrain.parallel.fsdp import apply_fsdp
+def _fsdp_over(mesh, every_microbatch: bool = False):
+    """The stages' data-parallel (and CP) sharding: FSDP2 in the models' own fp64; with
+    ``every_microbatch``, resharded and reduced after each microbatch's backward."""
+    from titan_cotrain.parallel.fsdp import apply_fsdp, reduce_every_microbatch
 
-    return lambda module: apply_fsdp(module, mesh, param_dtype=None, reduce_dtype=None)
+    def shard(module):
+        apply_fsdp(module, mesh, param_dtype=None, reduce_dtype=None)
+        if every_microbatch:
+            reduce_every_microbatch(module)
+
+    return shard
 
 
 def _check_grads(pipe, ref_grads, what: str) -> None:
@@ -375,10 +382,35 @@ def _pp_cp_and_pp_dp_ranks(rank, world_size, reference):
                       **STEP)
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    _check_sharded_stages(mesh, mesh["dp"].get_group(), mesh["dp"], reference, "pp x dp")
+    reductions = {}
+    for every_microbatch in (False, True):
+        with _counting_reduce_scatters() as count:
+            _check_sharded_stages(mesh, mesh["dp"].get_group(), mesh["dp"], reference,
+                                  f"pp x dp, reduced every microbatch: {every_microbatch}", every_microbatch)
+        reductions[every_microbatch] = count[0]
+    # torch's schedule reduces once per FSDP unit at the end; the option once per microbatch too.
+    assert reductions[True] > reductions[False] > 0, reductions
 
 
-def _check_sharded_stages(mesh, replicas, fsdp_mesh, reference, what: str, **cp) -> None:
+@contextlib.contextmanager
+def _counting_reduce_scatters():
+    """Count FSDP2's gradient reduce-scatters (the c10d call its collectives make)."""
+    name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    real, count = getattr(dist, name), [0]
+
+    def counting(*args, **kwargs):
+        count[0] += 1
+        return real(*args, **kwargs)
+
+    setattr(dist, name, counting)
+    try:
+        yield count
+    finally:
+        setattr(dist, name, real)
+
+
+def _check_sharded_stages(mesh, replicas, fsdp_mesh, reference, what: str, every_microbatch: bool = False,
+                          **cp):
     """pp=2 with the stages FSDP-sharded over ``fsdp_mesh`` (the data-parallel, and CP, ranks
     of a stage; ``replicas`` their group): each data-parallel rank trains half the rows; every
     rank must end with the whole batch's metrics and gradients of its stages."""
@@ -389,7 +421,8 @@ def _check_sharded_stages(mesh, replicas, fsdp_mesh, reference, what: str, **cp)
     policy, draft = (m.double() for m in _models())
     plan = plan_pipeline(ARGS.n_layers, 2, "1F1B", layers_per_stage=[3, 5])
     pipe = make_pipeline(policy, draft, mesh["pp"], plan, microbatch_size=1, n_microbatches=half, seq_len=SEQ,
-                         policy_loss_fn=POLICY_LOSS, loss_group=replicas, shard=_fsdp_over(fsdp_mesh),
+                         policy_loss_fn=POLICY_LOSS, loss_group=replicas,
+                         shard=_fsdp_over(fsdp_mesh, every_microbatch),
                          tap_timeout=timedelta(seconds=STEP_BOUND_S), **cp, **STEP)
     metrics = _bounded_step(pipe, _batch().map(lambda t: t[dp_rank * half:(dp_rank + 1) * half]))
     for key, value in ref_metrics.items():

@@ -197,6 +197,39 @@ def test_ppo_loss_matches_a_direct_computation():
     torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_truncated_importance_sampling_weights_the_on_policy_gradient_and_logs_the_engine_kl():
+    """``tis_cap``: the ratio is against the trainer's own log-probs ``l`` (so it is 1 and
+    nothing clips), each token's gradient ``-A grad l`` is weighted by ``min(exp(l - b), cap)``
+    (``b``: the engine's log-prob), and ``rl/engine_kl`` is ``sum exp(l - b) - (l - b) - 1``;
+    checked against a direct float64 computation, token by token."""
+    batch = pack_samples(_samples(), seq_len=10, pad_id=0)
+    logits = torch.randn(2, 10, 12, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    trainer = _token_logprobs(logits.detach().double(), batch.tokens)
+    offsets = torch.randn(2, 10, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    batch.old_logprobs = torch.where(batch.loss_mask, trainer + offsets, 0.0).float()  # the engine's
+    cap = 1.5
+    loss_sum, count, sums = ppo_loss(0.2, 0.2, tis_cap=cap)(logits, labels_of(batch))
+    (grad,) = torch.autograd.grad(loss_sum, logits)
+    expected_grad, expected_kl, truncated = torch.zeros_like(logits, dtype=torch.float64), 0.0, 0
+    for b in range(2):
+        for t in range(1, 10):
+            if batch.loss_mask[b, t]:
+                d = trainer[b, t] - batch.old_logprobs[b, t].double()
+                expected_kl += float(torch.exp(d) - d - 1)
+                truncated += int(torch.exp(d) > cap)
+                x = logits.detach()[b, t - 1].double().requires_grad_()
+                (g,) = torch.autograd.grad(torch.log_softmax(x, -1)[batch.tokens[b, t]], x)
+                expected_grad[b, t - 1] -= batch.advantages[b, t] * torch.exp(d).clamp(max=cap) * g
+    assert 0 < truncated < count and sums["rl/tis_truncated"] == truncated
+    assert sums["rl/clip_fraction"] == 0 and abs(float(sums["rl/ratio"]) - float(count)) < 1e-5
+    torch.testing.assert_close(float(sums["rl/engine_kl"]), expected_kl, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad.double(), expected_grad, rtol=1e-5, atol=1e-6)
+    # Without TIS the loss is the engine-ratio PPO loss, and the same KL is logged.
+    _, _, plain = ppo_loss(0.2, 0.2)(logits, labels_of(batch))
+    torch.testing.assert_close(float(plain["rl/engine_kl"]), expected_kl, rtol=1e-5, atol=1e-6)
+    assert "rl/tis_truncated" not in plain
+
+
 def test_kl_term_value_and_gradient():
     """k3 estimator ``exp(r - p) - (r - p) - 1`` (``p``, ``r``: the token's policy and reference
     log-probs): zero at the reference, and away from it the value and the gradient of the

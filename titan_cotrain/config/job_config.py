@@ -3,7 +3,7 @@
 torchtitan's ``ConfigManager`` merges this module's ``JobConfig`` into its own when a TOML
 file (or the command line) names it in ``[job] custom_config_module``; the project's loader
 (``titan_cotrain.config.load_job_config``) names it for you. Sections that torchtitan
-already has (``[model]``, ``[training]``) gain fields; ``[draft] [rl] [rollout] [task]`` are new.
+already has (``[model]``, ``[training]``, ``[parallelism]``) gain fields; ``[draft] [rl] [rollout] [task]`` are new.
 
 Every field's docstring is the documentation of its TOML key.
 """
@@ -48,6 +48,17 @@ class Training:
     policy and the draft separately: no optimizer step, so its weights and optimizer state
     stay as they were; the step is logged (``nonfinite/policy``, ``nonfinite/draft``) and
     the job goes on. Weights that are not finite are never checkpointed or exported."""
+
+
+@dataclass
+class Parallelism:
+    pipeline_fsdp_reduce_every_microbatch: bool = False
+    """Under PP with FSDP: reshard every stage's parameters after each microbatch's backward
+    and reduce-scatter its gradients then, instead of torch's schedules' default of keeping
+    the unsharded parameters and gradients of all of a rank's stages until the last
+    microbatch. Costs an all-gather and a reduce-scatter per microbatch; saves up to 2 x
+    (the rank's stages' parameters) in bf16 (``titan_cotrain.parallel.fsdp.reduce_every_microbatch``):
+    what a policy whose stages are large next to the GPU needs."""
 
 
 @dataclass
@@ -156,6 +167,16 @@ class RL:
 
     updates_per_step: int = 1
     """Optimizer updates (minibatches) per batch of rollouts."""
+
+    tis_cap: float = 0.0
+    """Truncated importance sampling against the engine/trainer mismatch (the bf16 engine
+    samples from a slightly different distribution than the trainer's policy): each token's
+    PPO term is weighted by ``min(pi_trainer / pi_engine, tis_cap)`` and the PPO ratio is
+    taken against the trainer's own log-probs instead of the engine's. 0 disables it (the
+    ratio is against the engine's behaviour log-probs). Needs ``updates_per_step = 1``: the
+    trainer's log-probs are the update's own, detached. ``rl/engine_kl`` (the k3 estimate of
+    KL(engine || trainer) over response tokens, at the step's first update) is logged either
+    way."""
 
 
 @dataclass
@@ -343,6 +364,7 @@ class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     draft: Draft = field(default_factory=Draft)

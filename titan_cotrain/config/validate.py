@@ -106,6 +106,7 @@ def _range_errors(config) -> list[str]:
         ("rl.clip_eps_high", rl.clip_eps_high, rl.clip_eps_high >= 0, ">= 0"),
         ("rl.kl_coef", rl.kl_coef, rl.kl_coef >= 0, ">= 0"),
         ("rl.updates_per_step", rl.updates_per_step, rl.updates_per_step >= 1, ">= 1"),
+        ("rl.tis_cap", rl.tis_cap, rl.tis_cap == 0 or rl.tis_cap >= 1, "0 (off) or >= 1"),
         ("rollout.max_new_tokens", ro.max_new_tokens, ro.max_new_tokens >= 1, ">= 1"),
         ("rollout.temperature", ro.temperature, ro.temperature >= 0, ">= 0 (0 = greedy)"),
         ("rollout.top_p", ro.top_p, 0 < ro.top_p <= 1, "in (0, 1]"),
@@ -178,6 +179,9 @@ def validate_job_config(config, world_size: int, source: str = "<config>") -> No
     if tp < 1 or peers % tp:
         errors.append(f"rollout.tensor_parallel_degree ({tp}) must divide context_parallel_degree x "
                       f"pipeline_parallel_degree = {peers}: an engine group is made of ranks that train the same rows")
+    if config.rl.tis_cap > 0 and config.rl.updates_per_step != 1:
+        errors.append(f"rl.tis_cap needs rl.updates_per_step = 1 (got {config.rl.updates_per_step}): the trainer's "
+                      "log-probs it weights by are the single update's own")
     pp, mb = config.parallelism.pipeline_parallel_degree, config.parallelism.pipeline_parallel_microbatch_size
     if pp > 1 and config.rl.kl_coef > 0:
         errors.append("rl.kl_coef > 0 is not supported with pipeline parallelism yet (the KL reference is "

@@ -21,7 +21,7 @@ from titan_cotrain.models.build import build_draft, build_target, init_draft_, i
 from titan_cotrain.models.draft import Draft
 from titan_cotrain.models.transformer import Transformer, rope_inv_freq
 from titan_cotrain.parallel.activation_checkpoint import apply_activation_checkpointing
-from titan_cotrain.parallel.fsdp import apply_fsdp, copy_whole_into_
+from titan_cotrain.parallel.fsdp import apply_fsdp, copy_whole_into_, reduce_every_microbatch
 from titan_cotrain.parallel.pipeline import Pipeline, build_pipeline
 
 __all__ = ["ParallelModels", "copy_shards", "parallelize"]
@@ -71,8 +71,13 @@ def parallelize(config, parallel_dims, world_size: int, device: torch.device, *,
         apply_fsdp(module, mesh, t.mixed_precision_param, t.mixed_precision_reduce)
 
     if parallel_dims.pp_enabled:
-        return _pipelined(config, parallel_dims, device, policy, draft, shard if sharded else None, policy_loss_fn,
-                          fill)
+        def shard_stage(module: nn.Module) -> None:
+            shard(module)
+            if config.parallelism.pipeline_fsdp_reduce_every_microbatch:
+                reduce_every_microbatch(module)
+
+        return _pipelined(config, parallel_dims, device, policy, draft, shard_stage if sharded else None,
+                          policy_loss_fn, fill)
     reference = build_target(config, device="meta").requires_grad_(False) if config.rl.kl_coef > 0 else None
     for module in (policy, draft, reference):
         if module is None:

@@ -33,29 +33,43 @@ def next_token_logprobs(logits: torch.Tensor, next_tokens: torch.Tensor) -> torc
     return torch.gather(F.log_softmax(logits.float(), dim=-1), 2, next_tokens[..., None]).squeeze(-1)
 
 
-def ppo_loss(clip_eps_low: float, clip_eps_high: float, kl_coef: float = 0.0, temperature: float = 1.0):
-    """The policy loss function for ``forward_backward``: PPO-clipped ratio against the
-    behaviour log-probs times the token's advantage, summed over response tokens (the
-    caller divides by the global token count: token-mean aggregation), plus
-    ``kl_coef * KL(policy || reference)`` by the non-negative k3 estimator when on.
+def ppo_loss(clip_eps_low: float, clip_eps_high: float, kl_coef: float = 0.0, temperature: float = 1.0,
+             tis_cap: float = 0.0):
+    """The policy loss function for ``forward_backward``: PPO-clipped ratio times the token's
+    advantage, summed over response tokens (the caller divides by the global token count:
+    token-mean aggregation), plus ``kl_coef * KL(policy || reference)`` by the non-negative
+    k3 estimator when on. ``temperature`` is the rollouts' sampling temperature: the
+    behaviour log-probs come from ``logits / temperature``, so the ratio's numerator does
+    too (greedy rollouts, temperature 0, are scored at temperature 1).
 
-    ``temperature`` is the rollouts' sampling temperature: the behaviour log-probs come
-    from ``logits / temperature``, so the ratio's numerator does too (greedy rollouts,
-    temperature 0, are scored at temperature 1)."""
+    The ratio is against the engine's behaviour log-probs ``b``; with ``tis_cap > 0``
+    (truncated importance sampling) it is against the trainer's own detached log-probs
+    ``l`` (one update per step: the policy the update starts from), and each token's term
+    is weighted by ``min(exp(l - b), tis_cap)``, correcting for the engine sampling from a
+    slightly different distribution. ``rl/engine_kl`` sums ``exp(l - b) - (l - b) - 1``, the
+    k3 estimate of KL(engine || trainer) on the engine's samples (at a later update of the
+    same rollouts it also holds the policy's drift)."""
     scale = 1.0 / temperature if temperature > 0 else 1.0
 
     def loss_fn(logits: torch.Tensor, rows: LabelRows) -> PolicyLoss:
         logp = next_token_logprobs(logits * scale, rows.next_tokens)
         mask = rows.next_token_mask.float()
-        old = rows.next_old_logprobs
+        behaviour = rows.next_old_logprobs
         adv = rows.next_advantages
-        ratio = torch.exp(logp - old)
+        trainer_minus_engine = (logp.detach() - behaviour) * mask
+        engine_kl = torch.exp(trainer_minus_engine) - trainer_minus_engine - 1
+        ratio = torch.exp(logp - (logp.detach() if tis_cap else behaviour))
         clipped_ratio = ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high)
         per_token = -torch.minimum(ratio * adv, clipped_ratio * adv)
         sums = {
             "rl/clip_fraction": ((ratio != clipped_ratio).float() * mask).sum().detach(),
             "rl/ratio": (ratio * mask).sum().detach(),
+            "rl/engine_kl": (engine_kl * mask).sum(),
         }
+        if tis_cap:
+            weight = torch.exp(trainer_minus_engine)
+            per_token = per_token * weight.clamp(max=tis_cap)
+            sums["rl/tis_truncated"] = ((weight > tis_cap).float() * mask).sum()
         if kl_coef > 0:
             delta = rows.next_ref_logprobs - logp
             kl = torch.exp(delta) - delta - 1

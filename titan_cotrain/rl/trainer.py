@@ -535,7 +535,8 @@ class Trainer:
         if self.reference is not None:
             batch.ref_logprobs = self._reference_logprobs(batch)
         t0 = time.perf_counter()
-        loss_fn = ppo_loss(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high, cfg.rl.kl_coef, cfg.rollout.temperature)
+        loss_fn = ppo_loss(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high, cfg.rl.kl_coef, cfg.rollout.temperature,
+                           cfg.rl.tis_cap)
         metrics = self._update(batch, loss_fn, train_draft=self.cotrain and not cfg.draft.freeze_after_sft)
         metrics["time/train_s"] = time.perf_counter() - t0
         return metrics

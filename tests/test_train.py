@@ -92,6 +92,18 @@ def test_context_parallel_job_matches_one_process(tmp_path):
             assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(a[key])), (a["step"], key, a[key], b[key])
 
 
+def test_a_compiled_job_with_fsdp_and_context_parallelism_matches_the_eager_one(tmp_path):
+    """``[compile] enable`` (inductor, per block, before FSDP2) on two CP ranks: the warm-start
+    and RL losses and gradient norms are the eager one-process job's."""
+    args = (*SHORT, "--task.sft_steps", "1", "--training.steps", "1", "--checkpoint.no-enable", *LEADER_GENERATES)
+    eager = _run(*args, "--job.dump_folder", str(tmp_path / "eager"), nproc=None)
+    assert eager.returncode == 0, eager.stderr[-3000:]
+    compiled = _run(*args, "--compile.enable", "--parallelism.context_parallel_degree", "2",
+                    "--job.dump_folder", str(tmp_path / "compiled"))
+    assert compiled.returncode == 0, compiled.stdout[-3000:] + compiled.stderr[-3000:]
+    _assert_match(tmp_path / "eager", tmp_path / "compiled")
+
+
 def test_a_tensor_parallel_engine_job_matches_one_process_and_exports_whole_weights(tmp_path):
     """``[rollout] tensor_parallel_degree = 2`` over the two CP ranks: one engine group splits
     the policy's copy and generates the one-process job's rollouts; the export gathers it."""

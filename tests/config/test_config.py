@@ -223,7 +223,8 @@ def test_real_scale_samples_validate_at_their_world_size(name, world_size, tmp_p
 
 
 def test_unsupported_compile_and_checkpointing_modes(tmp_path):
-    _expect(DEFAULT, "compile.enable", "not supported", overrides=("--compile.enable",))
+    _expect(DEFAULT, "compile.components: unknown ['engine']", "rollout.compile",
+            overrides=("--compile.enable", "--compile.components", "model,engine"))
     _expect(_write(tmp_path, '[activation_checkpoint]\nmode = "selective"\n'),
             "activation_checkpoint.mode must be 'full' | 'none'")
 

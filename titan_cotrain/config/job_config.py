@@ -71,7 +71,14 @@ class ActivationCheckpoint:
 @dataclass
 class Compile:
     enable: bool = False
-    """``torch.compile`` of the training step is not wired in yet: must stay false."""
+    """``torch.compile`` the training models, block by block (``titan_cotrain.parallel.compile``):
+    each decoder block of the policy and the draft's TTT pass, ``fullgraph=True``, before
+    FSDP. The first steps pay the compile time. The rollout engine has its own key,
+    ``[rollout] compile``."""
+
+    components: list[str] = field(default_factory=lambda: ["model", "draft"])
+    """What ``enable`` compiles: ``model`` (the policy's decoder blocks) and ``draft`` (its
+    TTT pass). ``[compile] backend`` (torchtitan's key, default ``inductor``) is the backend."""
 
 
 @dataclass
@@ -238,6 +245,11 @@ class Rollout:
     ``context_parallel_degree x pipeline_parallel_degree``, and the policy's heads, KV heads,
     FFN width and vocabulary. Each rank holds ``1 / t`` of the weights and of the target's KV
     cache; the draft stays whole. The engine groups of a coordinate share its prompts out."""
+
+    compile: bool = False
+    """``torch.compile`` the engine's fixed-shape steps (target decode / verify, the draft's
+    chain step and catch-up), one graph per ``(batch, k)``; on a GPU with
+    ``mode="reduce-overhead"`` (CUDA graphs). The prefill (ragged prompt width) stays eager."""
 
     kv_cache_gib: float = 0.0
     """GiB per rank for the rollout engine's KV caches (target + draft). They then hold

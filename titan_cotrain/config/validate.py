@@ -155,8 +155,12 @@ def validate_job_config(config, world_size: int, source: str = "<config>") -> No
     """Raise one ``ConfigError`` listing every problem of ``config`` for ``world_size`` ranks."""
     errors = _parallel_errors(config.parallelism, world_size) + _range_errors(config)
     ro = config.rollout
-    if config.compile.enable:
-        errors.append("compile.enable: torch.compile of the training step is not supported yet (set it to false)")
+    from titan_cotrain.parallel.compile import COMPILE_COMPONENTS
+
+    unknown = sorted(set(config.compile.components) - set(COMPILE_COMPONENTS))
+    if unknown:
+        errors.append(f"compile.components: unknown {unknown}; known: {', '.join(COMPILE_COMPONENTS)} (the "
+                      "rollout engine's key is rollout.compile)")
     p = config.parallelism
     dp_world = max(p.context_parallel_degree * p.pipeline_parallel_degree, 1)
     if not errors and world_size % dp_world == 0 and config.rl.prompts_per_step % (world_size // dp_world):

@@ -38,6 +38,7 @@ from titan_cotrain.models.transformer import (
     rope_inv_freq,
 )
 from titan_cotrain.ops import branch_attention
+from titan_cotrain.ops.attention import packed_cu_seqlens
 from titan_cotrain.ops.context import active_ring
 from titan_cotrain.ops.ring_attention import ring_branch_attention
 
@@ -296,7 +297,7 @@ class Draft(nn.Module):
         if ring is None:
             out = branch_attention(q, trunk_kv[0], trunk_kv[1], branch_k, branch_v, cu_seqlens)
         else:
-            out = ring_branch_attention(q, *trunk_kv, branch_k, branch_v, cu_seqlens, ring.group, layout=ring.layout)
+            out = ring_branch_attention(q, *trunk_kv, branch_k, branch_v, cu_seqlens, ring.name, layout=ring.layout)
         return layer.finish(hidden, out), (k, v)
 
     def forward(
@@ -329,8 +330,7 @@ class Draft(nn.Module):
         TTT halo rows after the local ones, and ``shift`` is the halo's (``ttt_unroll`` passes
         it); attention runs over the ring.
         """
-        if not isinstance(cu_seqlens, torch.Tensor):  # host metadata passed as ints
-            cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int32)
+        cu_seqlens = packed_cu_seqlens(cu_seqlens)  # host metadata, maybe passed as ints
         embeds = self.embed(tokens, target_embeddings)
         hidden = self.fuse(taps)
         shift = shift or partial(shift_in_document, cu_seqlens=cu_seqlens)

@@ -32,7 +32,7 @@ from titan_cotrain.data.packing import (
 from titan_cotrain.models.args import ModelArgs, RopeScaling
 from titan_cotrain.models.kv_cache import KVCache, cached_attention
 from titan_cotrain.models.taps import default_tap_layers, validate_tap_layers
-from titan_cotrain.ops.attention import varlen_causal_attention
+from titan_cotrain.ops.attention import packed_cu_seqlens, varlen_causal_attention
 from titan_cotrain.ops.context import active_ring
 from titan_cotrain.ops.ring_attention import ring_attention
 
@@ -164,7 +164,7 @@ class Attention(nn.Module):
         if ring is None:
             out = varlen_causal_attention(q, k, v, cu_seqlens)
         else:
-            out = ring_attention(q, k, v, cu_seqlens, ring.group, layout=ring.layout)
+            out = ring_attention(q, k, v, cu_seqlens, ring.name, layout=ring.layout)
         return self.o_proj(out.flatten(-2))
 
     def forward_cached(
@@ -279,11 +279,11 @@ class Transformer(nn.Module):
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [B, S], got shape {tuple(tokens.shape)}")
         b, s = tokens.shape
-        if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
-            cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int32)  # host metadata passed as ints
+        if cu_seqlens is not None:
+            cu_seqlens = packed_cu_seqlens(cu_seqlens)  # host metadata, maybe passed as ints
         if positions is None:
             layout = self._layout(tokens, document_ids, cu_seqlens)
-            cu_seqlens, positions = layout.cu_seqlens, layout.positions
+            cu_seqlens, positions = packed_cu_seqlens(layout.cu_seqlens), layout.positions
         h = self.embed_tokens(tokens)
         cos, sin = rope_cos_sin(self.rope_inv_freq, positions.to(h.device).reshape(-1), h.dtype)
         x = h.reshape(b * s, -1)

@@ -64,6 +64,16 @@ def check_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
         raise ValueError("cu_seqlens must be a 1-D tensor [n_docs + 1]")
 
 
+def packed_cu_seqlens(cu_seqlens) -> torch.Tensor:
+    """A batch's document bounds (ints or a tensor) as the int32 host tensor the models
+    pass to their blocks, built once per batch. Its length (documents + 1) changes from batch
+    to batch, so it is marked dynamic: a compiled block (``parallel.compile``) takes every
+    layout with one graph."""
+    t = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else torch.tensor(cu_seqlens, dtype=torch.int32)
+    torch._dynamo.maybe_mark_dynamic(t, 0)
+    return t
+
+
 def host_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """``cu_seqlens`` as the int32 host tensor the kernels read. The trainer passes host
     tensors; a device tensor is copied to the host here, once (on a GPU, a sync)."""

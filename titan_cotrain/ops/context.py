@@ -15,20 +15,25 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-import torch.distributed as dist
+from titan_cotrain.ops.ring_attention import ring_name
 
 __all__ = ["Ring", "active_ring", "context_parallel"]
 
 
 @dataclass(frozen=True)
 class Ring:
-    """The CP ring of the open context: its ``group`` and shard ``layout`` (``"zigzag"``)."""
+    """The CP ring of the open context: its ``group``, the ``name`` the ring ops know it by
+    (``ops.ring_attention.ring_name``) and the shard ``layout`` (``"zigzag"``)."""
 
-    group: dist.ProcessGroup
+    group: object
+    name: str
     layout: str = "zigzag"
 
 
 _active: Ring | None = None
+# One Ring per (ring, layout), reused each time a context opens: a compiled block guards on
+# the object it read, so a fresh one per step would recompile it.
+_rings: dict[tuple[str, str], Ring] = {}
 
 
 def active_ring() -> Ring | None:
@@ -37,11 +42,14 @@ def active_ring() -> Ring | None:
 
 
 @contextlib.contextmanager
-def context_parallel(group: dist.ProcessGroup | None, layout: str = "zigzag"):
-    """Attention over ``group``'s ring inside the block (``group=None``: no CP, a no-op)."""
+def context_parallel(group, layout: str = "zigzag"):
+    """Attention over ``group``'s ring (a process group or a ``RingComm``) inside the block
+    (``group=None``: no CP, a no-op)."""
     global _active
     previous = _active
-    _active = Ring(group, layout) if group is not None else previous
+    if group is not None:
+        name = ring_name(group)
+        _active = _rings.setdefault((name, layout), Ring(group, name, layout))
     try:
         yield _active
     finally:

@@ -89,6 +89,8 @@ __all__ = [
     "ring_backward",
     "ring_branch_attention",
     "ring_forward",
+    "ring_name",
+    "RING_OP_IMPLEMENTATIONS",
 ]
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -414,34 +416,90 @@ def _branch_backward(grad_out, q, branch_k, branch_v, out, lse, scale: float, ru
     return dbranch_k, dbranch_v
 
 
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, branch_k, branch_v, cu_seqlens, scale, comm, layout, pieces):
-        initial = None
-        if branch_k is not None:
-            initial = _branch_forward(q, branch_k, branch_v, scale, _run_rows(q.shape[0], pieces))
-        out, lse = ring_forward(q, k, v, cu_seqlens, scale, comm, layout=layout, initial=initial, pieces=pieces)
-        ctx.save_for_backward(q, k, v, branch_k, branch_v, cu_seqlens, out, lse)
-        ctx.scale, ctx.comm, ctx.layout, ctx.pieces = scale, comm, layout, pieces
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, branch_k, branch_v, cu_seqlens, out, lse = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        dq, dk, dv = ring_backward(
-            grad_out, q, k, v, out, lse, cu_seqlens, ctx.scale, ctx.comm, layout=ctx.layout, pieces=ctx.pieces
-        )
-        dbranch_k = dbranch_v = None
-        if branch_k is not None:
-            dbranch_k, dbranch_v = _branch_backward(
-                grad_out, q, branch_k, branch_v, out, lse, ctx.scale, _run_rows(q.shape[0], ctx.pieces), dq
-            )
-        return dq, dk, dv, dbranch_k, dbranch_v, None, None, None, None, None
+_COMMS: dict[str, RingComm] = {}
 
 
-def _comm(group) -> RingComm:
-    return group if isinstance(group, RingComm) else RingComm(group)
+def ring_name(group: str | dist.ProcessGroup | RingComm | None) -> str:
+    """A name for ``group``'s ring (a process group, a ``RingComm``, None for the default
+    group, or a name given before), under which the ring ops below find its ``RingComm``.
+    Ops take names, not groups, so that ``torch.compile`` traces them as opaque nodes with
+    constant arguments; a process group keeps one name (and one ``RingComm``) for good."""
+    if isinstance(group, str):
+        if group not in _COMMS:
+            raise KeyError(f"no ring is registered as {group!r}")
+        return group
+    if isinstance(group, RingComm):
+        name = f"comm:{id(group)}"
+        _COMMS.setdefault(name, group)  # held, so the id is never reused
+        return name
+    name = "default" if group is None else f"group:{group.group_name}"
+    if name not in _COMMS:
+        _COMMS[name] = RingComm(group)
+    return name
+
+
+# Forward and backward are custom ops of their own, so that torch.compile (dynamo and
+# AOTAutograd) sees each as one opaque node with a fake implementation: the ring's
+# point-to-point messages and its host-side document plan never enter a graph.
+def _ring_attention_impl(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, branch_k: torch.Tensor | None, branch_v: torch.Tensor | None,
+    cu_seqlens: torch.Tensor, scale: float, ring: str, layout: str, pieces: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    initial = None
+    if branch_k is not None:
+        initial = _branch_forward(q, branch_k, branch_v, scale, _run_rows(q.shape[0], pieces))
+    return ring_forward(q, k, v, cu_seqlens, scale, _COMMS[ring], layout=layout, initial=initial, pieces=pieces)
+
+
+def _ring_attention_backward_impl(
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, branch_k: torch.Tensor | None,
+    branch_v: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
+    ring: str, layout: str, pieces: int,
+) -> list[torch.Tensor]:
+    """``[dq, dk, dv]``, then ``dbranch_k, dbranch_v`` when there is a branch."""
+    dq, dk, dv = ring_backward(grad_out, q, k, v, out, lse, cu_seqlens, scale, _COMMS[ring], layout=layout,
+                               pieces=pieces)
+    if branch_k is None:
+        return [dq, dk, dv]
+    return [dq, dk, dv, *_branch_backward(grad_out, q, branch_k, branch_v, out, lse, scale,
+                                          _run_rows(q.shape[0], pieces), dq)]
+
+
+_ring_attention_op = torch.library.custom_op("titan_cotrain::ring_attention", _ring_attention_impl, mutates_args=())
+_ring_attention_backward_op = torch.library.custom_op("titan_cotrain::ring_attention_backward",
+                                                      _ring_attention_backward_impl, mutates_args=())
+# What the ops run, by op name: the scale simulator runs these on its fake tensors rather than
+# the shapes below, so that the ring's own buffers and messages are simulated too.
+RING_OP_IMPLEMENTATIONS = {"ring_attention": _ring_attention_impl,
+                           "ring_attention_backward": _ring_attention_backward_impl}
+
+
+@_ring_attention_op.register_fake
+def _(q, k, v, branch_k, branch_v, cu_seqlens, scale, ring, layout, pieces):
+    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=lse_dtype(q.dtype))
+
+
+@_ring_attention_backward_op.register_fake
+def _(grad_out, q, k, v, branch_k, branch_v, out, lse, cu_seqlens, scale, ring, layout, pieces):
+    grads = [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)]
+    return grads if branch_k is None else [*grads, torch.empty_like(branch_k), torch.empty_like(branch_v)]
+
+
+def _setup_ring_context(ctx, inputs, output):
+    q, k, v, branch_k, branch_v, cu_seqlens, scale, ring, layout, pieces = inputs
+    ctx.save_for_backward(q, k, v, branch_k, branch_v, cu_seqlens, *output)
+    ctx.options = (scale, ring, layout, pieces)
+
+
+def _ring_attention_backward(ctx, grad_out, grad_lse):
+    q, k, v, branch_k, branch_v, cu_seqlens, out, lse = ctx.saved_tensors
+    grads = _ring_attention_backward_op(grad_out.contiguous(), q, k, v, branch_k, branch_v, out, lse, cu_seqlens,
+                                        *ctx.options)
+    dbranch = grads[3:] if branch_k is not None else [None, None]
+    return (*grads[:3], *dbranch, None, None, None, None, None)
+
+
+_ring_attention_op.register_autograd(_ring_attention_backward, setup_context=_setup_ring_context)
 
 
 def ring_attention(
@@ -449,7 +507,7 @@ def ring_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     cu_seqlens: torch.Tensor,
-    group: dist.ProcessGroup | RingComm | None = None,
+    group: str | dist.ProcessGroup | RingComm | None = None,
     scale: float | None = None,
     *,
     layout: str = "zigzag",
@@ -464,7 +522,9 @@ def ring_attention(
     the number of messages each ring hop is cut into.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _RingAttention.apply(q, k, v, None, None, host_cu_seqlens(cu_seqlens), scale, _comm(group), layout, pieces)
+    out, _ = _ring_attention_op(q, k, v, None, None, host_cu_seqlens(cu_seqlens), scale, ring_name(group), layout,
+                                pieces)
+    return out
 
 
 def ring_branch_attention(
@@ -474,7 +534,7 @@ def ring_branch_attention(
     branch_k: torch.Tensor,
     branch_v: torch.Tensor,
     cu_seqlens: torch.Tensor,
-    group: dist.ProcessGroup | RingComm | None = None,
+    group: str | dist.ProcessGroup | RingComm | None = None,
     scale: float | None = None,
     *,
     layout: str = "zigzag",
@@ -485,6 +545,6 @@ def ring_branch_attention(
     merged by log-sum-exp. Local tensors in, this rank's ``out [T, Hq, Dh]`` out."""
     check_branch(k, branch_k, branch_v)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _RingAttention.apply(
-        q, k, v, branch_k, branch_v, host_cu_seqlens(cu_seqlens), scale, _comm(group), layout, pieces
-    )
+    out, _ = _ring_attention_op(q, k, v, branch_k, branch_v, host_cu_seqlens(cu_seqlens), scale, ring_name(group),
+                                layout, pieces)
+    return out

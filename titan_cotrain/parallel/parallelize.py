@@ -1,7 +1,7 @@
 """``parallelize``: the trainer's models built, parallelised from outside and filled, once.
 
 In torchtitan's order, on models built on the meta device: activation checkpointing, then
-the compile hook (refused at start for now: ``[compile] enable``), then FSDP2 (bf16 compute /
+``torch.compile`` per block (``[compile] enable``), then FSDP2 (bf16 compute /
 fp32 reduce on GPU) over ``dp_shard x cp`` (HSDP's ``dp_replicate x fsdp`` with replicas);
 under PP the model is first split into this rank's stages, which are sharded the same way.
 Then the shards are materialised on the device and filled one whole tensor at a time on the
@@ -21,6 +21,7 @@ from titan_cotrain.models.build import build_draft, build_target, init_draft_, i
 from titan_cotrain.models.draft import Draft
 from titan_cotrain.models.transformer import Transformer, rope_inv_freq
 from titan_cotrain.parallel.activation_checkpoint import apply_activation_checkpointing
+from titan_cotrain.parallel.compile import apply_compile
 from titan_cotrain.parallel.fsdp import apply_fsdp, copy_whole_into_, reduce_every_microbatch
 from titan_cotrain.parallel.pipeline import Pipeline, build_pipeline
 
@@ -64,6 +65,8 @@ def parallelize(config, parallel_dims, world_size: int, device: torch.device, *,
     policy = build_target(config, device="meta")
     draft = build_draft(config, policy, token_counts=token_counts, device="meta")
     apply_activation_checkpointing(policy, config.activation_checkpoint.mode)
+    if config.compile.enable:
+        apply_compile(policy, draft, config.compile.components, config.compile.backend)
     sharded = world_size > 1 and (parallel_dims.dp_enabled or parallel_dims.cp_enabled)
     mesh = fsdp_mesh(parallel_dims) if sharded else None
 

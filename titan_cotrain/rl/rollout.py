@@ -330,7 +330,9 @@ class RolloutEngine:
         self.draft_cache = (
             draft.new_kv_cache(max_batch_size, positions, chain_len=chain, dtype=dtype) if draft is not None else None
         )
-        maybe_compile = (lambda fn: torch.compile(fn, dynamic=False)) if compile else (lambda fn: fn)
+        # CUDA graphs on a GPU: a decode step is launch-bound.
+        mode = "reduce-overhead" if self.device.type == "cuda" else None
+        maybe_compile = (lambda fn: torch.compile(fn, dynamic=False, mode=mode)) if compile else (lambda fn: fn)
         self._target_step = maybe_compile(policy.forward_cached)
         self._draft_chain_step = maybe_compile(draft.chain_step) if draft is not None else None
         self._draft_extend = maybe_compile(draft.extend) if draft is not None else None

@@ -201,6 +201,7 @@ class Trainer:
             max_seq_len=max_seq_len,
             max_draft_tokens=rollout_draft_tokens(config),
             kv_cache_gib=config.rollout.kv_cache_gib, load=models.engine_loadable, tp_mesh=self.engine_mesh,
+            compile=config.rollout.compile,
         )
         self.speculation = SpeculationTuner(self.draft_tokens)
         if config.rollout.speculative and not config.draft.enable and rank == self.log_rank:

@@ -31,6 +31,7 @@ Use ``with SimulatedDevice():`` (the dispatch mode) and build on ``sim_device()`
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 
 import torch
@@ -210,6 +211,14 @@ class _HostThenDevice(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+@functools.cache
+def _ring_ops() -> dict:
+    """The CP ring's custom ops -> the Python code they run."""
+    from titan_cotrain.ops.ring_attention import RING_OP_IMPLEMENTATIONS
+
+    return {getattr(torch.ops.titan_cotrain, name).default: fn for name, fn in RING_OP_IMPLEMENTATIONS.items()}
+
+
 class SimulatedDevice(TorchDispatchMode):
     """The dispatch mode behind ``simgpu``: ops that touch a fake tensor or create one on the
     simulated device run under one ``FakeTensorMode``; everything else runs for real.
@@ -251,6 +260,9 @@ class SimulatedDevice(TorchDispatchMode):
         kwargs = kwargs or {}
         if any(t not in (torch.Tensor, FakeTensor, torch.nn.Parameter) for t in types):
             return NotImplemented  # tensor subclasses (DTensor) unwrap first, then come back
+        if func in _ring_ops():
+            with self:  # the ring's implementation, on fake tensors: its buffers and messages count
+                return _ring_ops()[func](*args, **kwargs)
         leaves = tree_leaves((args, kwargs))
         namespace = func.namespace
         if namespace in ("c10d", "_c10d_functional", "c10d_functional"):

@@ -21,6 +21,7 @@ from torch import nn
 from titan_cotrain.cotrain.step import Microbatch
 from titan_cotrain.models.draft import Draft
 from titan_cotrain.models.transformer import Transformer, rope_cos_sin
+from titan_cotrain.ops.attention import packed_cu_seqlens
 from titan_cotrain.parallel.tap_channel import EMBEDDINGS, TapChannel
 
 __all__ = ["LocalPolicy", "TransformerStage"]
@@ -78,8 +79,9 @@ class TransformerStage(nn.Module):
             x = self.embed_tokens(x.reshape(-1))
             self._tap(microbatch, EMBEDDINGS, x, b, s)
         cos, sin = rope_cos_sin(self.rope_inv_freq, mb.positions.reshape(-1), x.dtype)
+        cu_seqlens = packed_cu_seqlens(mb.cu_seqlens)
         for name, layer in self.layers.items():
-            x = layer(x, cos, sin, mb.cu_seqlens)
+            x = layer(x, cos, sin, cu_seqlens)
             self._tap(microbatch, int(name), x, b, s)
         if self.lm_head is None:
             return x

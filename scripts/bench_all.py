@@ -48,6 +48,8 @@ BENCHMARKS = {
     "compare_cotrain": ([], ["--quick"], lambda a: ["--json", a / "compare_cotrain.json",
                                                      "--png", a / "acceptance_vs_step.png"]),
     "bench_vocab_chunks": ([], [], lambda a: ["--json", a / "bench_vocab_chunks.json"]),
+    "bench_compile": ([], ["--repeats", "2", "--new-tokens", "32"],
+                      lambda a: ["--json", a / "bench_compile.json", "--png", a / "bench_compile.png"]),
 }
 
 
@@ -144,7 +146,8 @@ def rollout_rows(result: dict, command: str) -> list[Row]:
     for temperature in (0.0, 1.0):
         for batch in sorted({r["batch"] for r in records}):
             plain = next(r for r in records if (r["batch"], r["draft"], r["temperature"]) == (batch, "none", temperature))
-            trained = [r for r in records if (r["batch"], r["draft"], r["temperature"]) == (batch, "trained", temperature)]
+            trained = [r for r in records if (r["batch"], r["draft"], r["temperature"]) == (batch, "trained", temperature)
+                       and r["k"] != "adaptive"]
             if not trained:
                 continue
             best = max(trained, key=lambda r: r["speedup"])
@@ -154,6 +157,14 @@ def rollout_rows(result: dict, command: str) -> list[Row]:
                 f"{best['tokens_per_s']:.0f} tok/s (tau {best['acceptance_length']:.2f})",
                 f"plain {plain['tokens_per_s']:.0f} tok/s", f"{best['speedup']:.2f}x", ">= 2x" if goal else "-",
                 _met(best["speedup"] >= 2.0 if goal else None), f"{best['model']}, {best['device']}", command))
+    hardware = f"{records[0]['model']}, {records[0]['device']}"
+    goal = result["summary"].get("adaptive_goal")
+    for a in result.get("adaptive", []):
+        rows.append(Row(
+            "Adaptive speculation: tokens/s against the best of plain and fixed k",
+            f"batch {a['batch']}, greedy, {a['draft']} draft, k chosen {a['chosen_k']}",
+            f"{a['tokens_per_s']:.0f} tok/s", f"best other {a['best_other']:.0f} tok/s", f"{a['ratio']:.2f}x",
+            f">= {goal}x", _met(a["ratio"] >= goal), hardware, command))
     return rows
 
 
@@ -209,6 +220,19 @@ def vocab_rows(result: dict, command: str) -> list[Row]:
             for name, rec in result["records"].items()]
 
 
+def compile_rows(result: dict, command: str) -> list[Row]:
+    claim = "torch.compile: steady-state time per call"
+    recs = result["records"]
+    parts = [("co-training step (fwd + bwd, new document layout each call)", recs["cotrain_step"]),
+             *((f"greedy decoding, k = {k[1:]}", rec) for k, rec in recs["decode"].items())]
+    cache = "cold" if result.get("cold_compile") else "cached"
+    return [Row(claim, f"{what}; first calls ({cache} compile) {rec['first_s']['compiled']:.1f} s compiled, "
+                       f"{rec['first_s']['eager']:.1f} s eager",
+                f"compiled {rec['compiled_median_s']:.3f} s", f"eager {rec['eager_median_s']:.3f} s",
+                f"{rec['ratio']:.2f}x", ">= 1.00x", _met(rec["met"]), result["hardware"], command)
+            for what, rec in parts]
+
+
 SOURCES = [  # (script, json, rows)
     ("bench_branch_memory", "bench_branch_memory.json", branch_memory_rows),
     ("bench_cp", "bench_cp.json", cp_rows),
@@ -216,6 +240,7 @@ SOURCES = [  # (script, json, rows)
     ("bench_pp", "bench_pp.json", pp_rows),
     ("compare_cotrain", "compare_cotrain.json", cotrain_rows),
     ("bench_vocab_chunks", "bench_vocab_chunks.json", vocab_rows),
+    ("bench_compile", "bench_compile.json", compile_rows),
 ]
 
 

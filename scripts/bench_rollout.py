@@ -1,11 +1,17 @@
 """Tokens/s of plain vs speculative decoding with the EAGLE-3 draft, on this machine.
 
-Sweep: batch {1, 8, 32} x k {2, 4, 6} x draft {untrained, trained}, plus plain decoding
-(``draft: none``), greedy, ``--new-tokens`` per response from ragged prompts; then plain vs
+Sweep: batch {1, 8, 64} x k {2, 4, 6, adaptive} x draft {untrained, trained}, plus plain
+decoding (``draft: none``), greedy, ``--new-tokens`` per response from ragged prompts; then plain vs
 the trained draft at k = 4 sampling at temperature 1 (RL's setting). Every point is the
 fastest of ``--repeats`` runs (``generate`` wall time, prefill included), all configs of a
 batch size interleaved within each repeat: the cores here are shared, and interleaving
 makes a load spike hit every config alike.
+
+``k = adaptive`` is the RL loop's choice (``titan_cotrain.rl.speculation.SpeculationTuner``,
+``k`` in 0..6): a tuner per draft and batch size first learns from ``--adaptive-warmup``
+calls (it runs ``k = 6``, then 0, then its best, exploring one more every 8th call), then
+chooses ``k`` afresh at every timed call, still learning. Its goal: at least 0.95 x the best of
+plain and every fixed ``k`` with the same draft, at every batch size (``adaptive_met``).
 
 The target is the llama3 debug model, first fit for a few seconds to a small synthetic
 *phrase language* (24 random phrases of 4-10 tokens; each phrase is followed by one of three
@@ -49,12 +55,14 @@ from titan_cotrain.models.draft import Draft, DraftArgs
 from titan_cotrain.models.transformer import Transformer
 from titan_cotrain.rl.rollout import RolloutEngine, RolloutStats
 from titan_cotrain.rl.sampling import SamplingParams
+from titan_cotrain.rl.speculation import SpeculationTuner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchtools import command_line, pyplot  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-BATCHES, KS = (1, 8, 32), (2, 4, 6)
+BATCHES, KS = (1, 8, 64), (2, 4, 6)
+ADAPTIVE_GOAL = 0.95
 TRAIN_NEW_TOKENS = 112  # response tokens of the draft's training rows
 
 
@@ -142,20 +150,46 @@ def check_greedy(engine: RolloutEngine, prompts: list[torch.Tensor], new_tokens:
 
 
 def measure(engine: RolloutEngine, prompts, params: SamplingParams, policy_state: dict, drafts: dict,
-            configs: list[tuple[str, int]], repeats: int, seed: int) -> dict[tuple[str, int], RolloutStats]:
-    """The fastest of ``repeats`` runs of every ``(draft, k)`` config (``("none", 0)``: plain),
-    the configs interleaved within each repeat so that a load spike on a shared machine
-    hits them alike rather than one config in full."""
-    best: dict[tuple[str, int], RolloutStats] = {}
+            configs: list[tuple[str, int | str]], repeats: int, seed: int,
+            tuners: dict[str, SpeculationTuner] | None = None) -> dict[tuple[str, int | str], RolloutStats]:
+    """The fastest of ``repeats`` runs of every ``(draft, k)`` config (``("none", 0)``: plain;
+    ``k = "adaptive"``: the draft's tuner in ``tuners`` chooses, and learns from, every
+    call), the configs interleaved within each repeat so that a load spike on a shared
+    machine hits them alike rather than one config in full. ``chosen[name]`` lists the
+    adaptive choices."""
+    best: dict[tuple[str, int | str], RolloutStats] = {}
     for _ in range(repeats):
         for name, k in configs:
             if name != "none":
                 engine.load_weights(policy_state, drafts[name])
-            generator = torch.Generator(engine.device).manual_seed(seed)
-            stats = engine.generate(prompts, params, draft_tokens=k, generator=generator).stats
+            stats = _generate(engine, prompts, params, name, k, seed, tuners)
             if (name, k) not in best or stats.total_s < best[name, k].total_s:
                 best[name, k] = stats
     return best
+
+
+def _generate(engine, prompts, params, name, k, seed, tuners) -> RolloutStats:
+    generator = torch.Generator(engine.device).manual_seed(seed)
+    chosen = tuners[name].choose(len(prompts)) if k == "adaptive" else k
+    stats = engine.generate(prompts, params, draft_tokens=chosen, generator=generator).stats
+    if k == "adaptive":
+        tuners[name].observe(len(prompts), chosen, (stats.draft_s + stats.verify_s) / max(stats.target_forwards, 1),
+                             stats.acceptance_rate)
+        tuners[name].chosen.append(chosen)
+    return stats
+
+
+def warm_tuners(engine, prompts, params, policy_state, drafts, calls: int, seed: int) -> dict[str, SpeculationTuner]:
+    """A fresh tuner per draft, taught by ``calls`` calls at this batch size."""
+    tuners = {}
+    for name, state in drafts.items():
+        tuners[name] = SpeculationTuner(max(KS))
+        tuners[name].chosen = []
+        engine.load_weights(policy_state, state)
+        for _ in range(calls):
+            _generate(engine, prompts, params, name, "adaptive", seed, tuners)
+        tuners[name].chosen = []  # the timed calls' choices only
+    return tuners
 
 
 def main() -> int:
@@ -170,6 +204,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the cores here are shared)")
     parser.add_argument("--min-speedup", type=float, default=0.0,
                         help="fail unless batch 1 with the trained draft reaches this speedup (0: report only)")
+    parser.add_argument("--adaptive-warmup", type=int, default=4,
+                        help="calls that teach each adaptive tuner before the timed ones")
     parser.add_argument("--json", type=Path, default=ROOT / "assets" / "bench_rollout.json")
     parser.add_argument("--png", type=Path, default=ROOT / "assets" / "bench_rollout.png")
     parser.add_argument("--replot", action="store_true", help="only redraw --png from an existing --json")
@@ -215,23 +251,34 @@ def main() -> int:
     print("check: speculative greedy == plain greedy (ragged prompts, EOS mid-batch, k in 2/4/6, both drafts)")
 
     greedy = SamplingParams(temperature=0, max_new_tokens=args.new_tokens)
-    configs = [("none", 0)] + [(name, k) for name in drafts for k in KS]
-    records, bounds = [], []
+    configs = [("none", 0)] + [(name, k) for name in drafts for k in (*KS, "adaptive")]
+    records, bounds, adaptive = [], [], []
 
-    def record(batch: int, name: str, k: int, stats: RolloutStats, plain: RolloutStats, temperature: float) -> None:
+    def record(batch: int, name: str, k: int | str, stats: RolloutStats, plain: RolloutStats, temperature: float,
+               **extra) -> None:
         records.append(dict(device=device_name, model=args.model, batch=batch, k=k, draft=name,
                             tokens_per_s=stats.tokens_per_s, acceptance_length=stats.acceptance_length,
                             temperature=temperature, speedup=stats.tokens_per_s / plain.tokens_per_s,
-                            acceptance_rate=[round(r, 4) for r in stats.acceptance_rate]))
+                            acceptance_rate=[round(r, 4) for r in stats.acceptance_rate], **extra))
 
     for batch in BATCHES:
-        best = measure(engine, language.prompts(batch, g), greedy, policy_state, drafts, configs, args.repeats, batch)
+        prompts = language.prompts(batch, g)
+        tuners = warm_tuners(engine, prompts, greedy, policy_state, drafts, args.adaptive_warmup, batch)
+        best = measure(engine, prompts, greedy, policy_state, drafts, configs, args.repeats, batch, tuners)
         plain = best["none", 0]
         step_s = plain.verify_s / plain.target_forwards
         print(f"batch {batch:2d}  plain             {plain.tokens_per_s:8.0f} tok/s  step {step_s * 1e3:.2f} ms")
         for (name, k), s in best.items():
-            record(batch, name, k, s, plain, 0.0)
+            record(batch, name, k, s, plain, 0.0, **({"chosen_k": tuners[name].chosen} if k == "adaptive" else {}))
             if name == "none":
+                continue
+            if k == "adaptive":
+                rivals = [plain.tokens_per_s, *(best[name, j].tokens_per_s for j in KS)]
+                adaptive.append(dict(batch=batch, draft=name, tokens_per_s=s.tokens_per_s, best_other=max(rivals),
+                                     ratio=s.tokens_per_s / max(rivals), chosen_k=tuners[name].chosen))
+                print(f"batch {batch:2d}  {name:9s} adaptive {s.tokens_per_s:8.0f} tok/s  "
+                      f"{adaptive[-1]['ratio']:.2f} x the best of plain and fixed k (chose {tuners[name].chosen})",
+                      flush=True)
                 continue
             c = s.draft_s / (s.target_forwards * k) / step_s
             v = s.verify_s / s.target_forwards / step_s
@@ -257,11 +304,12 @@ def main() -> int:
     summary = dict(
         target_fit_loss=target_loss, trained_draft_top1_per_pass=accuracy, new_tokens=args.new_tokens,
         best_speedup_batch1_trained=best_b1, goal_batch1=2.0, goal_met=best_b1 >= 2.0,
-        runtime_s=time.perf_counter() - t0,
+        adaptive_goal=ADAPTIVE_GOAL, adaptive_worst_ratio=min(a["ratio"] for a in adaptive),
+        adaptive_met=all(a["ratio"] >= ADAPTIVE_GOAL for a in adaptive), runtime_s=time.perf_counter() - t0,
     )
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(dict(records=records, bounds=bounds, summary=summary, command=command_line()),
-                                    indent=1) + "\n")
+    args.json.write_text(json.dumps(dict(records=records, bounds=bounds, adaptive=adaptive, summary=summary,
+                                         command=command_line()), indent=1) + "\n")
     plot(records, bounds, args.png)
     print(f"best batch-1 speedup with the trained draft: x{best_b1:.2f} (goal x2.0); "
           f"{summary['runtime_s']:.0f}s; wrote {args.json} and {args.png}")

@@ -46,7 +46,7 @@ def test_compiled_blocks_match_eager_without_graph_breaks_or_recompiles(checkpoi
     eager = _models()
     compiled = copy.deepcopy(eager)
     for models in (eager, compiled):
-        apply_activation_checkpointing(models[0], checkpointing)
+        apply_activation_checkpointing(models[0], checkpointing, models[1])
     apply_compile(*compiled, ["model", "draft"], backend="inductor")
     layouts = [synthetic_packed_batch(2, 48, 64, torch.Generator().manual_seed(seed)) for seed in (2, 3, 4)]
     assert len({int(b.document_ids.max()) for b in layouts}) > 1  # the document counts differ

@@ -64,8 +64,8 @@ class Parallelism:
 @dataclass
 class ActivationCheckpoint:
     mode: Literal["full", "none"] = "none"
-    """``full``: recompute every decoder layer of the policy in backward; ``none``: keep
-    activations. (torchtitan's ``selective`` mode is not supported for our models.)"""
+    """``full``: recompute every decoder layer of the policy and every TTT pass of the draft in
+    backward; ``none``: keep activations. (torchtitan's ``selective`` mode is not supported for our models.)"""
 
 
 @dataclass

@@ -271,7 +271,7 @@ class Draft(nn.Module):
         positions: torch.Tensor,
         cu_seqlens: torch.Tensor,
         trunk_kv: tuple[torch.Tensor, torch.Tensor] | None,
-        branch_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        branch_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """One TTT pass over packed tokens.
 
@@ -334,14 +334,16 @@ class Draft(nn.Module):
         embeds = self.embed(tokens, target_embeddings)
         hidden = self.fuse(taps)
         shift = shift or partial(shift_in_document, cu_seqlens=cu_seqlens)
-        trunk_kv, branch_kv, logits = None, [], []
+        # A new tuple per pass, never a list appended to: an activation-checkpointed pass
+        # recomputes from the very inputs it was given.
+        trunk_kv, branch_kv, logits = None, (), []
         for d in range(1, select.shape[0] + 1):
             embeds_d = shift(embeds, d)
             hidden, kv = self.forward_pass(embeds_d, hidden, positions + (d - 1), cu_seqlens, trunk_kv, branch_kv)
             if trunk_kv is None:
                 trunk_kv = kv
             else:
-                branch_kv.append(kv)
+                branch_kv = (*branch_kv, kv)
             logits.append(score(d, hidden, self.logits) if score is not None else self.logits(hidden[select[d - 1]]))
         return logits
 

@@ -64,7 +64,7 @@ def parallelize(config, parallel_dims, world_size: int, device: torch.device, *,
     t = config.training
     policy = build_target(config, device="meta")
     draft = build_draft(config, policy, token_counts=token_counts, device="meta")
-    apply_activation_checkpointing(policy, config.activation_checkpoint.mode)
+    apply_activation_checkpointing(policy, config.activation_checkpoint.mode, draft)
     if config.compile.enable:
         apply_compile(policy, draft, config.compile.components, config.compile.backend)
     sharded = world_size > 1 and (parallel_dims.dp_enabled or parallel_dims.cp_enabled)

@@ -31,10 +31,7 @@ their outputs are dropped, so there is no Python loop over sequences.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
 from typing import TypeVar
 
 import torch
@@ -47,6 +44,7 @@ from titan_cotrain.models.draft import Draft, DraftArgs, DraftKVCache
 from titan_cotrain.models.kv_cache import KVCache
 from titan_cotrain.models.transformer import Transformer, rope_inv_freq
 from titan_cotrain.parallel.engine_tp import fill_from_whole, tensor_parallel_engine_policy
+from titan_cotrain.rl.rollout_state import RolloutStats, Rollouts, Sequences, StepCounters
 from titan_cotrain.rl.sampling import (
     SamplingParams,
     draw,
@@ -57,150 +55,6 @@ from titan_cotrain.rl.sampling import (
 )
 
 __all__ = ["RolloutEngine", "RolloutStats", "Rollouts", "kv_bytes_per_sequence"]
-
-
-@dataclass
-class RolloutStats:
-    """What one ``generate`` call did and how long it took.
-
-    ``acceptance_length``: tokens committed per target forward, averaged over the (sequence,
-    round) pairs of unfinished sequences (1 for plain decoding, at most ``k + 1``).
-    ``acceptance_rate[d - 1]``: how often drafted token ``d`` was accepted when tokens
-    ``1..d-1`` were. Times in seconds: ``prefill_s`` (target prefill and the draft's pass 1
-    over the prompt), ``draft_s`` (drafting and catching up), ``verify_s`` (target decode or
-    verify forwards, acceptance, bookkeeping), ``total_s`` (wall time of the call).
-    """
-
-    new_tokens: int
-    target_forwards: int
-    acceptance_length: float
-    acceptance_rate: list[float]
-    prefill_s: float
-    draft_s: float
-    verify_s: float
-    total_s: float
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / max(self.total_s, 1e-9)
-
-    def metrics(self, prefix: str = "rollout/") -> dict[str, float]:
-        out = {
-            "tokens_per_s": self.tokens_per_s,
-            "acceptance_length": self.acceptance_length,
-            "target_forwards": float(self.target_forwards),
-            "prefill_s": self.prefill_s,
-            "draft_s": self.draft_s,
-            "verify_s": self.verify_s,
-        }
-        out |= {f"acceptance_rate_{d}": r for d, r in enumerate(self.acceptance_rate, start=1)}
-        return {prefix + k: v for k, v in out.items()}
-
-
-@dataclass
-class Rollouts:
-    """Responses of one ``generate`` call, row ``b`` answering prompt ``b``.
-
-    ``tokens: int64 [B, max_new_tokens]`` and ``logprobs: fp32 [B, max_new_tokens]`` are
-    valid for ``t < response_lens[b]`` and 0 after. ``logprobs[b, t]`` is the behaviour
-    log-probability of ``tokens[b, t]``: the target's, under the processed logits it was
-    sampled from (temperature, top-k, top-p; temperature 1 when greedy), whether the token
-    was drafted and accepted or drawn by the target. ``finished[b]``: the response ended
-    with EOS (else it ran out of ``max_new_tokens``).
-    """
-
-    prompt_lens: torch.Tensor
-    tokens: torch.Tensor
-    logprobs: torch.Tensor
-    response_lens: torch.Tensor
-    finished: torch.Tensor
-    stats: RolloutStats
-
-    def response_mask(self) -> torch.Tensor:
-        """``bool [B, max_new_tokens]``: True on response tokens."""
-        return torch.arange(self.tokens.shape[1], device=self.tokens.device) < self.response_lens.unsqueeze(1)
-
-
-@dataclass
-class _Sequences:
-    """Per-sequence decoding state; see the module docstring for what ``length`` and
-    ``draft_hidden`` mean. Output buffers have ``k + 1`` columns of slack so a round can
-    write all its candidates and let ``response_len`` say which are real."""
-
-    length: torch.Tensor
-    last_token: torch.Tensor
-    response_len: torch.Tensor
-    active: torch.Tensor
-    finished: torch.Tensor
-    tokens: torch.Tensor
-    logprobs: torch.Tensor
-    draft_hidden: torch.Tensor | None = None
-
-    @classmethod
-    def start(cls, prompt_lens: torch.Tensor, max_new_tokens: int, k: int) -> _Sequences:
-        b, device = prompt_lens.shape[0], prompt_lens.device
-        return cls(
-            length=prompt_lens.clone(), last_token=torch.zeros_like(prompt_lens),
-            response_len=torch.zeros_like(prompt_lens), active=torch.ones(b, dtype=torch.bool, device=device),
-            finished=torch.zeros(b, dtype=torch.bool, device=device),
-            tokens=prompt_lens.new_zeros(b, max_new_tokens + k + 1),
-            logprobs=torch.zeros(b, max_new_tokens + k + 1, device=device),
-        )
-
-    @classmethod
-    def cat(cls, waves: Sequence[_Sequences]) -> _Sequences:
-        """The rows of ``waves``, in order; ``draft_hidden`` is dropped (decoding is over)."""
-        names = [f.name for f in fields(cls) if f.name != "draft_hidden"]
-        return cls(**{name: torch.cat([getattr(w, name) for w in waves]) for name in names})
-
-    def result(self, prompt_lens: torch.Tensor, max_new_tokens: int, stats: RolloutStats) -> Rollouts:
-        mask = torch.arange(max_new_tokens, device=self.tokens.device) < self.response_len.unsqueeze(1)
-        return Rollouts(prompt_lens=prompt_lens, tokens=self.tokens[:, :max_new_tokens] * mask,
-                        logprobs=self.logprobs[:, :max_new_tokens] * mask, response_lens=self.response_len,
-                        finished=self.finished, stats=stats)
-
-
-@dataclass
-class _Counters:
-    """Per-round ``n_accepted`` and ``active`` ([B] each, B the wave's size), kept on the
-    device and reduced once at the end (no host sync per round), and the time split.
-    ``synchronize`` waits for the device (a no-op on CPU)."""
-
-    synchronize: Callable[[], None]
-    n_accepted: list[torch.Tensor] = field(default_factory=list)
-    active: list[torch.Tensor] = field(default_factory=list)
-    times: dict[str, float] = field(default_factory=lambda: {"prefill": 0.0, "draft": 0.0, "verify": 0.0})
-    start: float = field(default_factory=time.perf_counter)
-
-    def record(self, n_accepted: torch.Tensor, active: torch.Tensor) -> None:
-        self.n_accepted.append(n_accepted)
-        self.active.append(active.clone())
-
-    def stats(self, new_tokens: int, k: int) -> RolloutStats:
-        length, rates = 0.0, []
-        if self.active:
-            # One entry per (round, sequence) pair of every wave, so waves of any size pool.
-            n, active = torch.cat(self.n_accepted), torch.cat(self.active)
-            length = float(((n + 1) * active).sum() / active.sum())
-            depth = torch.arange(k, device=n.device)
-            judged = (n.unsqueeze(-1) >= depth) & active.unsqueeze(-1)  # drafted token d + 1 was judged
-            accepted = judged & (n.unsqueeze(-1) > depth)
-            rates = (accepted.sum(0) / judged.sum(0).clamp(min=1)).tolist()
-        return RolloutStats(
-            new_tokens=new_tokens, target_forwards=len(self.active), acceptance_length=length, acceptance_rate=rates,
-            prefill_s=self.times["prefill"], draft_s=self.times["draft"], verify_s=self.times["verify"],
-            total_s=time.perf_counter() - self.start,
-        )
-
-    @contextmanager
-    def timed(self, name: str):
-        """Add the wall time of the block to ``times[name]``; the device is synchronised at
-        both ends so its work is charged to the block that launched it."""
-        self.synchronize()
-        start = time.perf_counter()
-        yield
-        self.synchronize()
-        self.times[name] += time.perf_counter() - start
 
 
 def _pad_prompts(prompts: Sequence[torch.Tensor | Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -454,7 +308,7 @@ class RolloutEngine:
             raise ValueError(f"longest prompt ({prompt.shape[1]}) + max_new_tokens ({params.max_new_tokens}) "
                              f"exceeds the engine's max_seq_len {self.max_seq_len}")
         draft_to_target = self.draft.d2t + torch.arange(self.draft.args.draft_vocab_size, device=self.device) if k else None
-        counters = _Counters(synchronize=torch.get_device_module(self.device).synchronize)
+        counters = StepCounters(synchronize=torch.get_device_module(self.device).synchronize)
         total, waves = len(prompt_lens), []
         for start in range(0, total, self.max_batch_size):
             lens = prompt_lens[start: start + self.max_batch_size]
@@ -464,18 +318,18 @@ class RolloutEngine:
                                              report, max_rounds))
             if max_rounds is not None:
                 return None
-        seqs = _Sequences.cat(waves)
+        seqs = Sequences.cat(waves)
         return seqs.result(prompt_lens.to(self.device), params.max_new_tokens,
                            counters.stats(int(seqs.response_len.sum()), k))
 
     def _generate_wave(self, prompt: torch.Tensor, prompt_lens: torch.Tensor, k: int, params: SamplingParams,
-                       generator, draft_to_target: torch.Tensor | None, counters: _Counters,
-                       progress: Callable[[int, int], None] | None, max_rounds: int | None = None) -> _Sequences:
+                       generator, draft_to_target: torch.Tensor | None, counters: StepCounters,
+                       progress: Callable[[int, int], None] | None, max_rounds: int | None = None) -> Sequences:
         """Decode ``prompt [b, P]`` (``b <= max_batch_size``) to the end in the caches' first ``b`` rows."""
         b = prompt.shape[0]
         target_cache = self.target_cache.rows(b)
         draft_cache = self.draft_cache.rows(b) if k else None
-        seqs = _Sequences.start(prompt_lens, params.max_new_tokens, k)
+        seqs = Sequences.start(prompt_lens, params.max_new_tokens, k)
         with counters.timed("prefill"):
             self._prefill(seqs, prompt, prompt_lens, params, generator, target_cache, draft_cache)
         rounds = 0
@@ -492,7 +346,7 @@ class RolloutEngine:
                 progress(b - int(seqs.active.sum()), b)
         return seqs
 
-    def _prefill(self, seqs: _Sequences, prompt: torch.Tensor, prompt_lens: torch.Tensor, params: SamplingParams,
+    def _prefill(self, seqs: Sequences, prompt: torch.Tensor, prompt_lens: torch.Tensor, params: SamplingParams,
                  generator, target_cache: KVCache, draft_cache: DraftKVCache | None) -> None:
         """Target forward over the (right-padded) prompts, the first response token, and,
         when drafting, TTT pass 1 over the prompt positions. Both attend only to the first
@@ -514,8 +368,8 @@ class RolloutEngine:
                                        torch.zeros_like(prompt_lens), draft_cache.rows(b, width))
             seqs.draft_hidden = hidden[rows, last]
 
-    def _decode_one_token(self, seqs: _Sequences, params: SamplingParams, generator, target_cache: KVCache,
-                          counters: _Counters) -> None:
+    def _decode_one_token(self, seqs: Sequences, params: SamplingParams, generator, target_cache: KVCache,
+                          counters: StepCounters) -> None:
         """Plain decoding: feed ``x_{n-1}`` to the target and sample ``x_n``."""
         logits = self._target_step(seqs.last_token.unsqueeze(1), target_cache, seqs.length - 1)
         logits = processed_logits(logits[:, 0], params)
@@ -524,9 +378,9 @@ class RolloutEngine:
         counters.record(torch.zeros_like(token), seqs.active)
         self._commit(seqs, token.unsqueeze(-1), logprob, torch.ones_like(token), params)
 
-    def _speculative_round(self, seqs: _Sequences, k: int, params: SamplingParams, generator,
+    def _speculative_round(self, seqs: Sequences, k: int, params: SamplingParams, generator,
                            target_cache: KVCache, draft_cache: DraftKVCache, draft_to_target: torch.Tensor,
-                           counters: _Counters) -> None:
+                           counters: StepCounters) -> None:
         """Draft ``k`` tokens, verify them in one target forward, commit ``a + 1``, catch up."""
         b = seqs.length.shape[0]
         rows = torch.arange(b, device=seqs.length.device)
@@ -570,7 +424,7 @@ class RolloutEngine:
         return self.draft.embed(tokens, self.policy.embed_tokens(tokens))
 
     @staticmethod
-    def _commit(seqs: _Sequences, candidates: torch.Tensor, logprobs: torch.Tensor, n_new: torch.Tensor,
+    def _commit(seqs: Sequences, candidates: torch.Tensor, logprobs: torch.Tensor, n_new: torch.Tensor,
                 params: SamplingParams) -> None:
         """Append the first ``n_new[b]`` of ``candidates [B, s]`` (with ``logprobs``) to every
         active sequence, cut after an EOS and at ``max_new_tokens``; retire finished ones."""

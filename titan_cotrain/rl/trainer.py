@@ -30,11 +30,9 @@ Under context parallelism, rows are packed in the CP layout (``pack_samples(pad_
 every row's zigzag layout is exactly ``training.seq_len`` tokens, the fixed CP row length the
 pipeline's stages are built for.
 """
-import dataclasses
 import json
 import os
 import random
-import shutil
 import time
 
 import torch
@@ -47,22 +45,25 @@ from titan_cotrain.config.validate import rollout_draft_tokens
 from titan_cotrain.cotrain.step import PackedBatch, PolicyLoss, clip_grad_norms, forward_backward, step_optimizers
 from titan_cotrain.cotrain.vocab import chunked_token_logprobs
 from titan_cotrain.data.packing import LabelRows, layout_from_document_ids
-from titan_cotrain.data.prompts import ChatTemplate, PromptEncoder, load_prompt_splits, synthetic_prompt_splits
-from titan_cotrain.models.build import draft_vocab_maps, job_seed
-from titan_cotrain.models.draft import count_tokens, set_vocab_maps_
-from titan_cotrain.parallel.engine_tp import engine_tp_mesh, whole_host_state
+from titan_cotrain.data.prompts import ChatTemplate, PromptEncoder
+from titan_cotrain.models.build import job_seed
+from titan_cotrain.parallel.engine_tp import engine_tp_mesh
 from titan_cotrain.parallel.parallelize import copy_shards, parallelize
 from titan_cotrain.parallel.pipeline import gather_state_dict, pipeline_step
 from titan_cotrain.parallel.pipeline import clip_grad_norms as pipeline_clip_grad_norms
 from titan_cotrain.rl.batching import Sample, pack_samples
+from titan_cotrain.rl.draft_vocab import draft_vocab_from_generations, task_token_counts
+from titan_cotrain.rl.export import export_job
 from titan_cotrain.rl.generation_group import GenerationGroup
 from titan_cotrain.rl.grpo import group_advantages, ppo_loss
 from titan_cotrain.rl.nonfinite import NonfiniteStop, NonfiniteWeights, all_finite, nonfinite_flags
 from titan_cotrain.rl.progress import RolloutProgress, progress_bar
 from titan_cotrain.rl.rollout import RolloutEngine
+from titan_cotrain.rl.rollout_metrics import rollout_metrics
 from titan_cotrain.rl.sampling import SamplingParams
 from titan_cotrain.rl.speculation import SpeculationTuner
-from titan_cotrain.rl.tasks import DATASET_TASKS, get_task, score
+from titan_cotrain.rl.tasks import score
+from titan_cotrain.rl.trainer_setup import TrainerState, build_task, lr_phases, tokenizer_folder, training_device
 
 __all__ = ["Trainer", "next_token_loss"]
 
@@ -71,67 +72,6 @@ def next_token_loss(logits: torch.Tensor, rows: LabelRows) -> PolicyLoss:
     """Summed CE of each position's next token inside its document, over training targets."""
     ce = F.cross_entropy(logits.flatten(0, 1).float(), rows.next_tokens.flatten(), reduction="none")
     return PolicyLoss((ce * rows.next_token_mask.flatten()).sum(), rows.next_token_mask.sum())
-
-
-def _lr_phases(config, sft_peak: float, rl_peak: float) -> list[tuple[object, int, float]]:
-    """The two phases of an LR schedule (``titan.build_lr_schedulers``): the warm start's
-    (``[task] sft_*`` over ``task.sft_steps``), then RL's (``[lr_scheduler]`` over
-    ``training.steps``), each from its own warm-up to its own peak."""
-    sft = dataclasses.replace(config.lr_scheduler, warmup_steps=config.task.sft_warmup_steps,
-                              decay_type=config.task.sft_decay_type, min_lr_factor=config.task.sft_min_lr_factor,
-                              decay_ratio=None, total_steps=None)
-    return [(sft, config.task.sft_steps, sft_peak), (config.lr_scheduler, config.training.steps, rl_peak)]
-
-
-class _TrainerState:
-    """The step counter (everything random derives from it) and the number of consecutive
-    steps that ended with a skipped update, as a DCP ``Stateful``."""
-
-    def __init__(self) -> None:
-        self.step = 0
-        self.nonfinite_steps = 0
-
-    def state_dict(self) -> dict:
-        return {"step": torch.tensor(self.step), "nonfinite_steps": torch.tensor(self.nonfinite_steps)}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step = int(state["step"])
-        self.nonfinite_steps = int(state["nonfinite_steps"])
-
-
-def _training_device() -> torch.device:
-    """This rank's accelerator (``cuda:LOCAL_RANK``, made current), the simulator's, or the CPU."""
-    kind = titan.device_type()
-    if kind == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-        return device
-    return torch.device(kind, 0) if kind != "cpu" else torch.device("cpu")
-
-
-def _tokenizer_folder(config, simulation=None) -> str:
-    path = config.model.hf_path or config.model.hf_assets_path
-    if not path and simulation is not None:
-        # The simulator needs token ids, not the real vocabulary: the project's own tokenizer.
-        path = os.path.join(os.path.dirname(__file__), "..", "..", "assets", "tokenizer")
-    if not path:
-        raise ValueError("no tokenizer: set [model] hf_path (a Hugging Face folder with tokenizer.json) "
-                         "or [model] hf_assets_path")
-    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-        raise ValueError(f"[model] {'hf_path' if config.model.hf_path else 'hf_assets_path'} = {path!r} has no "
-                         "tokenizer.json")
-    return path
-
-
-def _build_task(config, encode: PromptEncoder, max_prompt_tokens: int, simulation=None):
-    """The ``[task]``; a dataset task's prompts from its file, or synthetic ones of
-    ``[simulate] prompt_tokens`` under the simulator (which never reads the file)."""
-    t = config.task
-    prompts = None
-    if t.name in DATASET_TASKS:
-        prompts = (synthetic_prompt_splits(encode, min(simulation.prompt_tokens, max_prompt_tokens))
-                   if simulation is not None else load_prompt_splits(t, encode, max_prompt_tokens))
-    return get_task(t.name, prompts, t.format_reward), prompts
 
 
 class Trainer:
@@ -147,7 +87,7 @@ class Trainer:
         self.config, self.rank, self.world_size = config, rank, world_size
         self.simulation = simulation
         self.parallel_dims = dims = titan.build_parallel_dims(config.parallelism, world_size)
-        self.device = _training_device()
+        self.device = training_device()
         if world_size > 1:
             dims.build_mesh()
         # Context-parallel and pipeline peers train the same rows: they draw the same prompts
@@ -156,7 +96,7 @@ class Trainer:
         self.dp_degree = dims.dp_replicate * dims.dp_shard
         self.dp_rank = dims.get_mesh("batch").get_local_rank() if dims.dp_enabled else 0
         self.seed = job_seed(config)
-        self.tokenizer_folder = folder = _tokenizer_folder(config, simulation)
+        self.tokenizer_folder = folder = tokenizer_folder(config, simulation)
         self.tokenizer = titan.load_tokenizer(folder)
         self.encode_prompt = PromptEncoder(self.tokenizer,
                                            ChatTemplate.from_folder(folder) if config.task.chat_template else None,
@@ -164,7 +104,7 @@ class Trainer:
         ro = config.rollout
         # The engine's positions per sequence; what a prompt may take of them.
         max_seq_len = ro.max_prompt_tokens + ro.max_new_tokens if ro.max_prompt_tokens else config.training.seq_len
-        self.task, prompts = _build_task(config, self.encode_prompt, max_seq_len - ro.max_new_tokens, simulation)
+        self.task, prompts = build_task(config, self.encode_prompt, max_seq_len - ro.max_new_tokens, simulation)
         self.total_steps = config.task.sft_steps + config.training.steps
         self.prompts_per_rank = config.rl.prompts_per_step // self.dp_degree
 
@@ -178,7 +118,7 @@ class Trainer:
             # policy's generations, once it is filled) or do not matter (simulated), every id
             # counts once.
             later = simulation is not None or config.draft.vocab_generations
-            counts = torch.ones(vocab, dtype=torch.int64) if later else self._task_token_counts()
+            counts = torch.ones(vocab, dtype=torch.int64) if later else task_token_counts(self)
         models = parallelize(config, dims, world_size, self.device, policy_loss_fn=next_token_loss,
                              token_counts=counts, fill=simulation is None)
         self.policy, self.draft, self.reference, self.pipeline = (models.policy, models.draft, models.reference,
@@ -207,21 +147,21 @@ class Trainer:
         if config.rollout.speculative and not config.draft.enable and rank == self.log_rank:
             print("note: [draft] enable = false: rollouts decode plainly ([rollout] speculative ignored)", flush=True)
         if config.draft.vocab_generations and simulation is None:
-            self._draft_vocab_from_generations()
+            draft_vocab_from_generations(self)
         self.policy_opt = titan.build_optimizers([self.policy], config.optimizer, self.parallel_dims)
-        self.policy_lr = titan.build_lr_schedulers(self.policy_opt, _lr_phases(
+        self.policy_lr = titan.build_lr_schedulers(self.policy_opt, lr_phases(
             config, config.task.sft_lr or config.optimizer.lr, config.optimizer.lr))
         self.draft_opt = self.draft_lr = None
         states = {}
         if self.draft is not None:
             self.draft_opt = titan.build_optimizers([self.draft], config.optimizer, self.parallel_dims)
-            self.draft_lr = titan.build_lr_schedulers(self.draft_opt, _lr_phases(
+            self.draft_lr = titan.build_lr_schedulers(self.draft_opt, lr_phases(
                 config, config.draft.sft_lr or config.draft.lr, config.draft.lr))
             states = {"draft": titan.model_stateful(self.draft), "draft_optimizer": self.draft_opt,
                       "draft_lr_scheduler": self.draft_lr}
         if self.reference is not None:
             states["reference"] = titan.model_stateful(self.reference)
-        self.state = _TrainerState()
+        self.state = TrainerState()
         states["trainer"] = self.state
         self.checkpointer = titan.build_checkpointer(config.checkpoint, config.job.dump_folder, self.policy,
                                                      self.policy_opt, self.policy_lr, states)
@@ -247,43 +187,14 @@ class Trainer:
         return ", ".join(parts) or "single"
 
     # ----------------------------------------------------------------- data
-    def _rng(self, step: int, salt: str) -> random.Random:
+    def rng(self, step: int, salt: str) -> random.Random:
         return random.Random(f"{self.seed}/{step}/{self.dp_rank}/{salt}")
 
-    def _demonstration(self, rng: random.Random) -> tuple[list[int], list[int]]:
+    def demonstration(self, rng: random.Random) -> tuple[list[int], list[int]]:
         """A task sample's prompt and demonstration response, as token ids."""
         problem = self.task.sample(rng)
         response = self.tokenizer.encode(self.task.demonstration(problem, rng), add_bos=False, add_eos=True)
         return self.encode_prompt(problem.prompt), response
-
-    def _task_token_counts(self) -> torch.Tensor:
-        """``int64 [V]``: tokens of ``[draft] vocab_samples`` task samples (prompt + demonstration),
-        the same on every rank: the corpus of a reduced draft vocabulary."""
-        rng = random.Random(f"{self.seed}/vocab")
-        return count_tokens((sum(self._demonstration(rng), []) for _ in range(self.config.draft.vocab_samples)),
-                            resolve_model_args(self.config).vocab_size)
-
-    def _draft_vocab_from_generations(self) -> None:
-        """The reduced draft vocabulary from the task samples' tokens plus the initial policy's own
-        responses to ``[draft] vocab_generations`` prompts (each data-parallel rank answers its
-        share, counts are summed over all ranks, so every rank chooses the same), written into
-        the trained draft and the engine's copy."""
-        cfg = self.config
-        rng = self._rng(0, "vocab")
-        per_rank = -(-cfg.draft.vocab_generations // self.dp_degree)
-        prompts = [self.encode_prompt(self.task.sample(rng).prompt) for _ in range(per_rank)]
-        if self.pipeline is not None:
-            self.refresh_engine()  # a pipeline's engine gets its weights streamed from the stages
-        generator = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + self.dp_rank)
-        out = self.engine.generate(prompts, self.sampling_params(), generator=generator, draft_tokens=0)
-        counts = count_tokens((out.tokens[i, :n].tolist() for i, n in enumerate(out.response_lens.tolist())),
-                              resolve_model_args(cfg).vocab_size).to(self.device)
-        if dist.is_initialized():
-            dist.all_reduce(counts)
-        d2t, t2d = draft_vocab_maps(cfg, counts.cpu() + self._task_token_counts())
-        for draft in (self.draft, self.engine.draft):
-            if draft is not None:
-                set_vocab_maps_(draft, d2t.to(draft.d2t.device), t2d.to(draft.t2d.device))
 
     def _to_host(self, values: dict[str, torch.Tensor | float]) -> dict[str, float]:
         """Device scalars -> floats in one transfer (the step's one host sync for metrics).
@@ -387,10 +298,10 @@ class Trainer:
 
     def sft_step(self, step: int) -> dict[str, float]:
         """Warm start: next-token training of the policy on demonstrations, draft co-trained."""
-        rng = self._rng(step, "sft")
+        rng = self.rng(step, "sft")
         samples = []
         for _ in range(self.config.task.sft_batch_size):
-            prompt, response = self._demonstration(rng)
+            prompt, response = self.demonstration(rng)
             samples.append(Sample(prompt, response, [0.0] * len(response), 0.0))
         batch = self._pack(samples)
         batch.advantages = batch.old_logprobs = None
@@ -410,7 +321,7 @@ class Trainer:
 
     def _prompts(self, step: int):
         cfg = self.config
-        rng = self._rng(step, "prompts")
+        rng = self.rng(step, "prompts")
         problems = [self.task.sample(rng) for _ in range(self.prompts_per_rank)]
         encoded = [self.encode_prompt(p.prompt) for p in problems]
         prompts = [ids for ids in encoded for _ in range(cfg.rl.group_size)]
@@ -481,36 +392,12 @@ class Trainer:
                                           len(problems), self.generation.digest(prompts))
         samples = [sample for group, _ in groups for sample in group]
         details = [d for _, group_details in groups for d in group_details]
-        detail_keys = sorted(details[0]) if details else []
-        # The group's rollouts are counted once in the sums: by its first member.
-        counted = float(self.generation.member == 0)
-        rewards_t = torch.tensor([s.reward for s in samples]) * counted
-        generated = rollouts is not None
-        stats = rollouts.stats if generated else None
-        totals = self._all_reduce([
-            float(rewards_t.sum()), float((rewards_t ** 2).sum()), len(samples) * counted,
-            float(sum(len(s.response) for s in samples)) * counted,
-            stats.acceptance_length if generated else 0.0, stats.tokens_per_s if generated else 0.0, float(generated),
-            float(k) if generated else 0.0,
-            # Positions a rank did not draft this step count as not judged (rate 0, weight 0).
-            *((stats.acceptance_rate if generated else []) + [0.0] * k_max)[:k_max],
-            *(float(generated and d < k) for d in range(k_max)),
-            *(sum(d[key] for d in details) * counted for key in detail_keys)])
-        count, ranks = totals[2], totals[6]
-        mean = totals[0] / count
-        metrics = {
-            "reward/mean": mean,
-            "reward/std": max(totals[1] / count - mean ** 2, 0.0) ** 0.5,
-            "rollout/response_len": totals[3] / count,
-            "rollout/acceptance_length": totals[4] / ranks,
-            "rollout/tokens_per_s": totals[5],  # every rollout is generated once, by one rank
-            "time/rollout_s": t_rollout,
-        }
-        metrics["rollout/draft_tokens"] = totals[7] / ranks
-        rates, judged = totals[8:8 + k_max], totals[8 + k_max:8 + 2 * k_max]
-        metrics |= {f"rollout/acceptance_rate_{d}": rate / n
-                    for d, (rate, n) in enumerate(zip(rates, judged), start=1) if n}
-        metrics |= {f"task/{key}": total / count for key, total in zip(detail_keys, totals[8 + 2 * k_max:])}
+        # Each problem's rollouts are counted once in the sums (by the group's first member),
+        # and each generation's statistics once (by its engine group's first rank).
+        generated = rollouts.stats if rollouts is not None and self.generation.sends() else None
+        metrics = rollout_metrics(self._all_reduce, samples, details, generated, k, k_max,
+                                  counted=self.generation.member == 0)
+        metrics["time/rollout_s"] = t_rollout
         return samples, metrics
 
     def _score(self, problems: list, prompts: list[list[int]], rollouts) -> list[tuple[list[Sample], list[dict]]]:
@@ -656,32 +543,5 @@ class Trainer:
             raise NonfiniteWeights(f"{what} is not written: the weights are not finite")
 
     def export(self) -> None:
-        """Write the final policy (Hugging Face folder, with the job's tokenizer files) and
-        draft (EAGLE-3 folder) to ``<dump_folder>/export``: all ranks gather the whole models
-        into the rollout engine's copies (FSDP shards, PP stages), the logging rank writes them."""
-        from titan_cotrain.models.eagle3 import save_eagle3
-        from titan_cotrain.models.hf import save_hf
-
-        self.refresh_engine()
-        # Every rank holds the same whole copies (or, tensor-parallel, its slices: then all
-        # ranks vote): each checks its own, so all stop alike.
-        tp = self.engine.tensor_parallel > 1
-        self._check_finite("the export", self.engine.policy, self.engine.draft, collective=tp)
-        policy, draft = self.engine.policy, self.engine.draft
-        state = whole_host_state(policy, keep=self.rank == self.log_rank) if tp else None
-        if self.rank != self.log_rank:
-            return
-        folder = os.path.join(self.config.job.dump_folder, "export")
-        save_hf(policy, os.path.join(folder, "policy"), state=state)
-        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-            if os.path.isfile(os.path.join(self.tokenizer_folder, name)):
-                shutil.copy(os.path.join(self.tokenizer_folder, name), os.path.join(folder, "policy", name))
-        exported = "the policy"
-        if draft is not None and len(policy.tap_layers) == 3:
-            save_eagle3(draft, os.path.join(folder, "draft"), policy.tap_layers,
-                        target_max_position_embeddings=policy.args.max_seq_len)
-            exported += " and the draft"
-        elif draft is not None:
-            print(f"the draft fuses {len(policy.tap_layers)} tap layers; vLLM and SGLang load EAGLE-3 drafts "
-                  "of exactly 3, so it is not exported", flush=True)
-        print(f"exported {exported} to {folder}", flush=True)
+        """Write the final policy and draft to ``<dump_folder>/export`` (``rl.export``)."""
+        export_job(self)

@@ -1,0 +1,191 @@
+"""Eager vs ``torch.compile`` step time: the co-training step and decoding, on this machine's CPU.
+
+What runs (the llama3 debug model with an EAGLE-3 draft, fp32, one thread by default):
+* ``cotrain_step``: one ``forward_backward`` of the co-training objective (policy next-token
+  loss + the draft's TTT loss) over packed rows whose document layout changes every step,
+  eager vs ``[compile] enable`` (``titan_cotrain.parallel.compile``: every decoder block and
+  the draft's TTT pass, ``fullgraph=True``, inductor);
+* ``decode``: ``RolloutEngine.generate`` of greedy responses, plain (k = 0) and speculative
+  (k = 3), eager vs ``[rollout] compile`` (the decode / verify / draft steps, one graph per
+  ``(batch, k)``).
+
+Correctness first: the compiled co-training step must give the eager one's losses and
+gradients (rtol 1e-4), and compiled decoding the eager tokens, or the script exits 1 before
+timing. Times: the first call (which compiles) is reported apart as ``first_s``, with
+inductor's on-disk cache in a fresh folder (a cold compile; ``--warm-cache`` keeps the
+user's cache, as a second run of a job would); then
+``--repeats`` timed calls of each, alternating eager and compiled, and the median counts.
+``ratio`` = eager median / compiled median (> 1: compiled is faster). The goal: compiled is
+no slower than eager in steady state (ratio >= 1).
+
+    .venv/bin/python scripts/bench_compile.py             # a few minutes, most of it compiling
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from benchtools import command_line, pyplot  # noqa: E402
+
+from titan_cotrain.cotrain.step import PackedBatch, forward_backward  # noqa: E402
+from titan_cotrain.models.args import model_args_for  # noqa: E402
+from titan_cotrain.models.draft import Draft, DraftArgs  # noqa: E402
+from titan_cotrain.models.transformer import Transformer  # noqa: E402
+from titan_cotrain.parallel.compile import apply_compile  # noqa: E402
+from titan_cotrain.rl.rollout import RolloutEngine  # noqa: E402
+from titan_cotrain.rl.sampling import SamplingParams  # noqa: E402
+from titan_cotrain.rl.trainer import next_token_loss  # noqa: E402
+
+STEP = dict(ttt_steps=3, pass_decay=0.8, draft_loss_weight=0.1)
+
+
+def _models(vocab: int) -> tuple[Transformer, Draft]:
+    args = model_args_for("llama3", "debugmodel").replace(vocab_size=vocab)
+    policy = Transformer(args)
+    policy.init_weights(std=0.1, generator=torch.Generator().manual_seed(0))
+    draft = Draft(DraftArgs.from_target(args, n_taps=3))
+    draft.init_weights(std=0.1, generator=torch.Generator().manual_seed(1))
+    return policy, draft
+
+
+def _batch(rows: int, seq_len: int, vocab: int, seed: int) -> PackedBatch:
+    """Packed rows of random documents: every seed its own layout."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (rows, seq_len), generator=g)
+    document_ids = torch.zeros(rows, seq_len, dtype=torch.long)
+    for row in range(rows):
+        cuts = torch.randint(1, seq_len, (int(torch.randint(2, 8, (), generator=g)),), generator=g).unique()
+        document_ids[row] = torch.bucketize(torch.arange(seq_len), cuts, right=True)
+    return PackedBatch(tokens, document_ids, torch.ones(rows, seq_len, dtype=torch.bool))
+
+
+def _step(models, batch) -> tuple[dict, dict]:
+    policy, draft = models
+    metrics = forward_backward(policy, draft, batch, next_token_loss, **STEP)
+    grads = {f"{i}.{name}": p.grad.clone() for i, m in enumerate(models) for name, p in m.named_parameters()}
+    for m in models:
+        m.zero_grad(set_to_none=True)
+    return {k: float(v) for k, v in metrics.items()}, grads
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _record(eager: list[float], compiled: list[float], first: dict[str, float], **extra) -> dict:
+    ratio = statistics.median(eager) / statistics.median(compiled)
+    return {"eager_s": eager, "compiled_s": compiled, "first_s": first, "eager_median_s": statistics.median(eager),
+            "compiled_median_s": statistics.median(compiled), "ratio": ratio, "met": ratio >= 1.0, **extra}
+
+
+def bench_cotrain(args) -> dict:
+    eager = _models(args.vocab)
+    compiled = copy.deepcopy(eager)
+    apply_compile(*compiled, ["model", "draft"])
+    batches = [_batch(args.rows, args.seq_len, args.vocab, seed) for seed in range(args.repeats + 1)]
+    first = {"eager": _timed(lambda: _step(eager, batches[0])), "compiled": _timed(lambda: _step(compiled, batches[0]))}
+    (m_eager, g_eager), (m_comp, g_comp) = _step(eager, batches[0]), _step(compiled, batches[0])
+    for key, value in m_eager.items():
+        if abs(m_comp[key] - value) > 1e-4 * max(1.0, abs(value)):
+            raise SystemExit(f"compiled co-training step: {key} {m_comp[key]} != eager {value}")
+    for name, grad in g_eager.items():
+        if not torch.allclose(g_comp[name], grad, rtol=1e-4, atol=1e-6):
+            raise SystemExit(f"compiled co-training step: the gradient of {name} differs from eager")
+    times = {"eager": [], "compiled": []}
+    for batch in batches[1:]:  # new layouts: a recompile would show here
+        times["eager"].append(_timed(lambda: _step(eager, batch)))
+        times["compiled"].append(_timed(lambda: _step(compiled, batch)))
+    return _record(times["eager"], times["compiled"], first, rows=args.rows, seq_len=args.seq_len)
+
+
+def bench_decode(args) -> dict:
+    policy, draft = _models(args.vocab)
+    engines = {mode: RolloutEngine(copy.deepcopy(policy), copy.deepcopy(draft), max_batch_size=args.batch,
+                                   max_seq_len=args.prompt_len + args.new_tokens, max_draft_tokens=3,
+                                   compile=mode == "compiled") for mode in ("eager", "compiled")}
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, args.vocab, (args.prompt_len,), generator=g) for _ in range(args.batch)]
+    params = SamplingParams(temperature=0, max_new_tokens=args.new_tokens)
+    out = {}
+    for k in (0, 3):
+        def run(mode, k=k):
+            return engines[mode].generate(prompts, params, draft_tokens=k)
+
+        first = {mode: _timed(lambda mode=mode: run(mode)) for mode in engines}
+        if not torch.equal(run("eager").tokens, run("compiled").tokens):
+            raise SystemExit(f"compiled decoding (k = {k}) gave other tokens than eager")
+        times = {"eager": [], "compiled": []}
+        for _ in range(args.repeats):
+            for mode in engines:
+                times[mode].append(_timed(lambda mode=mode: run(mode)))
+        out[f"k{k}"] = _record(times["eager"], times["compiled"], first, batch=args.batch,
+                               new_tokens=args.new_tokens)
+    return out
+
+
+def plot(result: dict, path: Path) -> None:
+    plt = pyplot()
+    names = ["cotrain_step", "decode k=0", "decode k=3"]
+    recs = [result["records"]["cotrain_step"], result["records"]["decode"]["k0"], result["records"]["decode"]["k3"]]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    x = range(len(names))
+    ax.bar([i - 0.2 for i in x], [r["eager_median_s"] for r in recs], 0.4, label="eager")
+    ax.bar([i + 0.2 for i in x], [r["compiled_median_s"] for r in recs], 0.4, label="compiled")
+    ax.set_xticks(list(x), names)
+    ax.set_ylabel("median seconds per call")
+    ax.set_title(f"torch.compile vs eager ({result['hardware']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=8, help="sequences decoded at once")
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--warm-cache", action="store_true",
+                        help="keep inductor's on-disk cache (first calls then time a cached compile)")
+    parser.add_argument("--json", type=Path, default=ROOT / "assets" / "bench_compile.json")
+    parser.add_argument("--png", type=Path, default=ROOT / "assets" / "bench_compile.png")
+    args = parser.parse_args()
+    if not args.warm_cache:  # before anything compiles: inductor reads it when it first caches
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench_compile_inductor_")
+    torch.set_num_threads(args.threads)
+    result = {"hardware": f"{os.cpu_count()}-core CPU, {args.threads} thread(s), torch {torch.__version__}",
+              "command": command_line(), "backend": "inductor", "cold_compile": not args.warm_cache,
+              "records": {"cotrain_step": bench_cotrain(args), "decode": bench_decode(args)}}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, args.png)
+    for name, rec in [("cotrain_step", result["records"]["cotrain_step"]),
+                      *((f"decode {k}", r) for k, r in result["records"]["decode"].items())]:
+        print(f"{name}: eager {rec['eager_median_s']:.3f} s, compiled {rec['compiled_median_s']:.3f} s, "
+              f"ratio {rec['ratio']:.2f} (first calls: {rec['first_s']['eager']:.1f} s / "
+              f"{rec['first_s']['compiled']:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""What the trainer is built from: the device, the tokenizer's folder, the task and its prompts,
+the two-phase LR schedules and the checkpointed step state."""
+
+import dataclasses
+import os
+
+import torch
+
+from titan_cotrain.components import titan
+from titan_cotrain.data.prompts import PromptEncoder, load_prompt_splits, synthetic_prompt_splits
+from titan_cotrain.rl.tasks import DATASET_TASKS, get_task
+
+__all__ = ["TrainerState", "build_task", "lr_phases", "tokenizer_folder", "training_device"]
+
+
+def lr_phases(config, sft_peak: float, rl_peak: float) -> list[tuple[object, int, float]]:
+    """The two phases of an LR schedule (``titan.build_lr_schedulers``): the warm start's
+    (``[task] sft_*`` over ``task.sft_steps``), then RL's (``[lr_scheduler]`` over
+    ``training.steps``), each from its own warm-up to its own peak."""
+    sft = dataclasses.replace(config.lr_scheduler, warmup_steps=config.task.sft_warmup_steps,
+                              decay_type=config.task.sft_decay_type, min_lr_factor=config.task.sft_min_lr_factor,
+                              decay_ratio=None, total_steps=None)
+    return [(sft, config.task.sft_steps, sft_peak), (config.lr_scheduler, config.training.steps, rl_peak)]
+
+
+class TrainerState:
+    """The step counter (everything random derives from it) and the number of consecutive
+    steps that ended with a skipped update, as a DCP ``Stateful``."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.nonfinite_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"step": torch.tensor(self.step), "nonfinite_steps": torch.tensor(self.nonfinite_steps)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.nonfinite_steps = int(state["nonfinite_steps"])
+
+
+def training_device() -> torch.device:
+    """This rank's accelerator (``cuda:LOCAL_RANK``, made current), the simulator's, or the CPU."""
+    kind = titan.device_type()
+    if kind == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device(kind, 0) if kind != "cpu" else torch.device("cpu")
+
+
+def tokenizer_folder(config, simulation=None) -> str:
+    path = config.model.hf_path or config.model.hf_assets_path
+    if not path and simulation is not None:
+        # The simulator needs token ids, not the real vocabulary: the project's own tokenizer.
+        path = os.path.join(os.path.dirname(__file__), "..", "..", "assets", "tokenizer")
+    if not path:
+        raise ValueError("no tokenizer: set [model] hf_path (a Hugging Face folder with tokenizer.json) "
+                         "or [model] hf_assets_path")
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        raise ValueError(f"[model] {'hf_path' if config.model.hf_path else 'hf_assets_path'} = {path!r} has no "
+                         "tokenizer.json")
+    return path
+
+
+def build_task(config, encode: PromptEncoder, max_prompt_tokens: int, simulation=None):
+    """The ``[task]``; a dataset task's prompts from its file, or synthetic ones of
+    ``[simulate] prompt_tokens`` under the simulator (which never reads the file)."""
+    t = config.task
+    prompts = None
+    if t.name in DATASET_TASKS:
+        prompts = (synthetic_prompt_splits(encode, min(simulation.prompt_tokens, max_prompt_tokens))
+                   if simulation is not None else load_prompt_splits(t, encode, max_prompt_tokens))
+    return get_task(t.name, prompts, t.format_reward), prompts

@@ -3,7 +3,7 @@
 import sys
 import time
 
-__all__ = ["RolloutProgress", "progress_bar"]
+__all__ = ["RolloutProgress", "progress_bar", "step_line"]
 
 
 def progress_bar(done: int, total: int, width: int = 20) -> str:
@@ -33,3 +33,15 @@ class RolloutProgress:
     def close(self) -> None:
         if self.last_draw is not None:
             print("\r\033[K", end="", file=self.stream, flush=True)
+
+
+def step_line(phase: str, done: int, total: int, metrics: dict[str, float]) -> str:
+    """The console line of a finished step: its phase's progress, the losses, the rollouts'
+    reward and speed, the draft's accuracy, the step time."""
+    line = f"{phase} {progress_bar(done, total)}  loss {metrics['loss/policy']:.4f}"
+    if "reward/mean" in metrics:
+        line += (f"  reward {metrics['reward/mean']:.3f}  accept_len {metrics['rollout/acceptance_length']:.2f}"
+                 f"  tok/s {metrics['rollout/tokens_per_s']:.0f}")
+    if "draft/tau" in metrics:
+        line += f"  draft {metrics['loss/draft']:.3f}  acc1 {metrics['draft/acc_pass1']:.2f}  tau {metrics['draft/tau']:.2f}"
+    return line + f"  {metrics['time/step_s']:.2f}s"

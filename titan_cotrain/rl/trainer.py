@@ -1,34 +1,17 @@
 """The RL trainer: warm start, then rollouts -> rewards -> GRPO -> co-trained update, per step.
 
-``Trainer.__init__`` builds everything once (``titan_cotrain.parallel.parallelize``: models
-built on meta, sharded, filled slice by slice; the bf16 rollout engine with its KV budget);
-a step is a rollout phase (``rollout_phase``: generate, score, GRPO advantages, host samples)
-and an update phase (``update_phase``: pack on the host, microbatched forward/backward with
-the gradients scaled by the global counts, clipping, optimizer steps); ``run`` is the loop.
-
-Every data-parallel rank generates for its own share of the prompts with its own inference
-copy of the policy and draft (colocated; context-parallel and pipeline peers, who train the
-same rows, share out that generation and exchange the results: ``rl/generation_group.py``),
-trains its packed rows with FSDP2 over the data-parallel (x context-parallel) mesh, and
-refreshes the engine's weights from the sharded training state, one tensor at a time, before
-each RL step. Step ``s`` is a warm-start (SFT) step for ``s <= task.sft_steps`` and an RL step
-after, each phase on its own LR schedule (``titan.build_lr_schedulers``); its prompts and
-sampling seeds derive from ``(debug.seed, s, dp rank)``, so a run resumed from a checkpoint of
-step ``s`` repeats the uninterrupted run exactly when the drafted tokens per round are fixed
-(``[rollout] adaptive_speculation = false``: the adaptive choice follows timings). Without PP
-an update runs in microbatches of ``training.local_batch_size`` rows.
-
-With pipeline parallelism (``pipeline_parallel_degree > 1``) each minibatch is padded with
-empty rows (loss mask 0) to a multiple of the rows of one schedule step
-(``training.local_batch_size``) and runs as one ``pipeline_step`` (several schedule steps
-accumulate) and one optimizer update, as without PP. The stages are FSDP-sharded over the
-data-parallel x CP ranks of their PP coordinate. The policy optimizer and checkpoint hold
-this rank's stages under the whole model's names; the draft, its optimizer and its
-checkpoint live on the last stage's ranks. The last stage's rank of rank 0's PP column logs.
-
-Under context parallelism, rows are packed in the CP layout (``pack_samples(pad_to=2 cp)``):
-every row's zigzag layout is exactly ``training.seq_len`` tokens, the fixed CP row length the
-pipeline's stages are built for.
+``Trainer.__init__`` builds everything once (``parallelize``: the models built on meta,
+compiled, sharded and filled; the rollout engine with its KV budget, tensor-parallel when
+asked). A step is a rollout phase (``rollout_phase``: refresh the engine, generate this rank's
+share of its data-parallel coordinate's prompts, score, exchange with the CP x PP peers, GRPO
+samples on the host) and an update phase (``update_phase``: pack, microbatched
+forward/backward with the gradients scaled by the global counts, clipping, optimizer steps;
+under PP one ``pipeline_step`` per minibatch); ``run`` is the loop. Step ``s`` is a warm-start
+step for ``s <= task.sft_steps``, an RL step after, each phase on its own LR schedule; its
+prompts and sampling seeds derive from ``(debug.seed, s, dp rank)``, so a resumed run repeats
+the uninterrupted one exactly when the drafted tokens per round are fixed
+(``[rollout] adaptive_speculation = false``). Which rank holds what under FSDP, CP and PP:
+``docs/DESIGN.md`` sections 4, 5 and 10.
 """
 import json
 import os
@@ -57,7 +40,7 @@ from titan_cotrain.rl.export import export_job
 from titan_cotrain.rl.generation_group import GenerationGroup
 from titan_cotrain.rl.grpo import group_advantages, ppo_loss
 from titan_cotrain.rl.nonfinite import NonfiniteStop, NonfiniteWeights, all_finite, nonfinite_flags
-from titan_cotrain.rl.progress import RolloutProgress, progress_bar
+from titan_cotrain.rl.progress import RolloutProgress, step_line
 from titan_cotrain.rl.rollout import RolloutEngine
 from titan_cotrain.rl.rollout_metrics import rollout_metrics
 from titan_cotrain.rl.sampling import SamplingParams
@@ -482,14 +465,7 @@ class Trainer:
             f.write(json.dumps({"step": step, "phase": phase.strip(), **metrics}) + "\n")
         sft_steps = self.config.task.sft_steps
         done, total = (step, sft_steps) if phase.strip() == "sft" else (step - sft_steps, self.config.training.steps)
-        line = f"{phase} {progress_bar(done, total)}  loss {metrics['loss/policy']:.4f}"
-        if "reward/mean" in metrics:
-            line += (f"  reward {metrics['reward/mean']:.3f}  accept_len {metrics['rollout/acceptance_length']:.2f}"
-                     f"  tok/s {metrics['rollout/tokens_per_s']:.0f}")
-        if "draft/tau" in metrics:
-            line += f"  draft {metrics['loss/draft']:.3f}  acc1 {metrics['draft/acc_pass1']:.2f}  tau {metrics['draft/tau']:.2f}"
-        line += f"  {metrics['time/step_s']:.2f}s"
-        print(line, flush=True)
+        print(step_line(phase, done, total, metrics), flush=True)
 
     def run(self) -> None:
         cfg = self.config

@@ -83,9 +83,14 @@ def _step(models, batch) -> tuple[dict, dict]:
 
 
 def _timed(fn) -> float:
+    return _timed_call(fn)[0]
+
+
+def _timed_call(fn):
+    """``(seconds, fn())``."""
     start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+    out = fn()
+    return time.perf_counter() - start, out
 
 
 def _record(eager: list[float], compiled: list[float], first: dict[str, float], **extra) -> dict:
@@ -99,8 +104,9 @@ def bench_cotrain(args) -> dict:
     compiled = copy.deepcopy(eager)
     apply_compile(*compiled, ["model", "draft"])
     batches = [_batch(args.rows, args.seq_len, args.vocab, seed) for seed in range(args.repeats + 1)]
-    first = {"eager": _timed(lambda: _step(eager, batches[0])), "compiled": _timed(lambda: _step(compiled, batches[0]))}
-    (m_eager, g_eager), (m_comp, g_comp) = _step(eager, batches[0]), _step(compiled, batches[0])
+    first_eager, (m_eager, g_eager) = _timed_call(lambda: _step(eager, batches[0]))
+    first_compiled, (m_comp, g_comp) = _timed_call(lambda: _step(compiled, batches[0]))
+    first = {"eager": first_eager, "compiled": first_compiled}
     for key, value in m_eager.items():
         if abs(m_comp[key] - value) > 1e-4 * max(1.0, abs(value)):
             raise SystemExit(f"compiled co-training step: {key} {m_comp[key]} != eager {value}")
@@ -127,8 +133,11 @@ def bench_decode(args) -> dict:
         def run(mode, k=k):
             return engines[mode].generate(prompts, params, draft_tokens=k)
 
-        first = {mode: _timed(lambda mode=mode: run(mode)) for mode in engines}
-        if not torch.equal(run("eager").tokens, run("compiled").tokens):
+        first, tokens = {}, {}
+        for mode in engines:
+            first[mode], rollouts = _timed_call(lambda mode=mode: run(mode))
+            tokens[mode] = rollouts.tokens
+        if not torch.equal(tokens["eager"], tokens["compiled"]):
             raise SystemExit(f"compiled decoding (k = {k}) gave other tokens than eager")
         times = {"eager": [], "compiled": []}
         for _ in range(args.repeats):

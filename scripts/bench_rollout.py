@@ -43,6 +43,7 @@ import copy
 import json
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -149,47 +150,55 @@ def check_greedy(engine: RolloutEngine, prompts: list[torch.Tensor], new_tokens:
     return failures
 
 
+@dataclass
+class AdaptiveK:
+    """A draft's ``SpeculationTuner`` and the ``k`` it chose at the timed calls."""
+
+    tuner: SpeculationTuner
+    chosen: list[int] = field(default_factory=list)
+
+
 def measure(engine: RolloutEngine, prompts, params: SamplingParams, policy_state: dict, drafts: dict,
             configs: list[tuple[str, int | str]], repeats: int, seed: int,
-            tuners: dict[str, SpeculationTuner] | None = None) -> dict[tuple[str, int | str], RolloutStats]:
+            adaptive: dict[str, AdaptiveK] | None = None) -> dict[tuple[str, int | str], RolloutStats]:
     """The fastest of ``repeats`` runs of every ``(draft, k)`` config (``("none", 0)``: plain;
-    ``k = "adaptive"``: the draft's tuner in ``tuners`` chooses, and learns from, every
-    call), the configs interleaved within each repeat so that a load spike on a shared
-    machine hits them alike rather than one config in full. ``chosen[name]`` lists the
-    adaptive choices."""
+    ``k = "adaptive"``: the draft's tuner in ``adaptive`` chooses, and learns from, every
+    call, and its choices are listed there), the configs interleaved within each repeat so
+    that a load spike on a shared machine hits them alike rather than one config in full."""
     best: dict[tuple[str, int | str], RolloutStats] = {}
     for _ in range(repeats):
         for name, k in configs:
             if name != "none":
                 engine.load_weights(policy_state, drafts[name])
-            stats = _generate(engine, prompts, params, name, k, seed, tuners)
+            stats = _generate(engine, prompts, params, name, k, seed, adaptive)
             if (name, k) not in best or stats.total_s < best[name, k].total_s:
                 best[name, k] = stats
     return best
 
 
-def _generate(engine, prompts, params, name, k, seed, tuners) -> RolloutStats:
+def _generate(engine, prompts, params, name, k, seed, adaptive) -> RolloutStats:
     generator = torch.Generator(engine.device).manual_seed(seed)
-    chosen = tuners[name].choose(len(prompts)) if k == "adaptive" else k
+    chosen = adaptive[name].tuner.choose(len(prompts)) if k == "adaptive" else k
     stats = engine.generate(prompts, params, draft_tokens=chosen, generator=generator).stats
     if k == "adaptive":
-        tuners[name].observe(len(prompts), chosen, (stats.draft_s + stats.verify_s) / max(stats.target_forwards, 1),
-                             stats.acceptance_rate)
-        tuners[name].chosen.append(chosen)
+        adaptive[name].tuner.observe(len(prompts), chosen,
+                                     (stats.draft_s + stats.verify_s) / max(stats.target_forwards, 1),
+                                     stats.acceptance_rate)
+        adaptive[name].chosen.append(chosen)
     return stats
 
 
-def warm_tuners(engine, prompts, params, policy_state, drafts, calls: int, seed: int) -> dict[str, SpeculationTuner]:
-    """A fresh tuner per draft, taught by ``calls`` calls at this batch size."""
-    tuners = {}
+def warm_tuners(engine, prompts, params, policy_state, drafts, calls: int, seed: int) -> dict[str, AdaptiveK]:
+    """A fresh tuner per draft, taught by ``calls`` calls at this batch size (their choices
+    are not listed: only the timed calls' are)."""
+    adaptive = {}
     for name, state in drafts.items():
-        tuners[name] = SpeculationTuner(max(KS))
-        tuners[name].chosen = []
         engine.load_weights(policy_state, state)
+        teaching = {name: AdaptiveK(SpeculationTuner(max(KS)))}
         for _ in range(calls):
-            _generate(engine, prompts, params, name, "adaptive", seed, tuners)
-        tuners[name].chosen = []  # the timed calls' choices only
-    return tuners
+            _generate(engine, prompts, params, name, "adaptive", seed, teaching)
+        adaptive[name] = AdaptiveK(teaching[name].tuner)
+    return adaptive
 
 
 def main() -> int:
@@ -265,19 +274,20 @@ def main() -> int:
         prompts = language.prompts(batch, g)
         tuners = warm_tuners(engine, prompts, greedy, policy_state, drafts, args.adaptive_warmup, batch)
         best = measure(engine, prompts, greedy, policy_state, drafts, configs, args.repeats, batch, tuners)
+        chosen = {name: a.chosen for name, a in tuners.items()}
         plain = best["none", 0]
         step_s = plain.verify_s / plain.target_forwards
         print(f"batch {batch:2d}  plain             {plain.tokens_per_s:8.0f} tok/s  step {step_s * 1e3:.2f} ms")
         for (name, k), s in best.items():
-            record(batch, name, k, s, plain, 0.0, **({"chosen_k": tuners[name].chosen} if k == "adaptive" else {}))
+            record(batch, name, k, s, plain, 0.0, **({"chosen_k": chosen[name]} if k == "adaptive" else {}))
             if name == "none":
                 continue
             if k == "adaptive":
                 rivals = [plain.tokens_per_s, *(best[name, j].tokens_per_s for j in KS)]
                 adaptive.append(dict(batch=batch, draft=name, tokens_per_s=s.tokens_per_s, best_other=max(rivals),
-                                     ratio=s.tokens_per_s / max(rivals), chosen_k=tuners[name].chosen))
+                                     ratio=s.tokens_per_s / max(rivals), chosen_k=chosen[name]))
                 print(f"batch {batch:2d}  {name:9s} adaptive {s.tokens_per_s:8.0f} tok/s  "
-                      f"{adaptive[-1]['ratio']:.2f} x the best of plain and fixed k (chose {tuners[name].chosen})",
+                      f"{adaptive[-1]['ratio']:.2f} x the best of plain and fixed k (chose {chosen[name]})",
                       flush=True)
                 continue
             c = s.draft_s / (s.target_forwards * k) / step_s

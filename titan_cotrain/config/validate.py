@@ -204,10 +204,10 @@ def validate_job_config(config, world_size: int, source: str = "<config>") -> No
         args = resolve_model_args(config)
         if config.draft.enable:
             resolve_tap_layers(config, args.n_layers)
-        for what, n in (("heads", args.n_heads), ("kv heads", args.n_kv_heads), ("ffn width", args.ffn_dim),
-                        ("vocabulary", args.vocab_size)):
-            if tp > 1 and n % tp:
-                errors.append(f"rollout.tensor_parallel_degree ({tp}) must divide the policy's {what} ({n})")
+        if tp > 1:
+            from titan_cotrain.parallel.engine_tp import engine_tp_errors
+
+            errors += engine_tp_errors(args, tp)
         if config.draft.vocab_size > args.vocab_size:
             errors.append(
                 f"draft.vocab_size ({config.draft.vocab_size}) exceeds the target vocabulary ({args.vocab_size})"

@@ -432,7 +432,8 @@ def ring_name(group: str | dist.ProcessGroup | RingComm | None) -> str:
         name = f"comm:{id(group)}"
         _COMMS.setdefault(name, group)  # held, so the id is never reused
         return name
-    name = "default" if group is None else f"group:{group.group_name}"
+    # The default group's ring depends on whether a process group exists yet.
+    name = ("default" if dist.is_initialized() else "single") if group is None else f"group:{group.group_name}"
     if name not in _COMMS:
         _COMMS[name] = RingComm(group)
     return name

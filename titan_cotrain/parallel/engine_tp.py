@@ -29,7 +29,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-__all__ = ["engine_tp_mesh", "fill_from_whole", "tensor_parallel_engine_policy", "whole_host_state"]
+__all__ = ["engine_tp_errors", "engine_tp_mesh", "fill_from_whole", "tensor_parallel_engine_policy",
+           "whole_host_state"]
 
 
 def engine_tp_mesh(device_type: str, groups: Sequence[Sequence[int]]) -> DeviceMesh:
@@ -41,15 +42,20 @@ def engine_tp_mesh(device_type: str, groups: Sequence[Sequence[int]]) -> DeviceM
     return mesh["engine_tp"]
 
 
+def engine_tp_errors(args, t: int) -> list[str]:
+    """What keeps the layout above from splitting a policy of ``args`` (``ModelArgs``) ``t``
+    ways: every split dimension must divide evenly."""
+    return [f"rollout.tensor_parallel_degree ({t}) must divide the policy's {what} ({n})"
+            for what, n in (("heads", args.n_heads), ("kv heads", args.n_kv_heads), ("ffn width", args.ffn_dim),
+                            ("vocabulary", args.vocab_size)) if n % t]
+
+
 def tensor_parallel_engine_policy(policy: nn.Module, mesh: DeviceMesh) -> None:
     """Apply the layout above to a ``Transformer`` in place (on the meta device, before its
     storage is materialised). Ties between the embedding and the head are kept."""
-    t = mesh.size()
-    a = policy.args
-    for what, n in (("heads", a.n_heads), ("kv heads", a.n_kv_heads), ("ffn width", a.ffn_dim),
-                    ("vocabulary", a.vocab_size)):
-        if n % t:
-            raise ValueError(f"[rollout] tensor_parallel_degree = {t} must divide the policy's {what} ({n})")
+    errors = engine_tp_errors(policy.args, mesh.size())
+    if errors:
+        raise ValueError("; ".join(errors))
     tied = policy.lm_head.weight is policy.embed_tokens.weight
     plan = {
         "embed_tokens": RowwiseParallel(input_layouts=Replicate()),

@@ -64,7 +64,7 @@ def ppo_loss(clip_eps_low: float, clip_eps_high: float, kl_coef: float = 0.0, te
         sums = {
             "rl/clip_fraction": ((ratio != clipped_ratio).float() * mask).sum().detach(),
             "rl/ratio": (ratio * mask).sum().detach(),
-            "rl/engine_kl": (engine_kl * mask).sum(),
+            "rl/engine_kl": engine_kl.sum(),  # 0 off the response: the difference is masked
         }
         if tis_cap:
             weight = torch.exp(trainer_minus_engine)

@@ -164,8 +164,8 @@ class RolloutEngine:
         self._released: list | None = None  # what ``release`` freed
         self.max_seq_len = max_seq_len
         self.max_draft_tokens = max_draft_tokens if draft is not None else 0
-        dtype = policy.embed_tokens.weight.dtype
         weight = policy.embed_tokens.weight
+        dtype = weight.dtype
         self.tensor_parallel = weight.device_mesh.size() if isinstance(weight, DTensor) else 1
         if kv_cache_gib:
             per_sequence = kv_bytes_per_sequence(policy.args, draft.args if draft is not None else None, max_seq_len,
@@ -255,11 +255,8 @@ class RolloutEngine:
             return
         tensors = [p for m in (self.policy, self.draft) if m is not None for p in m.parameters()]
         tensors += self.cache_tensors()
-        storages = {}
-        for t in tensors:
-            local = t.to_local() if isinstance(t, DTensor) else t
-            storages.setdefault(local.untyped_storage()._cdata, local.untyped_storage())
-        self._released = [(storage, storage.nbytes()) for storage in storages.values()]
+        storages = [(t.to_local() if isinstance(t, DTensor) else t).untyped_storage() for t in tensors]
+        self._released = [(storage, storage.nbytes()) for storage in storages]
         for storage, _ in self._released:
             storage.resize_(0)
 

@@ -88,7 +88,8 @@ def test_kv_cache_decode_equals_full_forward(arch):
     tokens = _tokens(3, 18)
     full = model(tokens)
     prompt_lens = torch.tensor([5, 9, 2])
-    cache = model.new_kv_cache(batch=3, max_len=24)
+    # Paged: blocks of 4 positions, each sequence's out of order and interleaved with the others'.
+    cache = model.new_kv_pool(n_blocks=19, block_size=4).view(torch.randperm(18).add(1).view(3, 6))
     # Prefill with right padding: positions past a prompt are written, never attended,
     # and overwritten by the decode steps below.
     padded = tokens[:, :9]
@@ -102,7 +103,7 @@ def test_kv_cache_decode_equals_full_forward(arch):
         for b, p in enumerate(pos.tolist()):
             torch.testing.assert_close(logits[b], full[b, p : p + step], rtol=1e-5, atol=1e-5)
         pos += step
-    with_taps = model.forward_cached(tokens[:, :1], model.new_kv_cache(3, 4), torch.zeros(3, dtype=torch.long),
+    with_taps = model.forward_cached(tokens[:, :1], model.new_kv_pool(4, 4).view(torch.tensor([[1], [2], [3]])), torch.zeros(3, dtype=torch.long),
                                      return_taps=True)
     ref = model(tokens[:, :1], return_taps=True)
     for a, b in zip(with_taps.taps, ref.taps):

@@ -1,7 +1,8 @@
 """The rollout engine's memory: its own copies built from the trainer's models (meta, then
-one tensor at a time), a KV budget that sizes the caches and the waves that follow from it,
-decode attention that never repeats K/V off CPU, and the whole engine on the simulated
-accelerator (bf16, fake tensors, vocabulary maps on the device, KV bytes as counted)."""
+one tensor at a time), a KV budget that sizes the block pool (or the static layout's rows),
+continuous batching and waves under a budget, prompt blocks shared by a group, decode
+attention that never repeats K/V off CPU, and the whole engine on the simulated accelerator
+(bf16, fake tensors, vocabulary maps on the device, KV bytes as counted)."""
 
 import pytest
 import torch
@@ -10,9 +11,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 from tests.rl.test_rollout import _eos_for_some_rows, _models, _prompts
 from titan_cotrain.models import kv_cache
 from titan_cotrain.models.args import model_args_for
-from titan_cotrain.models.draft import Draft, DraftArgs, draft_vocab_from_counts
+from titan_cotrain.models.draft import Draft, DraftArgs, DraftKVCache, draft_vocab_from_counts
 from titan_cotrain.models.transformer import Transformer
-from titan_cotrain.rl.rollout import RolloutEngine, kv_bytes_per_sequence
+from titan_cotrain.rl.rollout import RolloutEngine, kv_bytes_per_position, kv_bytes_per_sequence
 from titan_cotrain.rl.sampling import SamplingParams
 from titan_cotrain.simulate.device import SimulatedDevice, sim_device
 
@@ -24,16 +25,24 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def _kv_bytes(engine: RolloutEngine) -> int:
-    caches = [engine.target_cache.k, engine.target_cache.v, engine.draft_cache.k, engine.draft_cache.v]
-    return sum(t.numel() * t.element_size() for t in caches)
+    return sum(t.numel() * t.element_size() for t in engine.cache_tensors())
+
+
+def _per_position(target_args, draft_args, itemsize: int) -> int:
+    """Counted by hand: keys and values of target layers x kv heads x head dim, and of the
+    draft's kv heads x head dim."""
+    return 2 * (target_args.n_layers * target_args.n_kv_heads * target_args.head_dim
+                + draft_args.n_kv_heads * draft_args.head_dim) * itemsize
+
+
+def _chain(draft_args, k: int, itemsize: int) -> int:
+    """One row's draft chain: keys and values of k - 1 slots."""
+    return 2 * draft_args.n_kv_heads * draft_args.head_dim * (k - 1) * itemsize
 
 
 def _per_sequence(target_args, draft_args, max_seq_len: int, k: int, itemsize: int) -> int:
-    """Counted by hand: target layers x kv heads x head dim x (S + k + 1) positions, the
-    draft's kv heads x head dim x (S + k + 1 trunk + k - 1 chain) slots, keys and values."""
-    target = target_args.n_layers * target_args.n_kv_heads * target_args.head_dim * (max_seq_len + k + 1)
-    draft = draft_args.n_kv_heads * draft_args.head_dim * (max_seq_len + 2 * k)
-    return 2 * (target + draft) * itemsize
+    """One sequence at its longest: S + k + 1 positions and its chain."""
+    return (max_seq_len + k + 1) * _per_position(target_args, draft_args, itemsize) + _chain(draft_args, k, itemsize)
 
 
 def test_from_models_copies_weights_and_generates_like_the_models():
@@ -65,40 +74,60 @@ def test_from_models_copies_weights_and_generates_like_the_models():
 
 
 def test_kv_cache_gib_sizes_the_caches():
+    """Static layout: rows of a whole sequence each, as many as the budget holds. Paged:
+    blocks of 16 positions, as many as the budget holds beside the rows' chains (or enough
+    for every row at its longest, plus the scratch block); a budget below one sequence is
+    refused with the numbers."""
     target, draft = _models()
     per_sequence = _per_sequence(target.args, draft.args, 40, 3, itemsize=4)
+    per_position, chain = _per_position(target.args, draft.args, 4), _chain(draft.args, 3, 4)
     assert kv_bytes_per_sequence(target.args, draft.args, 40, 3, torch.float32) == per_sequence
-    whole = RolloutEngine(target, draft, max_batch_size=8, max_seq_len=40, max_draft_tokens=3)
+    assert kv_bytes_per_position(target.args, draft.args, torch.float32) == per_position
+
+    def engine(paged, gib=0.0):
+        return RolloutEngine(target, draft, max_batch_size=8, max_seq_len=40, max_draft_tokens=3, paged=paged,
+                             kv_cache_gib=gib)
+
+    whole = engine(paged=False)
     assert whole.max_batch_size == 8 and _kv_bytes(whole) == 8 * per_sequence
-    budget = RolloutEngine(target, draft, max_batch_size=8, max_seq_len=40, max_draft_tokens=3,
-                           kv_cache_gib=2.5 * per_sequence / GIB)
+    budget = engine(paged=False, gib=2.5 * per_sequence / GIB)
     assert budget.max_batch_size == 2 and _kv_bytes(budget) == 2 * per_sequence
-    roomy = RolloutEngine(target, draft, max_batch_size=8, max_seq_len=40, max_draft_tokens=3, kv_cache_gib=1.0)
-    assert roomy.max_batch_size == 8
-    with pytest.raises(ValueError, match=rf"\[rollout\] kv_cache_gib = .* holds no sequence: .*\({per_sequence} "
-                                         r"bytes: max_seq_len 40 \+ 3 draft tokens \+ 1 positions"):
-        RolloutEngine(target, draft, max_batch_size=8, max_seq_len=40, max_draft_tokens=3,
-                      kv_cache_gib=0.9 * per_sequence / GIB)
+    assert engine(paged=False, gib=1.0).max_batch_size == 8
+
+    paged = engine(paged=True)  # 44 positions: 3 blocks a row
+    assert paged.max_batch_size == 8 and paged.target_pool.n_blocks == 8 * 3 + 1
+    assert _kv_bytes(paged) == 25 * 16 * per_position + 8 * chain
+    gib = 2.5 * per_sequence / GIB
+    small = engine(paged=True, gib=gib)
+    blocks = (int(gib * GIB) - 8 * chain) // (16 * per_position)
+    assert small.max_batch_size == 8 and small.target_pool.n_blocks == blocks and _kv_bytes(small) <= gib * GIB
+    assert engine(paged=True, gib=1.0).target_pool.n_blocks == 25
+    for paged in (False, True):
+        with pytest.raises(ValueError, match=rf"\[rollout\] kv_cache_gib = .* holds no sequence: .*\({per_sequence} "
+                                             r"bytes: max_seq_len 40 \+ 3 draft tokens \+ 1 positions"):
+            engine(paged, gib=0.9 * per_sequence / GIB)
 
 
+@pytest.mark.parametrize("paged", [True, False], ids=["continuous", "waves"])
 @pytest.mark.parametrize("k", [0, 3])
-def test_waves_decode_what_one_batch_decodes(k):
-    """Greedy, ragged prompts, an EOS that stops some rows: 7 prompts in waves of 3, 3, 1
-    give the one-batch result, and acceptance statistics pooled over the waves equal the
-    one batch's (each sequence accepts the same tokens in the same rounds). Sampling is not
-    compared: the generator is drawn from wave after wave, so other draws, same law."""
+def test_a_budget_below_the_batch_decodes_what_one_batch_decodes(k, paged):
+    """Greedy, ragged prompts, an EOS that stops some rows: 7 prompts under a budget of 3.5
+    sequences (continuous batching into freed rows and blocks, or waves of 3, 3, 1) give the
+    one-batch result, and acceptance statistics pooled over the rounds equal the one batch's
+    (each sequence accepts the same tokens in the same rounds). Sampling is not compared:
+    the generator is drawn in another order, so other draws, same law."""
     target, draft = _models(vocab=6, draft_vocab=5)
     prompts = _prompts([3, 9, 5, 1, 7, 4, 2], 6)
-    one = RolloutEngine(target, draft, max_batch_size=8, max_seq_len=40, max_draft_tokens=3)
+    one = RolloutEngine(target, draft, max_batch_size=8, max_seq_len=40, max_draft_tokens=3, block_size=4)
     per_sequence = _per_sequence(target.args, draft.args, 40, 3, itemsize=4)
-    waves = RolloutEngine(target, draft, max_batch_size=8, max_seq_len=40, max_draft_tokens=3,
-                          kv_cache_gib=3.5 * per_sequence / GIB)
-    assert waves.max_batch_size == 3
+    limited = RolloutEngine(target, draft, max_batch_size=8, max_seq_len=40, max_draft_tokens=3, block_size=4,
+                            kv_cache_gib=3.5 * per_sequence / GIB, paged=paged)
+    assert limited.max_batch_size == (8 if paged else 3)
     eos = _eos_for_some_rows(one.generate(prompts, SamplingParams(temperature=0, max_new_tokens=24)).tokens)
     params = SamplingParams(temperature=0, max_new_tokens=24, eos_token_id=eos)
     calls = []
     want = one.generate(prompts, params, draft_tokens=k)
-    got = waves.generate(prompts, params, draft_tokens=k, progress=lambda done, total: calls.append((done, total)))
+    got = limited.generate(prompts, params, draft_tokens=k, progress=lambda done, total: calls.append((done, total)))
     assert want.finished.any() and not want.finished.all()
     for name in ("prompt_lens", "tokens", "response_lens", "finished"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
@@ -106,10 +135,30 @@ def test_waves_decode_what_one_batch_decodes(k):
     assert got.stats.new_tokens == want.stats.new_tokens
     assert got.stats.acceptance_length == pytest.approx(want.stats.acceptance_length, rel=1e-6)
     assert got.stats.acceptance_rate == pytest.approx(want.stats.acceptance_rate, rel=1e-6)
-    assert got.stats.target_forwards > want.stats.target_forwards  # the waves' rounds add up
-    # Progress counts the whole call: never falls, reaches 3 after the first wave, ends at 7.
-    assert {t for _, t in calls} == {7} and calls[-1] == (7, 7) and (3, 7) in calls
+    assert got.stats.target_forwards > want.stats.target_forwards  # sequences waited for room
+    assert 0 < got.stats.kv_peak_bytes <= 3.5 * per_sequence
+    # Progress counts the whole call: never falls and ends at 7; waves report 3 after the first.
+    assert {t for _, t in calls} == {7} and calls[-1] == (7, 7)
     assert all(a <= b for (a, _), (b, _) in zip(calls, calls[1:]))
+    assert paged or (3, 7) in calls
+
+
+def test_a_group_shares_its_prompt_blocks():
+    """G greedy samples of one prompt are one sequence G times. Their prompt's full blocks
+    are held once: the peak is G x one sample's, less (G - 1) x the shared blocks, and the
+    samples equal a lone sample's."""
+    target, draft = _models(vocab=6, draft_vocab=5)
+    prompt = _prompts([10], 6, seed=2)
+    engine = RolloutEngine(target, draft, max_batch_size=8, max_seq_len=40, max_draft_tokens=3, block_size=4)
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+    alone = engine.generate(prompt, params)
+    group = engine.generate(prompt, params, samples_per_prompt=5)
+    assert torch.equal(group.tokens, alone.tokens.expand(5, -1))
+    torch.testing.assert_close(group.logprobs, alone.logprobs.expand(5, -1), rtol=1e-5, atol=1e-5)
+    shared = (10 - 1) // 4  # blocks wholly before the prompt's last position
+    assert group.stats.kv_peak_bytes == 5 * alone.stats.kv_peak_bytes - 4 * shared * engine.kv_block_bytes
+    static = RolloutEngine(target, draft, max_batch_size=8, max_seq_len=40, max_draft_tokens=3, paged=False)
+    assert torch.equal(static.generate(prompt, params, samples_per_prompt=5).tokens, group.tokens)
 
 
 def test_grouped_decode_attention_equals_sdpa(monkeypatch):
@@ -159,26 +208,32 @@ def test_the_engine_on_the_simulated_accelerator(source):
         device = sim_device()
         target, draft = _tiny_models(device if source == "device" else "cpu")
         per_sequence = _per_sequence(target.args, draft.args, 64, 3, itemsize=2)
+        gib = 5.5 * per_sequence / GIB
         engine = RolloutEngine.from_models(target, draft, device=device, max_batch_size=8, max_seq_len=64,
-                                           max_draft_tokens=3, kv_cache_gib=5.5 * per_sequence / GIB)
+                                           max_draft_tokens=3, kv_cache_gib=gib)
         tensors = [*engine.policy.state_dict().values(), *engine.draft.state_dict().values(),
                    engine.policy.rope_inv_freq, engine.draft.rope_inv_freq]
         assert all(isinstance(t, FakeTensor) and t.device == device for t in tensors)
         assert engine.policy.embed_tokens.weight.dtype == engine.draft.fc.weight.dtype == torch.bfloat16
         assert engine.policy.rope_inv_freq.dtype == torch.float32
         assert engine.draft.d2t.device == engine.draft.t2d.device == device
-        assert engine.max_batch_size == 5
-        assert _kv_bytes(engine) == 5 * per_sequence
-        assert engine.target_cache.k.dtype == engine.draft_cache.k.dtype == torch.bfloat16
+        chain, block = 8 * _chain(draft.args, 3, 2), 16 * _per_position(target.args, draft.args, 2)
+        blocks = (int(gib * GIB) - chain) // block
+        assert engine.max_batch_size == 8 and engine.target_pool.n_blocks == blocks
+        assert _kv_bytes(engine) == blocks * block + chain
+        assert engine.target_pool.k.dtype == engine.draft_pool.k.dtype == torch.bfloat16
 
         start = torch.full((5,), 10, device=device)
+        table = torch.arange(1, 11, device=device).view(5, 2)  # 32 positions a row
+        target_cache = engine.target_pool.view(table)
+        draft_cache = DraftKVCache(engine.draft_pool.view(table), engine.chain_k[:5], engine.chain_v[:5])
         out = engine.policy.forward_cached(torch.zeros(5, 4, dtype=torch.int64, device=device),
-                                           engine.target_cache, start, return_taps=True)
+                                           target_cache, start, return_taps=True)
         assert out.logits.shape == (5, 4, target.args.vocab_size)
         embeds = engine.draft.embed(None, engine.policy.embed_tokens(torch.zeros(5, 4, dtype=torch.int64,
                                                                                  device=device)))
-        hidden = engine.draft.extend(torch.cat(out.taps, -1), embeds, start, engine.draft_cache)
-        hidden = engine.draft.chain_step(embeds[:, 0], hidden[:, 0], start, 2, engine.draft_cache)
+        hidden = engine.draft.extend(torch.cat(out.taps, -1), embeds, start, draft_cache)
+        hidden = engine.draft.chain_step(embeds[:, 0], hidden[:, 0], start, 2, draft_cache)
         assert hidden.shape == (5, draft.args.dim) and hidden.dtype == torch.bfloat16
 
 

@@ -48,7 +48,7 @@ def _tp_engine_matches_one_rank(rank: int, world_size: int) -> None:
                                        max_draft_tokens=3, tp_mesh=tp)
     q_proj = engine.policy.layers[0].self_attn.q_proj.weight
     assert isinstance(q_proj, DTensor) and q_proj.to_local().shape[0] == q_proj.shape[0] // world_size
-    assert engine.target_cache.k.shape[2] == target.args.n_kv_heads // world_size
+    assert engine.target_pool.k.shape[3] == target.args.n_kv_heads // world_size
     assert engine.policy.lm_head.weight is engine.policy.embed_tokens.weight or not target.args.tie_embeddings
 
     prompts = _prompts([3, 7, 2, 5, 4], 64, seed=1)
@@ -69,7 +69,7 @@ def _tp_engine_matches_one_rank(rank: int, world_size: int) -> None:
 
     # Released and refreshed from other weights, it follows them like a fresh one-rank engine.
     engine.release()
-    assert engine.target_cache.k.untyped_storage().nbytes() == 0 and q_proj.to_local().untyped_storage().nbytes() == 0
+    assert engine.target_pool.k.untyped_storage().nbytes() == 0 and q_proj.to_local().untyped_storage().nbytes() == 0
     new_target, new_draft = _models(8)
     engine.load_weights(new_target.state_dict(), new_draft.state_dict())
     fresh = RolloutEngine(new_target, new_draft, max_batch_size=5, max_seq_len=40, max_draft_tokens=3)

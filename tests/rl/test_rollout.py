@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from tests.multiprocess import run_on_ranks
 from titan_cotrain.models.args import model_args_for
-from titan_cotrain.models.draft import Draft, DraftArgs, draft_vocab_from_counts
+from titan_cotrain.models.draft import Draft, DraftArgs, DraftKVCache, draft_vocab_from_counts
 from titan_cotrain.models.transformer import Transformer
 from titan_cotrain.rl import rollout
 from titan_cotrain.rl.rollout import RolloutEngine
@@ -85,7 +85,10 @@ def test_drafting_computes_the_ttt_passes():
         ttt = draft(taps.flatten(0, 1), embeds.flatten(0, 1), tokens.flatten(), torch.arange(14).repeat(2), cu, select)
 
         anchors = torch.tensor([6, 9])
-        cache = draft.new_kv_cache(2, 32, chain_len=depth - 1)
+        # Paged trunk, blocks of 4 positions out of order; chains for passes 2..depth.
+        table = torch.tensor([[5, 2, 7, 1, 3, 8, 4, 6], [9, 11, 10, 12, 14, 13, 16, 15]])
+        chain = [torch.zeros(2, depth - 1, draft.args.n_kv_heads, draft.args.head_dim) for _ in range(2)]
+        cache = DraftKVCache(draft.new_kv_pool(17, 4).view(table), *chain)
         width = int(anchors.max()) + 1  # row 0 writes stale slots past its anchor, which it must not see
         hidden = draft.extend(taps[:, :width], embeds[:, 1:width + 1], torch.zeros(2, dtype=torch.int64), cache)
         rows = torch.arange(2)
@@ -168,14 +171,18 @@ def _first_tokens_test(params: SamplingParams, k: int, n_samples: int) -> float:
     grid = torch.cartesian_prod(*[torch.arange(vocab)] * m)  # [vocab^m, m], first token slowest
     seqs = torch.cat([prompt.expand(len(grid), -1), grid], 1)
     with torch.no_grad():
-        logits = target.forward_cached(seqs, target.new_kv_cache(len(grid), seqs.shape[1]),
+        logits = target.forward_cached(seqs, target.new_kv_pool(len(grid), seqs.shape[1]).rows(0, len(grid)),
                                        torch.zeros(len(grid), dtype=torch.int64))[:, len(prompt) - 1: -1]
     logp = processed_logits(logits, params).log_softmax(-1).gather(-1, grid.unsqueeze(-1)).squeeze(-1)
     exact = logp.sum(-1).exp()
 
-    engine = RolloutEngine(target, draft, max_batch_size=n_samples, max_seq_len=len(prompt) + m, max_draft_tokens=k)
+    # Groups of 100 samples sharing their prompt's first block (blocks of 2 positions), a
+    # running batch of a fifth of them: copy-on-write and continuous batching are in the path.
+    engine = RolloutEngine(target, draft, max_batch_size=n_samples // 5, max_seq_len=len(prompt) + m,
+                           max_draft_tokens=k, block_size=2)
     params = SamplingParams(params.temperature, params.top_k, params.top_p, max_new_tokens=m)
-    out = engine.generate([prompt] * n_samples, params, generator=torch.Generator().manual_seed(0))
+    out = engine.generate([prompt] * (n_samples // 100), params, samples_per_prompt=100,
+                          generator=torch.Generator().manual_seed(0))
     assert min(out.stats.acceptance_rate) > 0.1  # drafts are accepted and rejected: the rule matters
     cell = (out.tokens * vocab ** torch.arange(m - 1, -1, -1)).sum(-1)
     return _chi_square_p_value(torch.bincount(cell, minlength=vocab**m), exact)
@@ -267,7 +274,7 @@ def test_load_weights_refreshes_in_place():
     old_target, old_draft = _models(vocab=6, draft_vocab=5, seed=0)
     new_target, new_draft = _models(vocab=6, draft_vocab=5, seed=10)
     engine = RolloutEngine(old_target, old_draft, max_batch_size=4, max_seq_len=24, max_draft_tokens=2)
-    caches = (engine.target_cache.k.data_ptr(), engine.draft_cache.k.data_ptr())
+    caches = (engine.target_pool.k.data_ptr(), engine.draft_pool.k.data_ptr())
     prompts = _prompts([3, 5, 2], 6)
     params = SamplingParams(temperature=0, max_new_tokens=12)
     before = engine.generate(prompts, params)
@@ -276,7 +283,7 @@ def test_load_weights_refreshes_in_place():
     fresh = RolloutEngine(new_target, new_draft, max_batch_size=4, max_seq_len=24, max_draft_tokens=2)
     assert torch.equal(after.tokens, fresh.generate(prompts, params).tokens)
     assert not torch.equal(after.tokens, before.tokens)
-    assert (engine.target_cache.k.data_ptr(), engine.draft_cache.k.data_ptr()) == caches
+    assert (engine.target_pool.k.data_ptr(), engine.draft_pool.k.data_ptr()) == caches
     with pytest.raises(KeyError, match="missing"):
         engine.load_weights({k: v for k, v in new_target.state_dict().items() if "layers.0." not in k})
 

@@ -248,18 +248,29 @@ class Rollout:
 
     compile: bool = False
     """``torch.compile`` the engine's fixed-shape steps (target decode / verify, the draft's
-    chain step and catch-up), one graph per ``(batch, k)``; on a GPU with
+    chain step and catch-up), one graph per ``(rows, k, block-table width)``; on a GPU with
     ``mode="reduce-overhead"`` (CUDA graphs). The prefill (ragged prompt width) stays eager."""
 
     kv_cache_gib: float = 0.0
-    """GiB per rank for the rollout engine's KV caches (target + draft). They then hold
-    ``floor(kv_cache_gib / per-sequence bytes)`` sequences, at most the
-    ``prompts_per_step / dp x group_size`` a rank generates; the rest decode in later waves.
-    Per sequence, with ``S = [training] seq_len`` and ``k = draft_tokens``: ``2 (keys, values)
-    x bytes per element x (target layers x kv heads / tensor_parallel_degree x head dim x
-    (S + k + 1) + draft kv heads x head dim x (S + 2k))``.
-    The caches and the engine's weights are bf16 on an accelerator and fp32 on CPU (no key
-    sets it). 0 sizes the caches for the whole batch at once."""
+    """GiB per rank for the rollout engine's KV cache (target + draft): a pool of
+    ``kv_block_size``-position blocks (``titan_cotrain.models.kv_cache``) that sequences take
+    as they grow and give back when they finish; a GRPO group's samples share their prompt's
+    blocks. Sequences enter the running batch while the pool can hold them at their longest,
+    the rest as others finish (continuous batching). One position costs ``2 (keys, values) x
+    bytes per element x (target layers x kv heads / tensor_parallel_degree x head dim + draft
+    kv heads x head dim)``; beside the pool each row keeps ``k - 1`` draft chain slots
+    (``k = draft_tokens``). The caches and the engine's weights are bf16 on an accelerator and
+    fp32 on CPU (no key sets it). 0 sizes the pool for the rank's whole batch at its longest
+    (``S + k + 1`` positions a sequence, ``S = [training] seq_len``)."""
+
+    kv_block_size: int = 16
+    """Positions per KV block. Smaller blocks waste less of a sequence's last block and share
+    more of a prompt; larger ones mean fewer table entries and bigger copies."""
+
+    paged: bool = True
+    """false: the static layout instead, one whole-sequence cache row per sequence, prompts in
+    waves of what the budget holds, each sample prefilled on its own; no block gather in the
+    decode attention (the fallback where that gather costs more than the memory it saves)."""
 
 
 @dataclass

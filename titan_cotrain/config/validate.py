@@ -112,6 +112,8 @@ def _range_errors(config) -> list[str]:
         ("rollout.top_p", ro.top_p, 0 < ro.top_p <= 1, "in (0, 1]"),
         ("rollout.top_k", ro.top_k, ro.top_k >= 0, ">= 0 (0 = off)"),
         ("rollout.draft_tokens", ro.draft_tokens, ro.draft_tokens >= 0, ">= 0"),
+        ("rollout.kv_block_size", ro.kv_block_size, ro.kv_block_size >= 1, ">= 1"),
+        ("rollout.kv_cache_gib", ro.kv_cache_gib, ro.kv_cache_gib >= 0, ">= 0 (0 = the whole batch)"),
         ("task.sft_steps", config.task.sft_steps, config.task.sft_steps >= 0, ">= 0"),
         ("task.sft_batch_size", config.task.sft_batch_size, config.task.sft_batch_size >= 1, ">= 1"),
         ("task.eval_size", config.task.eval_size, config.task.eval_size >= 0, ">= 0"),

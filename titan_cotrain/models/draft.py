@@ -16,7 +16,6 @@ unless the draft's hidden size differs from the target's, in which case the draf
 exporter maps them one to one.
 """
 
-import copy
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from torch import nn
 
 from titan_cotrain.data.packing import shift_in_document
 from titan_cotrain.models.args import ModelArgs, RopeScaling
-from titan_cotrain.models.kv_cache import cached_attention
+from titan_cotrain.models.kv_cache import KVPool, PagedKV, RowsKV, cached_attention
 from titan_cotrain.models.transformer import (
     FeedForward,
     RMSNorm,
@@ -180,46 +179,52 @@ class DraftLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+@dataclass
 class DraftKVCache:
-    """The draft's static inference cache: ``k, v [B, Hkv, max_len + chain_len, Dh]``, allocated once.
+    """The draft's drafting cache for a batch of ``B`` sequences.
 
-    Slots ``[0, max_len)`` are the *trunk*: slot ``j`` holds the pass-1 key/value of anchor
-    ``j`` (RoPE position ``j``). Slot ``max_len + c`` is the *chain*'s: the key/value of pass
-    ``c + 2`` at the current drafting anchor, overwritten every drafting round. Each row is
-    one sequence and advances on its own.
+    The *trunk* is paged like the target's cache (a one-layer ``KVPool`` with the target's
+    block tables, ``trunk``): position ``j`` holds the pass-1 key/value of anchor ``j``
+    (RoPE position ``j``). The *chain*, ``chain_k, chain_v [B, chain_len, Hkv, Dh]``, holds
+    the keys/values of passes ``2 .. chain_len + 1`` at the current drafting anchor,
+    overwritten every drafting round. A query sees ``n_slots`` slots: the ``max_len =
+    trunk.width`` trunk positions, then the chain's.
     """
 
-    def __init__(self, batch: int, max_len: int, chain_len: int, n_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
-        shape = (batch, n_kv_heads, max_len + chain_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.max_len = max_len
+    trunk: PagedKV | RowsKV
+    chain_k: torch.Tensor
+    chain_v: torch.Tensor
 
     @property
-    def batch(self) -> int:
-        return self.k.shape[0]
+    def max_len(self) -> int:
+        return self.trunk.width
 
     @property
     def n_slots(self) -> int:
-        return self.k.shape[2]
+        return self.max_len + self.chain_k.shape[1]
 
-    def rows(self, batch: int, trunk_len: int | None = None) -> "DraftKVCache":
-        """A view of the first ``batch`` sequences: same storage, nothing allocated. With
-        ``trunk_len``, only their first ``trunk_len`` trunk slots and no chain: what a
-        prefill over ``trunk_len`` anchors touches, so it attends to that many keys."""
-        view = copy.copy(self)
-        view.k, view.v = self.k[:batch, :, :trunk_len], self.v[:batch, :, :trunk_len]
-        if trunk_len is not None:
-            view.max_len = trunk_len
-        return view
+    def _with_chain(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.cat([keys, self.chain_k.transpose(1, 2)], 2),
+                torch.cat([values, self.chain_v.transpose(1, 2)], 2))
+
+    def write_trunk(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``k, v [B, s, Hkv, Dh]`` at trunk ``positions [B, s]``; return every slot's
+        ``keys, values [B, Hkv, n_slots, Dh]``."""
+        return self._with_chain(*self.trunk.write(0, positions, k, v))
+
+    def write_chain(self, index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``k, v [B, 1, Hkv, Dh]`` in chain slot ``index``; return every slot's keys/values."""
+        self.chain_k[:, index] = k[:, 0].to(self.chain_k.dtype)
+        self.chain_v[:, index] = v[:, 0].to(self.chain_v.dtype)
+        return self._with_chain(*self.trunk.read(0))
 
 
 class Draft(nn.Module):
     """The EAGLE-3 draft model.
 
     ``forward`` runs the whole TTT unroll over packed tokens (training); ``forward_pass``
-    is one pass of it. Drafting at rollout time runs the same passes against a static
+    is one pass of it. Drafting at rollout time runs the same passes against a
     ``DraftKVCache``: ``extend`` (pass 1 over newly committed positions) and ``chain_step``
     (pass ``d >= 2`` at the last one), batched over sequences at their own offsets.
     """
@@ -347,11 +352,11 @@ class Draft(nn.Module):
             logits.append(score(d, hidden, self.logits) if score is not None else self.logits(hidden[select[d - 1]]))
         return logits
 
-    def new_kv_cache(self, batch: int, max_len: int, chain_len: int, dtype: torch.dtype | None = None) -> DraftKVCache:
-        """A static drafting cache: ``max_len`` trunk positions, ``chain_len`` (= k - 1) chain slots."""
+    def new_kv_pool(self, n_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> KVPool:
+        """The trunk's block pool (one layer), to be read through the target's block tables."""
         a = self.args
-        return DraftKVCache(batch, max_len, chain_len, a.n_kv_heads, a.head_dim, dtype or self.fc.weight.dtype,
-                            self.fc.weight.device)
+        return KVPool(1, n_blocks, block_size, a.n_kv_heads, a.head_dim, dtype or self.fc.weight.dtype,
+                      self.fc.weight.device)
 
     def extend(self, taps: torch.Tensor, embeds: torch.Tensor, start_pos: torch.Tensor,
                cache: DraftKVCache) -> torch.Tensor:
@@ -372,7 +377,8 @@ class Draft(nn.Module):
         positions = start_pos.view(b, 1).to(torch.int64) + torch.arange(s, device=embeds.device)
         slot = torch.arange(cache.n_slots, device=embeds.device)
         visible = (slot < cache.max_len) & (slot <= positions.unsqueeze(-1))  # [B, s, slots]
-        return self._cached_pass(embeds, self.fuse(taps), positions, positions, visible, cache)
+        return self._cached_pass(embeds, self.fuse(taps), positions, visible,
+                                 lambda k, v: cache.write_trunk(positions, k, v))
 
     def chain_step(self, embeds: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor, depth: int,
                    cache: DraftKVCache) -> torch.Tensor:
@@ -390,23 +396,20 @@ class Draft(nn.Module):
         slot = torch.arange(cache.n_slots, device=device)
         trunk = slot <= anchor.view(b, 1)
         chain = (slot >= cache.max_len) & (slot < cache.max_len + depth - 1)
-        chain_slot = torch.full((b, 1), cache.max_len + depth - 2, dtype=torch.int64, device=device)
-        out = self._cached_pass(embeds.unsqueeze(1), hidden.unsqueeze(1), positions, chain_slot,
-                                (trunk | chain).unsqueeze(1), cache)
+        out = self._cached_pass(embeds.unsqueeze(1), hidden.unsqueeze(1), positions, (trunk | chain).unsqueeze(1),
+                                lambda k, v: cache.write_chain(depth - 2, k, v))
         return out.squeeze(1)
 
-    def _cached_pass(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                     visible: torch.Tensor, cache: DraftKVCache) -> torch.Tensor:
+    def _cached_pass(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                     visible: torch.Tensor, write: Callable) -> torch.Tensor:
         """One pass over ``[B, s]`` queries (``embeds, hidden [B, s, H]``, RoPE ``positions [B, s]``):
-        write its keys/values to cache ``slots [B, s]``, then attend to the slots that
+        ``write(k, v)`` stores its keys/values ``[B, s, Hkv, Dh]`` and returns the cache's
+        ``[B, Hkv, n_slots, Dh]``, of which the queries attend to the slots that
         ``visible: bool [B, s, n_slots]`` allows. Returns ``[B, s, H]``."""
         layer, attn = self.midlayer, self.midlayer.self_attn
         b, s, _ = hidden.shape
         cos, sin = self.rope(positions.reshape(-1), hidden.dtype)
         q, k, v = attn.qkv(layer.attention_input(embeds, hidden).reshape(b * s, -1), cos, sin)
-        rows = torch.arange(b, device=slots.device).unsqueeze(1)
-        # The two index tensors sandwich the head slice, so the indexed shape is [B, s, Hkv, Dh].
-        cache.k[rows, :, slots] = k.view(b, s, *k.shape[1:]).to(cache.k.dtype)
-        cache.v[rows, :, slots] = v.view(b, s, *v.shape[1:]).to(cache.v.dtype)
-        out = cached_attention(q.view(b, s, *q.shape[1:]), cache.k, cache.v, visible)
+        keys, values = write(k.view(b, s, *k.shape[1:]), v.view(b, s, *v.shape[1:]))
+        out = cached_attention(q.view(b, s, *q.shape[1:]), keys, values, visible)
         return layer.finish(hidden, out)

@@ -1,67 +1,134 @@
-"""Static, preallocated KV cache for the target's inference forward, and the attention of
-new queries against a cache (the target's and the draft's decode path).
+"""Paged KV cache for the target's inference forward (and the draft's trunk), and the
+attention of new queries against a cache (the target's and the draft's decode path).
 
-Caches are head-major, ``[..., B, Hkv, L, Dh]``: one sequence's keys of one KV head are
-contiguous, so the grouped attention below batches over ``B * Hkv`` without copying the
-cache, and the layout is the one SDPA and decode kernels read.
+A ``KVPool`` is one tensor of fixed-size *blocks* per keys and values, token-major inside a
+block, ``[n_layers, n_blocks, block_size, Hkv, Dh]`` (the layout paged decode kernels read).
+A sequence owns a list of blocks, its *block table*: position ``p`` lives in block
+``table[p // block_size]`` at offset ``p % block_size``. Blocks are handed out and taken
+back by the engine's scheduler (``titan_cotrain.rl.kv_blocks``), so a sequence holds
+memory for the positions it has reached, and sequences of a GRPO group can point at the
+same prompt blocks. Block 0 is the *scratch* block: table entries past what a sequence
+owns point there, so the writes of padding and of finished rows land where nobody reads.
+
+``KVPool.view`` gives the batch-shaped ``PagedKV`` a forward writes and attends through.
 """
 
 from __future__ import annotations
 
-import copy
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from titan_cotrain.ops.attention import lse_dtype
 
-__all__ = ["KVCache", "cached_attention"]
+__all__ = ["SCRATCH_BLOCK", "KVPool", "PagedKV", "RowsKV", "cached_attention"]
+
+SCRATCH_BLOCK = 0
 
 
-class KVCache:
-    """Keys and values ``[n_layers, B, Hkv, max_len, Dh]``, allocated once.
+class KVPool:
+    """Keys and values ``[n_layers, n_blocks, block_size, Hkv, Dh]``, allocated once (zeros:
+    padding reads finite values)."""
 
-    Slot ``[layer, b, :, p]`` holds the keys of sequence ``b`` at position ``p``. Writes go
-    to explicit per-sequence positions, so sequences advance independently.
-    """
-
-    def __init__(
-        self, n_layers: int, batch: int, max_len: int, n_kv_heads: int, head_dim: int,
-        dtype: torch.dtype, device: torch.device | str,
-    ) -> None:
-        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
+    def __init__(self, n_layers: int, n_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        if n_blocks < 2 or block_size < 1:
+            raise ValueError(f"a pool needs the scratch block and one more ({n_blocks} blocks) of >= 1 "
+                             f"positions ({block_size})")
+        shape = (n_layers, n_blocks, block_size, n_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
     @property
-    def max_len(self) -> int:
-        return self.k.shape[3]
-
-    @property
-    def batch(self) -> int:
+    def n_blocks(self) -> int:
         return self.k.shape[1]
 
-    def rows(self, batch: int, length: int | None = None) -> KVCache:
-        """A view of the first ``batch`` sequences and (optionally) their first ``length``
-        positions: same storage, nothing allocated. A prefill over ``length`` positions
-        attends to that many keys instead of the whole cache."""
-        view = copy.copy(self)
-        view.k, view.v = self.k[:, :batch, :, :length], self.v[:, :batch, :, :length]
-        return view
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[2]
 
-    def write(
-        self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``k, v [B, s, Hkv, Dh]`` at ``positions [B, s]``; return the layer's full
-        ``keys, values [B, Hkv, max_len, Dh]``."""
+    def bytes_per_block(self) -> int:
+        return 2 * self.k[:, 0].numel() * self.k.element_size()
+
+    def view(self, table: torch.Tensor) -> PagedKV:
+        """The sequences of ``table: int64 [B, nb]`` (block ids, row ``b`` = sequence ``b``)."""
+        return PagedKV(self, table)
+
+    def rows(self, first: int, batch: int, width: int | None = None) -> RowsKV:
+        """Blocks ``first .. first + batch - 1`` as sequences ``0 .. batch - 1``, one block
+        each: the static layout, read without a gather (see ``RowsKV``)."""
+        return RowsKV(self, first, batch, width or self.block_size)
+
+    @torch.no_grad()
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Block ``dst[i]`` <- block ``src[i]`` in every layer (copy-on-write)."""
+        for t in (self.k, self.v):
+            t[:, dst] = t[:, src]
+
+
+@dataclass
+class PagedKV:
+    """A batch's view of a ``KVPool``: ``table [B, nb]`` maps each sequence's logical blocks
+    to the pool's. What a forward sees is the first ``width = nb * block_size`` positions of
+    every sequence; it must write only below that."""
+
+    pool: KVPool
+    table: torch.Tensor
+
+    @property
+    def width(self) -> int:
+        return self.table.shape[1] * self.pool.block_size
+
+    def _where(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        bs = self.pool.block_size
+        return self.table.gather(1, positions // bs), positions % bs
+
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``k, v [B, s, Hkv, Dh]`` at ``positions [B, s]`` (each ``< width``) and return
+        the layer's ``keys, values [B, Hkv, width, Dh]``: the sequences' blocks gathered in
+        order (a copy of ``width`` positions per sequence, the ones the batch has reached;
+        on a GPU, a paged decode kernel reads the table instead)."""
+        if positions.shape[0] != self.table.shape[0]:
+            raise ValueError(f"cache view holds {self.table.shape[0]} sequences, got a batch of {positions.shape[0]}")
+        block, offset = self._where(positions)
+        self.pool.k[layer][block, offset] = k.to(self.pool.k.dtype)
+        self.pool.v[layer][block, offset] = v.to(self.pool.v.dtype)
+        return self.read(layer)
+
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        b = self.table.shape[0]
+        keys = self.pool.k[layer][self.table].view(b, self.width, *self.pool.k.shape[3:])
+        values = self.pool.v[layer][self.table].view(b, self.width, *self.pool.v.shape[3:])
+        return keys.transpose(1, 2), values.transpose(1, 2)
+
+
+@dataclass
+class RowsKV:
+    """The static layout: sequence ``b`` is the whole block ``first + b`` (a pool whose block
+    holds a sequence's every position), and a forward sees its first ``width`` positions as
+    views of the pool, nothing copied. ``write`` and ``read`` as ``PagedKV``'s."""
+
+    pool: KVPool
+    first: int
+    batch: int
+    width: int
+
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         if positions.shape[0] != self.batch:
-            raise ValueError(f"cache holds {self.batch} sequences, got a batch of {positions.shape[0]}")
-        rows = torch.arange(positions.shape[0], device=positions.device).unsqueeze(1)
-        # The two index tensors sandwich the head slice, so the indexed shape is [B, s, Hkv, Dh].
-        self.k[layer][rows, :, positions] = k.to(self.k.dtype)
-        self.v[layer][rows, :, positions] = v.to(self.v.dtype)
-        return self.k[layer], self.v[layer]
+            raise ValueError(f"cache view holds {self.batch} sequences, got a batch of {positions.shape[0]}")
+        rows = self.first + torch.arange(self.batch, device=positions.device).unsqueeze(1)
+        self.pool.k[layer][rows, positions] = k.to(self.pool.k.dtype)
+        self.pool.v[layer][rows, positions] = v.to(self.pool.v.dtype)
+        return self.read(layer)
+
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        span = slice(self.first, self.first + self.batch)
+        return (self.pool.k[layer][span, : self.width].transpose(1, 2),
+                self.pool.v[layer][span, : self.width].transpose(1, 2))
 
 
 def _use_sdpa(q: torch.Tensor) -> bool:
@@ -76,8 +143,8 @@ def cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     On CPU this is SDPA (the exact reference the tests compare against). Elsewhere SDPA with
     a boolean mask and GQA falls to its math kernel, which repeats K/V to all ``Hq`` heads
     over the whole cache; instead the ``g = Hq / Hkv`` query heads of a KV head become
-    ``g * s`` rows against that head's keys, so the only temporaries are the fp32 scores
-    ``[B, Hkv, g * s, L]`` (no K/V copy: the cache's ``B, Hkv`` dims fold into one batch dim).
+    ``g * s`` rows against that head's keys, so the temporaries are the fp32 scores
+    ``[B, Hkv, g * s, L]`` and one head-major copy of the keys and values.
     """
     b, s, hq, dh = q.shape
     hkv, length = keys.shape[1], keys.shape[2]
@@ -87,11 +154,11 @@ def cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         return out.transpose(1, 2)
     g, acc = hq // hkv, lse_dtype(q.dtype)
     rows = q.view(b, s, hkv, g, dh).permute(0, 2, 3, 1, 4).reshape(b * hkv, g * s, dh)
-    keys_t = keys.flatten(0, 1).transpose(1, 2)  # [B * Hkv, Dh, L], a view
+    keys_t = keys.reshape(b * hkv, length, dh).transpose(1, 2)  # [B * Hkv, Dh, L]
     # Half-precision scores come out of the GEMM in fp32 rather than upcasting the cache.
     scores = torch.bmm(rows, keys_t) if q.dtype == acc else torch.bmm(rows, keys_t, out_dtype=acc)
     scores = scores.mul_(1 / math.sqrt(dh)).view(b, hkv, g, s, length)
     scores.masked_fill_(~visible.view(b, 1, 1, s, length), float("-inf"))
     probs = scores.softmax(-1).to(values.dtype).view(b * hkv, g * s, length)
-    out = torch.bmm(probs, values.flatten(0, 1))  # [B * Hkv, g * s, Dh]
+    out = torch.bmm(probs, values.reshape(b * hkv, length, dh))  # [B * Hkv, g * s, Dh]
     return out.view(b, hkv, g, s, dh).permute(0, 3, 1, 2, 4).reshape(b, s, hq, dh)

@@ -10,7 +10,8 @@ Two forwards:
   ``titan_cotrain.ops.varlen_causal_attention`` on the flattened ``[B*S, H, Dh]`` tokens;
   returns logits ``[B, S, V]``, or a ``TargetOutput`` with the taps.
 * ``forward_cached(tokens [B, s], cache, start_pos [B])``: prefill / multi-token decode
-  against a static ``KVCache`` at per-sequence offsets (the rollout engine's path).
+  against a paged KV cache (``models.kv_cache``) at per-sequence offsets (the rollout
+  engine's path).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from titan_cotrain.data.packing import (
     layout_one_doc_per_row,
 )
 from titan_cotrain.models.args import ModelArgs, RopeScaling
-from titan_cotrain.models.kv_cache import KVCache, cached_attention
+from titan_cotrain.models.kv_cache import KVPool, PagedKV, RowsKV, cached_attention
 from titan_cotrain.models.taps import default_tap_layers, validate_tap_layers
 from titan_cotrain.ops.attention import packed_cu_seqlens, varlen_causal_attention
 from titan_cotrain.ops.context import active_ring
@@ -168,7 +169,7 @@ class Attention(nn.Module):
         return self.o_proj(out.flatten(-2))
 
     def forward_cached(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int, positions: torch.Tensor
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKV | RowsKV, layer: int, positions: torch.Tensor
     ) -> torch.Tensor:
         """``x [B, s, dim]`` at ``positions [B, s]``; writes k/v into ``cache`` then attends
         to every cached key at a position ``<=`` the query's own."""
@@ -301,17 +302,17 @@ class Transformer(nn.Module):
             return logits
         return TargetOutput(logits=logits, taps=tuple(taps), embeddings=h.detach())
 
-    def new_kv_cache(self, batch: int, max_len: int, dtype: torch.dtype | None = None,
-                     n_kv_heads: int | None = None) -> KVCache:
-        """A static cache for ``batch`` sequences of at most ``max_len`` tokens, of all KV
-        heads or (a tensor-parallel rank's) ``n_kv_heads`` of them."""
+    def new_kv_pool(self, n_blocks: int, block_size: int, dtype: torch.dtype | None = None,
+                    n_kv_heads: int | None = None) -> KVPool:
+        """A pool of ``n_blocks`` KV blocks of ``block_size`` positions for every layer, of all
+        KV heads or (a tensor-parallel rank's) ``n_kv_heads`` of them."""
         a = self.args
         dtype = dtype or self.embed_tokens.weight.dtype
-        return KVCache(a.n_layers, batch, max_len, n_kv_heads or a.n_kv_heads, a.head_dim, dtype,
-                       self.embed_tokens.weight.device)
+        return KVPool(a.n_layers, n_blocks, block_size, n_kv_heads or a.n_kv_heads, a.head_dim, dtype,
+                      self.embed_tokens.weight.device)
 
     def forward_cached(
-        self, tokens: torch.Tensor, cache: KVCache, start_pos: torch.Tensor, *, return_taps: bool = False,
+        self, tokens: torch.Tensor, cache: PagedKV | RowsKV, start_pos: torch.Tensor, *, return_taps: bool = False,
         logits_at: torch.Tensor | None = None,
     ) -> torch.Tensor | TargetOutput:
         """Prefill or decode ``tokens [B, s]`` at positions ``start_pos[b] + (0..s-1)``.

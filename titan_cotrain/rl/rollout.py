@@ -25,8 +25,12 @@ One round with ``k`` drafted tokens, every sequence at its own ``n``:
    and the output at ``n-1+a`` is the next round's h1; the rest are stale slots that no
    query sees before they are rewritten.
 
-All shapes are static per ``(batch, k)``: finished sequences ride along without moving and
-their outputs are dropped, so there is no Python loop over sequences.
+Batching is continuous (``rl.kv_blocks``): the engine decodes a running batch of
+``max_batch_size`` rows; between rounds, finished sequences leave it and waiting GRPO groups
+are prefilled into the free rows, one prefill per prompt for its ``G`` samples, which share
+the prompt's KV blocks. A round's shapes depend only on ``(rows, k, block-table width)``,
+the width a power of two of blocks; free rows ride along writing to the scratch block, so
+there is no Python loop over sequences on the device.
 """
 
 from __future__ import annotations
@@ -41,9 +45,10 @@ from torch.distributed.tensor import DTensor
 
 from titan_cotrain.models.args import ModelArgs
 from titan_cotrain.models.draft import Draft, DraftArgs, DraftKVCache
-from titan_cotrain.models.kv_cache import KVCache
+from titan_cotrain.models.kv_cache import PagedKV, RowsKV
 from titan_cotrain.models.transformer import Transformer, rope_inv_freq
 from titan_cotrain.parallel.engine_tp import fill_from_whole, tensor_parallel_engine_policy
+from titan_cotrain.rl.kv_blocks import Admitted, BlockAllocator, Scheduler
 from titan_cotrain.rl.rollout_state import RolloutStats, Rollouts, Sequences, StepCounters
 from titan_cotrain.rl.sampling import (
     SamplingParams,
@@ -54,7 +59,7 @@ from titan_cotrain.rl.sampling import (
     speculative_accept,
 )
 
-__all__ = ["RolloutEngine", "RolloutStats", "Rollouts", "kv_bytes_per_sequence"]
+__all__ = ["RolloutEngine", "RolloutStats", "Rollouts", "kv_bytes_per_position", "kv_bytes_per_sequence"]
 
 
 def _pad_prompts(prompts: Sequence[torch.Tensor | Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,17 +100,24 @@ def _cache_slots(max_seq_len: int, max_draft_tokens: int) -> tuple[int, int]:
     return max_seq_len + max_draft_tokens + 1, max(max_draft_tokens - 1, 0)
 
 
+def kv_bytes_per_position(policy: ModelArgs, draft: DraftArgs | None, dtype: torch.dtype,
+                          tensor_parallel: int = 1) -> int:
+    """KV bytes of one position of one sequence on one rank: keys and values of every target
+    layer (``1 / tensor_parallel`` of its KV heads) and, with a draft, of its trunk."""
+    elements = policy.n_layers * (policy.n_kv_heads // tensor_parallel) * policy.head_dim
+    if draft is not None:
+        elements += draft.n_kv_heads * draft.head_dim
+    return 2 * elements * dtype.itemsize
+
+
 def kv_bytes_per_sequence(policy: ModelArgs, draft: DraftArgs | None, max_seq_len: int, max_draft_tokens: int,
                           dtype: torch.dtype, tensor_parallel: int = 1) -> int:
-    """KV-cache bytes one sequence takes on one rank of a ``RolloutEngine``: keys and values
-    of every target layer (``1 / tensor_parallel`` of its KV heads) over ``L = max_seq_len +
-    k + 1`` positions plus, with a draft (whole on every rank), the draft's over ``L`` trunk
-    and ``k - 1`` chain slots (``k = max_draft_tokens``), in ``dtype``."""
+    """KV-cache bytes of one sequence at its longest on one rank of a ``RolloutEngine``:
+    ``kv_bytes_per_position`` over ``L = max_seq_len + k + 1`` positions, plus the draft's
+    ``k - 1`` chain slots (``k = max_draft_tokens``), in ``dtype``."""
     positions, chain = _cache_slots(max_seq_len, max_draft_tokens)
-    elements = policy.n_layers * (policy.n_kv_heads // tensor_parallel) * policy.head_dim * positions
-    if draft is not None:
-        elements += draft.n_kv_heads * draft.head_dim * (positions + chain)
-    return 2 * elements * dtype.itemsize
+    chain_bytes = 2 * draft.n_kv_heads * draft.head_dim * chain * dtype.itemsize if draft is not None else 0
+    return positions * kv_bytes_per_position(policy, draft, dtype, tensor_parallel) + chain_bytes
 
 
 _Model = TypeVar("_Model", Transformer, Draft)
@@ -140,50 +152,81 @@ class RolloutEngine:
 
     ``policy`` and ``draft`` are the engine's own inference copies (plain modules, not
     FSDP-wrapped; ``from_models`` makes them from the trainer's models); ``load_weights``
-    refreshes them in place from the trainer's state after every step. KV caches for
-    ``max_batch_size`` sequences of ``max_seq_len`` tokens (prompt + response) and chains of
-    up to ``max_draft_tokens`` are allocated here, once, in the policy's dtype. A
-    ``kv_cache_gib`` budget (0: none) lowers ``max_batch_size`` to the sequences that fit
-    (``kv_bytes_per_sequence`` each); ``generate`` runs more prompts in waves of at most
-    ``max_batch_size``, a smaller batch using the caches' leading rows.
+    refreshes them in place from the trainer's state after every step.
+
+    The KV cache (target and draft trunk) is a pool of blocks of ``block_size`` positions,
+    allocated once in the policy's dtype (``models.kv_cache``): ``kv_cache_gib`` GiB of it
+    (0: enough for ``max_batch_size`` sequences of ``max_seq_len`` tokens, prompt +
+    response, at their longest). ``max_batch_size`` is the running batch's rows; a sequence
+    holds the blocks of the positions it has reached, so a budget that would hold few
+    sequences at their longest runs more at once, and ``generate`` takes any number of
+    prompts (``rl.kv_blocks`` admits them as rows and blocks free up).
+
+    ``paged=False`` is the static layout instead: one block of ``max_seq_len + k + 1``
+    positions per row, ``max_batch_size`` lowered to the rows a budget holds, prompts in
+    waves (a wave starts when the last one has finished), no shared prompt blocks. It reads
+    the cache without gathering blocks (the fallback where no paged attention kernel exists,
+    and the benchmark's baseline).
 
     A tensor-parallel policy copy (``from_models(tp_mesh=...)``, ``parallel.engine_tp``)
-    holds ``1 / t`` of the KV heads per rank, so its caches do too; every rank of its mesh
-    calls ``generate`` with the same prompts and seed and gets the same rollouts.
+    holds ``1 / t`` of the KV heads per rank, so its pool does too; every rank of its mesh
+    calls ``generate`` with the same prompts and seed and gets the same rollouts (the
+    schedule follows the sequences' lengths, the same on every rank).
 
     ``compile`` wraps the fixed-shape steps (target decode / verify, draft chain step and
-    catch-up) in ``torch.compile``: one graph per ``(batch, k)``, worth it on GPU, slow to
-    build on CPU. The prefill (ragged prompt width) stays eager.
+    catch-up) in ``torch.compile``: one graph per ``(rows, k, table width)``, worth it on
+    GPU, slow to build on CPU. The prefill (ragged prompt width) stays eager.
     """
 
     def __init__(self, policy: Transformer, draft: Draft | None = None, *, max_batch_size: int, max_seq_len: int,
-                 max_draft_tokens: int = 4, kv_cache_gib: float = 0.0, compile: bool = False) -> None:
+                 max_draft_tokens: int = 4, kv_cache_gib: float = 0.0, block_size: int = 16, paged: bool = True,
+                 compile: bool = False) -> None:
         if draft is not None and draft.args.target_dim != policy.args.dim:
             raise ValueError(f"draft expects target width {draft.args.target_dim}, policy has {policy.args.dim}")
+        if max_batch_size < 1 or block_size < 1:
+            raise ValueError(f"max_batch_size ({max_batch_size}) and block_size ({block_size}) must be >= 1")
         self.policy, self.draft = policy.eval(), draft.eval() if draft is not None else None
         self._released: list | None = None  # what ``release`` freed
         self.max_seq_len = max_seq_len
         self.max_draft_tokens = max_draft_tokens if draft is not None else 0
+        self.paged = paged
         weight = policy.embed_tokens.weight
         dtype = weight.dtype
         self.tensor_parallel = weight.device_mesh.size() if isinstance(weight, DTensor) else 1
-        if kv_cache_gib:
-            per_sequence = kv_bytes_per_sequence(policy.args, draft.args if draft is not None else None, max_seq_len,
-                                                 self.max_draft_tokens, dtype, self.tensor_parallel)
-            fits = int(kv_cache_gib * 2**30 // per_sequence)
-            if fits < 1:
-                raise ValueError(
-                    f"[rollout] kv_cache_gib = {kv_cache_gib} holds no sequence: one needs "
-                    f"{per_sequence / 2**30:.4f} GiB ({per_sequence} bytes: max_seq_len {max_seq_len} + "
-                    f"{self.max_draft_tokens} draft tokens + 1 positions in {dtype})")
-            max_batch_size = min(max_batch_size, fits)
-        self.max_batch_size = max_batch_size
+        draft_args = draft.args if draft is not None else None
         positions, chain = _cache_slots(max_seq_len, self.max_draft_tokens)
-        self.target_cache = policy.new_kv_cache(max_batch_size, positions, dtype,
-                                                n_kv_heads=policy.args.n_kv_heads // self.tensor_parallel)
-        self.draft_cache = (
-            draft.new_kv_cache(max_batch_size, positions, chain_len=chain, dtype=dtype) if draft is not None else None
-        )
+        per_sequence = kv_bytes_per_sequence(policy.args, draft_args, max_seq_len, self.max_draft_tokens, dtype,
+                                             self.tensor_parallel)
+        per_position = kv_bytes_per_position(policy.args, draft_args, dtype, self.tensor_parallel)
+        budget = int(kv_cache_gib * 2**30)
+        self.block_size = block_size if paged else positions
+        per_block = self.block_size * per_position
+        blocks_per_sequence = -(-positions // self.block_size)
+        if not paged:
+            if budget:
+                max_batch_size = min(max_batch_size, budget // per_sequence)
+            n_blocks = max_batch_size
+        else:
+            chain_bytes = per_sequence - positions * per_position
+            n_blocks = max_batch_size * blocks_per_sequence + 1  # + the scratch block
+            if budget:
+                n_blocks = min(n_blocks, (budget - max_batch_size * chain_bytes) // per_block)
+        if budget and (max_batch_size < 1 or n_blocks - paged < blocks_per_sequence):
+            raise ValueError(
+                f"[rollout] kv_cache_gib = {kv_cache_gib} holds no sequence: one needs "
+                f"{per_sequence / 2**30:.4f} GiB ({per_sequence} bytes: max_seq_len {max_seq_len} + "
+                f"{self.max_draft_tokens} draft tokens + 1 positions in {dtype})"
+                + (f", with {max_batch_size} rows' draft chains beside it" if paged else ""))
+        self.max_batch_size = max_batch_size
+        self.kv_block_bytes = per_block
+        self.target_pool = policy.new_kv_pool(n_blocks, self.block_size, dtype,
+                                              n_kv_heads=policy.args.n_kv_heads // self.tensor_parallel)
+        self.draft_pool = self.chain_k = self.chain_v = None
+        if draft is not None:
+            self.draft_pool = draft.new_kv_pool(n_blocks, self.block_size, dtype)
+            chain_shape = (max_batch_size, chain, draft.args.n_kv_heads, draft.args.head_dim)
+            self.chain_k = torch.zeros(chain_shape, dtype=dtype, device=self.device)
+            self.chain_v = torch.zeros(chain_shape, dtype=dtype, device=self.device)
         # CUDA graphs on a GPU: a decode step is launch-bound.
         mode = "reduce-overhead" if self.device.type == "cuda" else None
         maybe_compile = (lambda fn: torch.compile(fn, dynamic=False, mode=mode)) if compile else (lambda fn: fn)
@@ -194,8 +237,8 @@ class RolloutEngine:
     @classmethod
     def from_models(cls, policy: Transformer, draft: Draft | None = None, *, device: torch.device | str,
                     dtype: torch.dtype | None = None, max_batch_size: int, max_seq_len: int,
-                    max_draft_tokens: int = 4, kv_cache_gib: float = 0.0, compile: bool = False,
-                    load: bool = True, tp_mesh: DeviceMesh | None = None) -> RolloutEngine:
+                    max_draft_tokens: int = 4, kv_cache_gib: float = 0.0, block_size: int = 16, paged: bool = True,
+                    compile: bool = False, load: bool = True, tp_mesh: DeviceMesh | None = None) -> RolloutEngine:
         """An engine with its own copies of the trainer's ``policy`` and ``draft`` on ``device``.
 
         The sources may be FSDP-wrapped (DTensor shards), plain, or on another device; they
@@ -218,7 +261,8 @@ class RolloutEngine:
             own_draft = _empty_copy(lambda: Draft(draft.args, torch.empty(d2t.shape, dtype=d2t.dtype),
                                                   torch.empty(t2d.shape, dtype=t2d.dtype)), device, dtype)
         engine = cls(own_policy, own_draft, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                     max_draft_tokens=max_draft_tokens, kv_cache_gib=kv_cache_gib, compile=compile)
+                     max_draft_tokens=max_draft_tokens, kv_cache_gib=kv_cache_gib, block_size=block_size, paged=paged,
+                     compile=compile)
         if load:
             engine.load_weights(policy.state_dict(), draft.state_dict() if draft is not None else None)
         return engine
@@ -273,99 +317,145 @@ class RolloutEngine:
             t.zero_()
 
     def cache_tensors(self) -> list[torch.Tensor]:
-        """The KV caches' storage (target and draft keys and values), for memory reports."""
-        caches = [self.target_cache] + ([self.draft_cache] if self.draft_cache is not None else [])
-        return [t for cache in caches for t in (cache.k, cache.v)]
+        """The KV caches' storage (target and draft pools, the draft's chains), for memory reports."""
+        pools = [self.target_pool] + ([self.draft_pool] if self.draft_pool is not None else [])
+        chains = [self.chain_k, self.chain_v] if self.chain_k is not None else []
+        return [t for pool in pools for t in (pool.k, pool.v)] + chains
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[torch.Tensor | Sequence[int]], params: SamplingParams, *,
-                 draft_tokens: int | None = None, generator: torch.Generator | None = None,
-                 progress: Callable[[int, int], None] | None = None,
+                 samples_per_prompt: int = 1, draft_tokens: int | None = None,
+                 generator: torch.Generator | None = None, progress: Callable[[int, int], None] | None = None,
                  max_rounds: int | None = None) -> Rollouts | None:
-        """Sample one response per prompt.
+        """Sample ``samples_per_prompt`` (``G``) responses per prompt.
 
-        ``prompts``: token ids, ragged, any number: beyond ``max_batch_size`` they run in
-        waves of that many, in order, each reusing the caches. ``draft_tokens`` is ``k``
-        (default: the engine's ``max_draft_tokens``; 0 decodes without the draft).
-        ``generator`` (on the engine's device) seeds every draw; it is consumed wave after
-        wave, so greedy results do not depend on the waves but sampled ones do (same
-        distribution, other draws). ``progress(finished, total)``, if given, is called after
-        every decoding round with the number of finished responses of the whole call.
-        ``max_rounds``: run the first wave only, exactly that many decoding rounds, and
-        return None, reading nothing back from the device (the scale simulator's bounded
-        rollout, whose device values are unknown; memory repeats from wave to wave).
+        ``prompts``: token ids, ragged, any number. Row ``i * G + g`` of the result is sample
+        ``g`` of prompt ``i``; a prompt is prefilled once for its ``G`` samples (they share its
+        KV blocks; the static layout prefills each). ``draft_tokens`` is ``k`` (default: the
+        engine's ``max_draft_tokens``; 0 decodes without the draft). ``generator`` (on the
+        engine's device) seeds every draw; greedy results do not depend on the schedule,
+        sampled ones do (same distribution, other draws). ``progress(finished, total)``, if
+        given, is called after every decoding round with the number of finished responses.
+        ``max_rounds``: admit what fits the empty batch, run exactly that many decoding rounds
+        and return None, reading nothing back from the device (the scale simulator's bounded
+        rollout, whose device values are unknown; every row is taken to commit ``k + 1``
+        tokens a round, the most blocks it can need).
         """
         if self._released is not None:
             raise RuntimeError("the engine's weights and caches were released: load_weights first")
         k = self.max_draft_tokens if draft_tokens is None else draft_tokens
         if not 0 <= k <= self.max_draft_tokens:
             raise ValueError(f"draft_tokens must be in 0..{self.max_draft_tokens} for this engine, got {k}")
+        if samples_per_prompt < 1:
+            raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
         prompt, prompt_lens = _pad_prompts(prompts)
         if prompt.shape[1] + params.max_new_tokens > self.max_seq_len:
             raise ValueError(f"longest prompt ({prompt.shape[1]}) + max_new_tokens ({params.max_new_tokens}) "
                              f"exceeds the engine's max_seq_len {self.max_seq_len}")
+        samples = samples_per_prompt
+        if not self.paged and samples > 1:  # the static layout has no shared blocks: G prompts
+            prompt, prompt_lens, samples = prompt.repeat_interleave(samples, 0), prompt_lens.repeat_interleave(samples), 1
+        total = len(prompt_lens) * samples
+        allocator = BlockAllocator(self.target_pool.n_blocks, scratch=self.paged)
+        scheduler = Scheduler(allocator, self.block_size, self.max_batch_size, prompt_lens.tolist(), samples,
+                              params.max_new_tokens, k, waves=not self.paged)
         draft_to_target = self.draft.d2t + torch.arange(self.draft.args.draft_vocab_size, device=self.device) if k else None
         counters = StepCounters(synchronize=torch.get_device_module(self.device).synchronize)
-        total, waves = len(prompt_lens), []
-        for start in range(0, total, self.max_batch_size):
-            lens = prompt_lens[start: start + self.max_batch_size]
-            report = None if progress is None else (lambda done, _, start=start: progress(start + done, total))
-            waves.append(self._generate_wave(prompt[start: start + len(lens), : int(lens.max())].to(self.device),
-                                             lens.to(self.device), k, params, generator, draft_to_target, counters,
-                                             report, max_rounds))
-            if max_rounds is not None:
-                return None
-        seqs = Sequences.cat(waves)
-        return seqs.result(prompt_lens.to(self.device), params.max_new_tokens,
-                           counters.stats(int(seqs.response_len.sum()), k))
-
-    def _generate_wave(self, prompt: torch.Tensor, prompt_lens: torch.Tensor, k: int, params: SamplingParams,
-                       generator, draft_to_target: torch.Tensor | None, counters: StepCounters,
-                       progress: Callable[[int, int], None] | None, max_rounds: int | None = None) -> Sequences:
-        """Decode ``prompt [b, P]`` (``b <= max_batch_size``) to the end in the caches' first ``b`` rows."""
-        b = prompt.shape[0]
-        target_cache = self.target_cache.rows(b)
-        draft_cache = self.draft_cache.rows(b) if k else None
-        seqs = Sequences.start(prompt_lens, params.max_new_tokens, k)
-        with counters.timed("prefill"):
-            self._prefill(seqs, prompt, prompt_lens, params, generator, target_cache, draft_cache)
+        seqs = Sequences.start(self.max_batch_size, total, params.max_new_tokens, k,
+                               self.draft.args.dim if k else 0, self.device)
         rounds = 0
-        # The one host sync per round (none with max_rounds).
-        while (rounds < max_rounds) if max_rounds is not None else bool(seqs.active.any()):
-            rounds += 1
+        while not scheduler.done():
+            admitted = scheduler.admit()
+            if admitted:
+                with counters.timed("prefill"):
+                    self._prefill(seqs, scheduler, admitted, prompt, params, generator, k)
+            scheduler.grow()
+            target_cache, draft_cache = self._caches(scheduler, k)
             if k:
                 self._speculative_round(seqs, k, params, generator, target_cache, draft_cache, draft_to_target,
                                         counters)
             else:
                 with counters.timed("verify"):
                     self._decode_one_token(seqs, params, generator, target_cache, counters)
+            rounds += 1
+            if max_rounds is not None:
+                if rounds == max_rounds:
+                    return None
+                scheduler.after_round()
+                continue
+            # The one host sync per round.
+            length, active = torch.stack([seqs.length, seqs.active.long()]).tolist()
+            seqs.retire(scheduler.retire(length, [bool(a) for a in active]), self.device)
             if progress is not None:
-                progress(b - int(seqs.active.sum()), b)
-        return seqs
+                progress(scheduler.retired, total)
+        stats = counters.stats(int(seqs.out_len.sum()), k, kv_peak_bytes=allocator.peak * self.kv_block_bytes)
+        return seqs.result(prompt_lens.repeat_interleave(samples).to(self.device), params.max_new_tokens, stats)
 
-    def _prefill(self, seqs: Sequences, prompt: torch.Tensor, prompt_lens: torch.Tensor, params: SamplingParams,
-                 generator, target_cache: KVCache, draft_cache: DraftKVCache | None) -> None:
-        """Target forward over the (right-padded) prompts, the first response token, and,
-        when drafting, TTT pass 1 over the prompt positions. Both attend only to the first
-        ``P`` cache positions (views), not the whole cache."""
-        b, width = prompt.shape
-        rows = torch.arange(b, device=prompt.device)
-        last = prompt_lens - 1
-        out = self.policy.forward_cached(prompt, target_cache.rows(b, width), torch.zeros_like(prompt_lens),
-                                         return_taps=draft_cache is not None, logits_at=last)
-        logits = processed_logits((out.logits if draft_cache is not None else out)[:, 0], params)
+    def _caches(self, scheduler: Scheduler, k: int) -> tuple[PagedKV | RowsKV, DraftKVCache | None]:
+        """The running batch's views of the pools for one round: its block tables, or the
+        static layout's rows."""
+        rows = self.max_batch_size
+        if self.paged:
+            table = torch.tensor(scheduler.table(), dtype=torch.int64, device=self.device)
+            views = [pool.view(table) if pool is not None else None for pool in (self.target_pool, self.draft_pool)]
+        else:
+            views = [pool.rows(0, rows) if pool is not None else None for pool in (self.target_pool, self.draft_pool)]
+        target, trunk = views
+        return target, DraftKVCache(trunk, self.chain_k, self.chain_v) if k else None
+
+    def _prefill(self, seqs: Sequences, scheduler: Scheduler, admitted: Admitted, prompt: torch.Tensor,
+                 params: SamplingParams, generator, k: int) -> None:
+        """Bring the ``admitted`` groups into their rows: one target forward over their
+        (right-padded) prompts, ``G`` first tokens drawn from each prompt's last logits, the
+        rows' block tables (copy-on-write of each prompt's last block) and, when drafting,
+        TTT pass 1: over the prompt positions once per prompt, then at the last one per
+        sample (anchor ``P - 1`` reads the sample's first token). The prefill attends to
+        the prompts' positions only."""
+        device, samples = self.device, scheduler.samples
+        lens = torch.tensor(admitted.lengths, device=device)
+        width = int(max(admitted.lengths))
+        tokens = prompt[admitted.prompts, :width].to(device)
+        n = len(admitted)
+        if self.paged:
+            table = torch.tensor(scheduler.prefill_table(admitted, width), dtype=torch.int64, device=device)
+            target_view = self.target_pool.view(table)
+            trunk_view = self.draft_pool.view(table) if k else None
+        else:  # waves fill rows 0 .. n - 1, which are blocks 0 .. n - 1
+            target_view = self.target_pool.rows(admitted.prompt_blocks[0][0], n, width)
+            trunk_view = self.draft_pool.rows(admitted.prompt_blocks[0][0], n, width) if k else None
+        last = lens - 1
+        out = self.policy.forward_cached(tokens, target_view, torch.zeros_like(lens), return_taps=bool(k),
+                                         logits_at=last)
+        logits = processed_logits((out.logits if k else out)[:, 0], params).repeat_interleave(samples, 0)
         token = draw(logits, params, generator)
         logprob = logits.log_softmax(-1).gather(-1, token.unsqueeze(-1))
-        self._commit(seqs, token.unsqueeze(-1), logprob, torch.ones_like(token), params)
-        if draft_cache is not None:
-            # Anchor j reads e(x_{j+1}): the prompt shifted left, the sampled token after its end.
-            next_tokens = torch.roll(prompt, -1, dims=1)
-            next_tokens[rows, last] = token
-            hidden = self.draft.extend(torch.cat(out.taps, -1), self._draft_embed(next_tokens),
-                                       torch.zeros_like(prompt_lens), draft_cache.rows(b, width))
-            seqs.draft_hidden = hidden[rows, last]
+        src, dst = scheduler.fork(admitted)
+        if src:
+            for pool in (self.target_pool, self.draft_pool):
+                if pool is not None:
+                    pool.copy_blocks(torch.tensor(src, device=device), torch.tensor(dst, device=device))
+        rows = torch.tensor([s for slots in admitted.slots for s in slots], device=device)
+        out_rows = torch.tensor(scheduler.output_rows(), device=device)[rows]
+        seqs.admit(rows, out_rows, lens.repeat_interleave(samples))
+        self._commit(seqs, *seqs.new_tokens(rows, token, logprob.squeeze(-1)), params)
+        if not k:
+            return
+        taps = torch.cat(out.taps, -1)
+        chain = (self.chain_k[:n], self.chain_v[:n])
+        self.draft.extend(taps, self._draft_embed(torch.roll(tokens, -1, dims=1)), torch.zeros_like(lens),
+                          DraftKVCache(trunk_view, *chain))
+        taps_last = taps[torch.arange(n, device=device), last].repeat_interleave(samples, 0).unsqueeze(1)
+        if self.paged:
+            sample_table = torch.tensor(scheduler.table(), dtype=torch.int64, device=device)[rows]
+            sample_view = self.draft_pool.view(sample_table)
+        else:
+            sample_view = trunk_view
+        chain = (self.chain_k[: len(rows)], self.chain_v[: len(rows)])
+        hidden = self.draft.extend(taps_last, self._draft_embed(token.unsqueeze(1)), last.repeat_interleave(samples),
+                                   DraftKVCache(sample_view, *chain))
+        seqs.draft_hidden[rows] = hidden[:, 0]
 
-    def _decode_one_token(self, seqs: Sequences, params: SamplingParams, generator, target_cache: KVCache,
+    def _decode_one_token(self, seqs: Sequences, params: SamplingParams, generator, target_cache: PagedKV | RowsKV,
                           counters: StepCounters) -> None:
         """Plain decoding: feed ``x_{n-1}`` to the target and sample ``x_n``."""
         logits = self._target_step(seqs.last_token.unsqueeze(1), target_cache, seqs.length - 1)
@@ -376,7 +466,7 @@ class RolloutEngine:
         self._commit(seqs, token.unsqueeze(-1), logprob, torch.ones_like(token), params)
 
     def _speculative_round(self, seqs: Sequences, k: int, params: SamplingParams, generator,
-                           target_cache: KVCache, draft_cache: DraftKVCache, draft_to_target: torch.Tensor,
+                           target_cache: PagedKV | RowsKV, draft_cache: DraftKVCache, draft_to_target: torch.Tensor,
                            counters: StepCounters) -> None:
         """Draft ``k`` tokens, verify them in one target forward, commit ``a + 1``, catch up."""
         b = seqs.length.shape[0]
@@ -436,10 +526,12 @@ class RolloutEngine:
             keep &= j <= first_eos.unsqueeze(1)
         keep &= seqs.active.unsqueeze(1)
         n_kept = keep.sum(1)
-        # Columns past n_kept hold junk that a later round overwrites or the mask drops.
+        # Columns past n_kept hold junk that a later round overwrites or the mask drops; free
+        # rows write to the outputs' scratch row.
         columns = seqs.response_len.unsqueeze(1) + j
-        seqs.tokens.scatter_(1, columns, candidates)
-        seqs.logprobs.scatter_(1, columns, logprobs.to(seqs.logprobs.dtype))
+        out_rows = seqs.out_row.unsqueeze(1).expand_as(columns)
+        seqs.tokens[out_rows, columns] = candidates
+        seqs.logprobs[out_rows, columns] = logprobs.to(seqs.logprobs.dtype)
         seqs.last_token = torch.where(n_kept > 0, candidates.gather(1, (n_kept - 1).clamp(min=0).unsqueeze(1))
                                       .squeeze(1), seqs.last_token)
         seqs.response_len += n_kept

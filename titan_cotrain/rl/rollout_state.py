@@ -1,4 +1,4 @@
-"""The rollout engine's bookkeeping: per-sequence decoding state between rounds, the per-round
+"""The rollout engine's bookkeeping: the running batch's decoding state between rounds, the per-round
 counters (kept on the device, reduced once), and what ``generate`` returns.
 
 ``n`` = committed tokens of a sequence (prompt + response); see ``rl.rollout`` for what the
@@ -8,9 +8,9 @@ target's and the draft's caches hold at ``n``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,7 +26,8 @@ class RolloutStats:
     ``acceptance_rate[d - 1]``: how often drafted token ``d`` was accepted when tokens
     ``1..d-1`` were. Times in seconds: ``prefill_s`` (target prefill and the draft's pass 1
     over the prompt), ``draft_s`` (drafting and catching up), ``verify_s`` (target decode or
-    verify forwards, acceptance, bookkeeping), ``total_s`` (wall time of the call).
+    verify forwards, acceptance, bookkeeping), ``total_s`` (wall time of the call). ``kv_peak_bytes``: the most KV-cache blocks the
+    call held at once, in bytes (the draft's chains, a fixed few positions per row, aside).
     """
 
     new_tokens: int
@@ -37,6 +38,7 @@ class RolloutStats:
     draft_s: float
     verify_s: float
     total_s: float
+    kv_peak_bytes: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -81,46 +83,91 @@ class Rollouts:
 
 @dataclass
 class Sequences:
-    """Per-sequence decoding state; see the module docstring for what ``length`` and
-    ``draft_hidden`` mean. Output buffers have ``k + 1`` columns of slack so a round can
-    write all its candidates and let ``response_len`` say which are real."""
+    """Decoding state of the running batch's ``R`` rows (see ``rl.rollout`` for what
+    ``length`` and ``draft_hidden`` mean) and the outputs of the call's ``N`` sequences.
 
+    Row state, ``[R]`` each: ``out_row`` (the sequence's output row; ``N``, a scratch row,
+    for a free row), ``length``, ``last_token``, ``response_len``, ``active``, ``finished``,
+    and ``draft_hidden [R, H]``. Outputs ``tokens, logprobs [N + 1, max_new_tokens + k + 1]``
+    by output row (``k + 1`` columns of slack, so a round writes all its candidates and
+    ``response_len`` says which are real), and ``out_len, out_finished [N + 1]``, written
+    when a sequence leaves its row. A free row has ``length`` 1 and is inactive: it rides
+    along, writing nowhere anyone reads."""
+
+    out_row: torch.Tensor
     length: torch.Tensor
     last_token: torch.Tensor
     response_len: torch.Tensor
     active: torch.Tensor
     finished: torch.Tensor
+    draft_hidden: torch.Tensor
     tokens: torch.Tensor
     logprobs: torch.Tensor
-    draft_hidden: torch.Tensor | None = None
+    out_len: torch.Tensor
+    out_finished: torch.Tensor
 
     @classmethod
-    def start(cls, prompt_lens: torch.Tensor, max_new_tokens: int, k: int) -> Sequences:
-        b, device = prompt_lens.shape[0], prompt_lens.device
-        return cls(
-            length=prompt_lens.clone(), last_token=torch.zeros_like(prompt_lens),
-            response_len=torch.zeros_like(prompt_lens), active=torch.ones(b, dtype=torch.bool, device=device),
-            finished=torch.zeros(b, dtype=torch.bool, device=device),
-            tokens=prompt_lens.new_zeros(b, max_new_tokens + k + 1),
-            logprobs=torch.zeros(b, max_new_tokens + k + 1, device=device),
-        )
+    def start(cls, rows: int, total: int, max_new_tokens: int, k: int, hidden_dim: int,
+              device: torch.device) -> Sequences:
+        def ints(*shape, fill=0):
+            return torch.full(shape, fill, dtype=torch.int64, device=device)
 
-    @classmethod
-    def cat(cls, waves: Sequence[Sequences]) -> Sequences:
-        """The rows of ``waves``, in order; ``draft_hidden`` is dropped (decoding is over)."""
-        names = [f.name for f in fields(cls) if f.name != "draft_hidden"]
-        return cls(**{name: torch.cat([getattr(w, name) for w in waves]) for name in names})
+        def flags(n):
+            return torch.zeros(n, dtype=torch.bool, device=device)
+
+        return cls(out_row=ints(rows, fill=total), length=ints(rows, fill=1), last_token=ints(rows),
+                   response_len=ints(rows), active=flags(rows), finished=flags(rows),
+                   draft_hidden=torch.zeros(rows, hidden_dim, device=device),
+                   tokens=ints(total + 1, max_new_tokens + k + 1),
+                   logprobs=torch.zeros(total + 1, max_new_tokens + k + 1, device=device),
+                   out_len=ints(total + 1), out_finished=flags(total + 1))
+
+    def admit(self, rows: torch.Tensor, out_rows: torch.Tensor, prompt_lens: torch.Tensor) -> None:
+        """Rows ``rows`` start sequences ``out_rows`` after prompts of ``prompt_lens`` tokens
+        (nothing committed yet: ``rl.rollout`` commits the first token)."""
+        self.out_row[rows] = out_rows
+        self.length[rows] = prompt_lens
+        self.response_len[rows] = 0
+        self.active[rows] = True
+        self.finished[rows] = False
+
+    def new_tokens(self, rows: torch.Tensor, token: torch.Tensor, logprob: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(candidates [R, 1], logprobs [R, 1], n_new [R])`` committing ``token [r]`` to ``rows``
+        and nothing to the others."""
+        candidates = self.last_token.new_zeros(len(self.length), 1)
+        candidates[rows, 0] = token
+        logprobs = torch.zeros(candidates.shape, device=candidates.device)
+        logprobs[rows, 0] = logprob.float()
+        n_new = torch.zeros_like(self.length)
+        n_new[rows] = 1
+        return candidates, logprobs, n_new
+
+    def retire(self, rows: list[int], device: torch.device) -> None:
+        """The sequences of ``rows`` are done: record their lengths and free the rows."""
+        if not rows:
+            return
+        index = torch.tensor(rows, device=device)
+        out = self.out_row[index]
+        self.out_len[out] = self.response_len[index]
+        self.out_finished[out] = self.finished[index]
+        self.out_row[index] = len(self.out_len) - 1
+        self.length[index] = 1
+        self.response_len[index] = 0
+        self.active[index] = False
 
     def result(self, prompt_lens: torch.Tensor, max_new_tokens: int, stats: RolloutStats) -> Rollouts:
-        mask = torch.arange(max_new_tokens, device=self.tokens.device) < self.response_len.unsqueeze(1)
-        return Rollouts(prompt_lens=prompt_lens, tokens=self.tokens[:, :max_new_tokens] * mask,
-                        logprobs=self.logprobs[:, :max_new_tokens] * mask, response_lens=self.response_len,
-                        finished=self.finished, stats=stats)
+        n = len(self.out_len) - 1
+        lens = self.out_len[:n]
+        mask = torch.arange(max_new_tokens, device=self.tokens.device) < lens.unsqueeze(1)
+        return Rollouts(prompt_lens=prompt_lens, tokens=self.tokens[:n, :max_new_tokens] * mask,
+                        logprobs=self.logprobs[:n, :max_new_tokens] * mask, response_lens=lens,
+                        finished=self.out_finished[:n], stats=stats)
 
 
 @dataclass
 class StepCounters:
-    """Per-round ``n_accepted`` and ``active`` ([B] each, B the wave's size), kept on the
+    """Per-round ``n_accepted`` and ``active`` ([R] each, R the running batch's rows), kept on the
     device and reduced once at the end (no host sync per round), and the time split.
     ``synchronize`` waits for the device (a no-op on CPU)."""
 
@@ -134,10 +181,10 @@ class StepCounters:
         self.n_accepted.append(n_accepted)
         self.active.append(active.clone())
 
-    def stats(self, new_tokens: int, k: int) -> RolloutStats:
+    def stats(self, new_tokens: int, k: int, kv_peak_bytes: int = 0) -> RolloutStats:
         length, rates = 0.0, []
         if self.active:
-            # One entry per (round, sequence) pair of every wave, so waves of any size pool.
+            # One entry per (round, row) pair; free rows are inactive and not counted.
             n, active = torch.cat(self.n_accepted), torch.cat(self.active)
             length = float(((n + 1) * active).sum() / active.sum())
             depth = torch.arange(k, device=n.device)
@@ -147,7 +194,7 @@ class StepCounters:
         return RolloutStats(
             new_tokens=new_tokens, target_forwards=len(self.active), acceptance_length=length, acceptance_rate=rates,
             prefill_s=self.times["prefill"], draft_s=self.times["draft"], verify_s=self.times["verify"],
-            total_s=time.perf_counter() - self.start,
+            total_s=time.perf_counter() - self.start, kv_peak_bytes=kv_peak_bytes,
         )
 
     @contextmanager

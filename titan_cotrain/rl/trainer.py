@@ -123,7 +123,8 @@ class Trainer:
             max_batch_size=max(self.generation.max_share(self.prompts_per_rank) * config.rl.group_size, 1),
             max_seq_len=max_seq_len,
             max_draft_tokens=rollout_draft_tokens(config),
-            kv_cache_gib=config.rollout.kv_cache_gib, load=models.engine_loadable, tp_mesh=self.engine_mesh,
+            kv_cache_gib=config.rollout.kv_cache_gib, block_size=config.rollout.kv_block_size,
+            paged=config.rollout.paged, load=models.engine_loadable, tp_mesh=self.engine_mesh,
             compile=config.rollout.compile,
         )
         self.speculation = SpeculationTuner(self.draft_tokens)
@@ -338,6 +339,7 @@ class Trainer:
         problems, prompts = self._prompts(step)
         share = self.generation.share(len(problems))
         own_prompts = [prompts[i * group_size + j] for i in share for j in range(group_size)]
+        unique_prompts = [prompts[i * group_size] for i in share]
         params = self.sampling_params()
         generator = None  # the simulated device has no generators (and its draws are fake)
         if self.simulation is None:
@@ -352,8 +354,8 @@ class Trainer:
             k = self._engine_group_choice(k)
         rollouts = None
         if own_prompts:
-            rollouts = self.engine.generate(own_prompts, params, generator=generator, progress=progress,
-                                            draft_tokens=k,
+            rollouts = self.engine.generate(unique_prompts, params, samples_per_prompt=group_size,
+                                            generator=generator, progress=progress, draft_tokens=k,
                                             max_rounds=self.simulation.decode_rounds if self.simulation else None)
         if rollouts is not None and rollouts.stats.target_forwards:
             stats = rollouts.stats

@@ -1,0 +1,242 @@
+"""Host-side bookkeeping of the rollout engine's paged KV cache and running batch.
+
+The engine decodes a *running batch* of ``n_slots`` rows (fixed, so a decode step has one
+shape per ``k`` and block-table width). Prompts wait in a queue as *groups*: one prompt and
+its ``G`` samples (a GRPO group). ``Scheduler`` decides, between decoding rounds, which
+groups enter the free rows, which blocks of the ``KVPool`` each sequence reads and writes,
+and which rows leave. Everything here is plain Python on the host; the engine turns its
+decisions into a few index tensors per round.
+
+Blocks and what a group shares, with ``bs`` the block size and a prompt of ``P`` tokens::
+
+    positions   0 ........ c*bs-1 | c*bs .. P-1  P ...           c = (P - 1) // bs
+    prompt      shared blocks     | block c: the prompt's last positions
+    sample g    the same blocks   | its own copy of block c, then its own blocks
+
+The prompt is prefilled once into ``c + 1`` blocks. At the first response token each
+sample takes block ``c`` copy-on-write (sample 0 keeps the original, the others get a
+copy): from position ``P - 1`` on, a sample's cache is its own (the draft's key at anchor
+``P - 1`` reads the sample's first token). Blocks are counted by reference and return to
+the free list with their last reader.
+
+Admission reserves a sequence's worst case (``P + max_new_tokens + k + 1`` positions), so
+a running sequence never waits for a block and nothing is ever preempted; blocks are taken
+from the reservation as positions are reached and the rest is returned when the sequence
+finishes. ``waves = True`` admits only into an empty batch (the static engine's schedule).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+
+from titan_cotrain.models.kv_cache import SCRATCH_BLOCK
+
+__all__ = ["Admitted", "BlockAllocator", "Scheduler"]
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockAllocator:
+    """Free list, reference counts and reservations of a pool's ``n_blocks`` blocks, the
+    lowest free block first. With ``scratch``, block ``SCRATCH_BLOCK`` is never handed out
+    (a paged pool); without, every block is (the static layout, whose rows are blocks
+    ``0 ..`` in order). ``peak`` is the most blocks in use at once."""
+
+    def __init__(self, n_blocks: int, scratch: bool = True) -> None:
+        self.free = [b for b in range(n_blocks) if not (scratch and b == SCRATCH_BLOCK)]  # a heap
+        self.n_blocks = len(self.free)  # the blocks it hands out
+        self.refs = [0] * n_blocks
+        self.reserved = 0
+        self.peak = 0
+
+    @property
+    def in_use(self) -> int:
+        return self.n_blocks - len(self.free)
+
+    def available(self) -> int:
+        """Blocks neither taken nor promised."""
+        return len(self.free) - self.reserved
+
+    def reserve(self, n: int) -> None:
+        if n > self.available():
+            raise RuntimeError(f"reserving {n} blocks with {self.available()} available")
+        self.reserved += n
+
+    def take(self) -> int:
+        """One block out of a reservation, referenced once."""
+        if self.reserved < 1:
+            raise RuntimeError("take() without a reservation")
+        self.reserved -= 1
+        block = heapq.heappop(self.free)
+        self.refs[block] = 1
+        self.peak = max(self.peak, self.in_use)
+        return block
+
+    def share(self, block: int) -> None:
+        self.refs[block] += 1
+
+    def release(self, blocks: list[int], unreserve: int = 0) -> None:
+        """Drop one reference to each of ``blocks`` and return ``unreserve`` promised blocks."""
+        for block in blocks:
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                heapq.heappush(self.free, block)
+        self.reserved -= unreserve
+
+
+@dataclass
+class _Row:
+    seq: int  # output row of the sequence, prompt * G + sample
+    blocks: list[int]
+    reserved: int  # blocks still promised to it
+    length: int  # committed tokens, as the host last knew (an upper bound in a simulated run)
+
+
+@dataclass
+class Admitted:
+    """Groups that enter the batch this round: ``prompts`` (indices into the call's prompts)
+    with ``lengths``, each prefilled into ``prompt_blocks`` (its block table, ``c + 1``
+    blocks), and its samples' rows ``slots[i]`` (``G`` each, sample order)."""
+
+    prompts: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    prompt_blocks: list[list[int]] = field(default_factory=list)
+    slots: list[list[int]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+
+class Scheduler:
+    """The running batch's rows, the queue of groups, and every sequence's blocks.
+
+    ``prompt_lens``: the call's prompts (host ints); ``samples``: ``G``; ``max_new_tokens``
+    and ``k`` bound a sequence's positions. One call of ``generate`` owns one scheduler."""
+
+    def __init__(self, allocator: BlockAllocator, block_size: int, n_slots: int, prompt_lens: list[int],
+                 samples: int, max_new_tokens: int, k: int, waves: bool = False) -> None:
+        self.allocator, self.block_size, self.samples, self.k = allocator, block_size, samples, k
+        self.max_new_tokens, self.waves = max_new_tokens, waves
+        self.prompt_lens = prompt_lens
+        self.rows: list[_Row | None] = [None] * n_slots
+        self.waiting = deque(range(len(prompt_lens)))
+        self.retired = 0
+        for p in prompt_lens:
+            if self._group_need(p) > allocator.n_blocks or samples > n_slots:
+                raise ValueError(f"a prompt of {p} tokens with {samples} samples of up to {max_new_tokens} new "
+                                 f"tokens needs {self._group_need(p)} KV blocks and {samples} rows; the engine has "
+                                 f"{allocator.n_blocks} blocks of {block_size} positions and {n_slots} rows")
+
+    def _sequence_blocks(self, prompt_len: int) -> int:
+        return _ceil_div(prompt_len + self.max_new_tokens + self.k + 1, self.block_size)
+
+    def _shared(self, prompt_len: int) -> int:
+        return (prompt_len - 1) // self.block_size
+
+    def _group_need(self, prompt_len: int) -> int:
+        c = self._shared(prompt_len)
+        return c + self.samples * (self._sequence_blocks(prompt_len) - c)
+
+    def busy(self) -> bool:
+        return any(row is not None for row in self.rows)
+
+    def done(self) -> bool:
+        return not self.waiting and not self.busy()
+
+    def admit(self) -> Admitted:
+        """Take groups off the queue, in order, while rows and blocks allow (with ``waves``,
+        only into an empty batch); reserve their blocks and take the prompts'."""
+        out = Admitted()
+        if self.waves and self.busy():
+            return out
+        free = [s for s, row in enumerate(self.rows) if row is None]
+        while self.waiting and len(free) >= self.samples:
+            prompt = self.waiting[0]
+            p = self.prompt_lens[prompt]
+            need = self._group_need(p)
+            if need > self.allocator.available():
+                break
+            self.waiting.popleft()
+            self.allocator.reserve(need)
+            blocks = [self.allocator.take() for _ in range(self._shared(p) + 1)]
+            slots, free = free[: self.samples], free[self.samples:]
+            out.prompts.append(prompt)
+            out.lengths.append(p)
+            out.prompt_blocks.append(blocks)
+            out.slots.append(slots)
+        return out
+
+    def fork(self, admitted: Admitted) -> tuple[list[int], list[int]]:
+        """Give each admitted sample its row and block table: the prompt's shared blocks, and
+        block ``c`` (sample 0's) or a copy of it. Returns the copies to make, ``(src, dst)``."""
+        src, dst = [], []
+        for prompt, p, blocks, slots in zip(admitted.prompts, admitted.lengths, admitted.prompt_blocks,
+                                            admitted.slots):
+            shared, last = blocks[:-1], blocks[-1]
+            each = self._sequence_blocks(p) - len(shared)  # reservation per sample, block c included
+            for g, slot in enumerate(slots):
+                for block in shared:
+                    if g:
+                        self.allocator.share(block)
+                own = last
+                if g:
+                    own = self.allocator.take()
+                    src.append(last)
+                    dst.append(own)
+                self.rows[slot] = _Row(prompt * self.samples + g, [*shared, own], each - 1, p + 1)
+        return src, dst
+
+    def grow(self) -> None:
+        """Cover the positions the next round writes (``n - 1 .. n - 1 + k``) of every row."""
+        for row in self.rows:
+            if row is None:
+                continue
+            need = min(_ceil_div(row.length + self.k, self.block_size), len(row.blocks) + row.reserved)
+            while len(row.blocks) < need:
+                row.blocks.append(self.allocator.take())
+                row.reserved -= 1
+
+    def after_round(self) -> None:
+        """A simulated run's stand-in for the lengths it cannot read: every row committed
+        ``k + 1`` tokens, at most up to its end."""
+        for row in self.rows:
+            if row is not None:
+                row.length = min(row.length + self.k + 1, self.prompt_lens[row.seq // self.samples]
+                                 + self.max_new_tokens)
+
+    def retire(self, lengths: list[int], active: list[bool]) -> list[int]:
+        """After a round: the rows' committed tokens and whether they still decode, read from
+        the device. Frees the rows whose sequence finished and returns them."""
+        out = []
+        for s, row in enumerate(self.rows):
+            if row is None:
+                continue
+            row.length = lengths[s]
+            if not active[s]:
+                self.allocator.release(row.blocks, row.reserved)
+                self.rows[s] = None
+                out.append(s)
+        self.retired += len(out)
+        return out
+
+    def table(self) -> list[list[int]]:
+        """Every row's block table, padded with the scratch block to one width: a power of
+        two of blocks (a few shapes for compiled steps), enough for ``k + 1`` positions."""
+        widest = max([len(row.blocks) for row in self.rows if row is not None]
+                     + [_ceil_div(self.k + 1, self.block_size)])
+        width = min(1 << (widest - 1).bit_length(), max(map(self._sequence_blocks, self.prompt_lens)))
+        return [row.blocks + [SCRATCH_BLOCK] * (width - len(row.blocks)) if row is not None else [SCRATCH_BLOCK] * width
+                for row in self.rows]
+
+    def prefill_table(self, admitted: Admitted, width: int) -> list[list[int]]:
+        """Block tables of the admitted prompts for a prefill over ``width`` positions."""
+        n = _ceil_div(width, self.block_size)
+        return [blocks + [SCRATCH_BLOCK] * (n - len(blocks)) for blocks in admitted.prompt_blocks]
+
+    def output_rows(self) -> list[int]:
+        """Each row's output row (``-1`` for a free row)."""
+        return [row.seq if row is not None else -1 for row in self.rows]

@@ -95,11 +95,13 @@ def evaluate(trainer, samples: int, ks: list[int]) -> dict:
         raise EvalError(f"task {task.name!r} has no held-out prompts: evaluation needs a dataset task "
                          "(math, gsm8k) with task.eval_size or task.eval_fraction set")
     encoded = [trainer.encode_prompt(p.prompt) for p in problems]
-    prompts = [ids for ids in encoded for _ in range(samples)]
+    # A prompt's samples share its prefill when its group fits the running batch.
+    group = samples if samples <= trainer.engine.max_batch_size else 1
+    prompts = [ids for ids in encoded for _ in range(samples // group)]
     generator = torch.Generator(device=trainer.device).manual_seed(trainer.seed)
     progress = RolloutProgress()
-    rollouts = trainer.engine.generate(prompts, trainer.sampling_params(), generator=generator, progress=progress,
-                                       draft_tokens=trainer.draft_tokens)
+    rollouts = trainer.engine.generate(prompts, trainer.sampling_params(), samples_per_prompt=group,
+                                       generator=generator, progress=progress, draft_tokens=trainer.draft_tokens)
     progress.close()
     lengths = rollouts.response_lens.tolist()
     texts = [trainer.tokenizer.decode(rollouts.tokens[i, :n].tolist()) for i, n in enumerate(lengths)]

@@ -54,16 +54,15 @@ def _split_rollouts(rank: int, world_size: int, folder: str) -> None:
     real_generate = trainer.engine.generate
 
     def recording(prompts, *args, **kwargs):
-        generated.append([list(p) for p in prompts])
+        generated.append(([list(p) for p in prompts], kwargs["samples_per_prompt"]))
         return real_generate(prompts, *args, **kwargs)
 
     trainer.engine.generate = recording
     trainer.refresh_engine()
     samples, metrics = trainer.rollout_phase(1)
     _, prompts = trainer._prompts(1)
-    # This rank generated its share only: its problem (of 4), both of its samples.
-    assert len(generated) == 1 and generated[0] == [prompts[i] for i in (2 * rank, 2 * rank + 1, 4 + 2 * rank,
-                                                                         5 + 2 * rank)]
+    # This rank generated its share only: its problems (of 4), each prefilled once for both samples.
+    assert len(generated) == 1 and generated[0] == ([prompts[i] for i in (2 * rank, 4 + 2 * rank)], 2)
     # Every peer holds the whole batch, in problem order, the same on both ranks.
     assert [s.prompt for s in samples] == prompts
     both = [None, None]
@@ -72,7 +71,7 @@ def _split_rollouts(rank: int, world_size: int, folder: str) -> None:
     volatile = ("time/", "rollout/tokens_per_s")
     assert {k: v for k, v in both[0][1].items() if not k.startswith(volatile)} == \
         {k: v for k, v in both[1][1].items() if not k.startswith(volatile)}
-    mine = {tuple(p) for p in generated[0]}
+    mine = {tuple(p) for p in generated[0][0]}
     assert {tuple(s.prompt) for s in samples} - mine  # the rest was received, not generated
     update = trainer.update_phase(1, samples)  # the CP update trains the received rows
     assert torch.isfinite(torch.tensor(update["loss/policy"]))

@@ -25,7 +25,7 @@ def rollout_metrics(all_reduce: Callable[[list[float]], list[float]], samples: l
         float(rewards.sum()), float((rewards ** 2).sum()), len(samples) * weight,
         float(sum(len(s.response) for s in samples)) * weight,
         stats.acceptance_length if generated else 0.0, stats.tokens_per_s if generated else 0.0, float(generated),
-        float(k) if generated else 0.0,
+        float(k) if generated else 0.0, stats.kv_peak_bytes / 2**30 if generated else 0.0,
         # Positions a rank did not draft this step count as not judged (rate 0, weight 0).
         *((stats.acceptance_rate if generated else []) + [0.0] * k_max)[:k_max],
         *(float(generated and d < k) for d in range(k_max)),
@@ -39,9 +39,10 @@ def rollout_metrics(all_reduce: Callable[[list[float]], list[float]], samples: l
         "rollout/acceptance_length": totals[4] / ranks,
         "rollout/tokens_per_s": totals[5],  # every rollout is generated once, by one engine
         "rollout/draft_tokens": totals[7] / ranks,
+        "rollout/kv_peak_gib": totals[8] / ranks,  # KV blocks held at once, per generating rank
     }
-    rates, judged = totals[8:8 + k_max], totals[8 + k_max:8 + 2 * k_max]
+    rates, judged = totals[9:9 + k_max], totals[9 + k_max:9 + 2 * k_max]
     metrics |= {f"rollout/acceptance_rate_{d}": rate / n for d, (rate, n) in enumerate(zip(rates, judged), start=1)
                 if n}
-    metrics |= {f"task/{key}": total / count for key, total in zip(keys, totals[8 + 2 * k_max:])}
+    metrics |= {f"task/{key}": total / count for key, total in zip(keys, totals[9 + 2 * k_max:])}
     return metrics

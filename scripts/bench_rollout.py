@@ -29,9 +29,19 @@ accepted, verifying k + 1 tokens as cheap as decoding one). ``c`` and ``v`` = (v
 per round) / (plain decode step) are measured from the engine's own timers; the speedup
 the measured acceptance length ``tau`` allows is then ``tau / (v + k c)``.
 
+Mixed lengths (``mixed`` in the JSON): the paged engine with continuous batching and shared
+prompt blocks against the static layout (``paged=False``: a whole-sequence row per
+sequence, waves), both under one KV budget that holds ``MIXED_BUDGET`` sequences at their
+longest, on ``MIXED_PROMPTS`` prompts of 4-48 tokens x ``MIXED_GROUP`` samples (a GRPO
+group), greedy with an EOS chosen so that response lengths spread (the token whose first
+occurrence varies most over the rows), plain and with the trained draft at k = 4. Reported:
+tokens/s, the KV blocks held at the peak and the pool allocated, rounds and the mean
+sequences decoding per round. Both engines must give the same tokens.
+
 Checks first that speculative greedy decoding reproduces plain greedy decoding token for
-token (every draft, every k, ragged prompts, EOS mid-batch); exits 1 on a mismatch or if
-``--min-speedup`` (batch 1, trained draft, best k) is not met.
+token (every draft, every k, ragged prompts, EOS mid-batch), and that the paged and static
+engines agree; exits 1 on a mismatch or if ``--min-speedup`` (batch 1, trained draft, best
+k) is not met.
 
     PYTHONPATH=. .venv/bin/python scripts/bench_rollout.py     # 3-4 minutes on one CPU thread
 """
@@ -54,7 +64,7 @@ from titan_cotrain.data.packing import layout_one_doc_per_row
 from titan_cotrain.models.args import model_args_for
 from titan_cotrain.models.draft import Draft, DraftArgs
 from titan_cotrain.models.transformer import Transformer
-from titan_cotrain.rl.rollout import RolloutEngine, RolloutStats
+from titan_cotrain.rl.rollout import RolloutEngine, RolloutStats, kv_bytes_per_sequence
 from titan_cotrain.rl.sampling import SamplingParams
 from titan_cotrain.rl.speculation import SpeculationTuner
 
@@ -65,6 +75,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BATCHES, KS = (1, 8, 64), (2, 4, 6)
 ADAPTIVE_GOAL = 0.95
 TRAIN_NEW_TOKENS = 112  # response tokens of the draft's training rows
+MIXED_PROMPTS, MIXED_GROUP, MIXED_BUDGET, MIXED_PROMPT_LENS = 16, 4, 16, (4, 48)
 
 
 class PhraseLanguage:
@@ -201,6 +212,72 @@ def warm_tuners(engine, prompts, params, policy_state, drafts, calls: int, seed:
     return adaptive
 
 
+def spread_eos(tokens: torch.Tensor, lengths: torch.Tensor) -> int:
+    """The token whose first occurrence in the rows of ``tokens [B, N]`` (valid below
+    ``lengths``) varies most, among those that occur in at least half the rows."""
+    n = tokens.shape[1]
+    valid = torch.arange(n) < lengths.unsqueeze(1)
+    best, best_std = 0, -1.0
+    for token in tokens[valid].unique().tolist():
+        hit = (tokens == token) & valid
+        first = torch.where(hit.any(1), hit.float().argmax(1), torch.tensor(n)).float()
+        if hit.any(1).float().mean() >= 0.5 and float(first.std()) > best_std:
+            best, best_std = token, float(first.std())
+    return best
+
+
+def mixed_lengths(target: Transformer, draft: Draft, language: PhraseLanguage, args, repeats: int,
+                  g: torch.Generator) -> tuple[dict, list[str]]:
+    """Paged + continuous vs static under one KV budget on mixed prompt and response lengths."""
+    prompts = language.prompts(MIXED_PROMPTS, g, lengths=MIXED_PROMPT_LENS)
+    max_len = MIXED_PROMPT_LENS[1] + args.new_tokens
+    dtype = target.embed_tokens.weight.dtype
+    budget = MIXED_BUDGET * kv_bytes_per_sequence(target.args, draft.args, max_len, max(KS), dtype)
+    engines = {paged: RolloutEngine(copy.deepcopy(target), copy.deepcopy(draft), max_batch_size=MIXED_PROMPTS
+                                    * MIXED_GROUP, max_seq_len=max_len, max_draft_tokens=max(KS),
+                                    kv_cache_gib=budget / 2**30, paged=paged, compile=args.compile)
+               for paged in (False, True)}
+    probe = engines[False].generate(prompts, SamplingParams(temperature=0, max_new_tokens=args.new_tokens),
+                                    draft_tokens=0)
+    params = SamplingParams(temperature=0, max_new_tokens=args.new_tokens,
+                            eos_token_id=spread_eos(probe.tokens, probe.response_lens))
+    best, failures, outputs = {}, [], {}
+    for _ in range(repeats):
+        for k in (0, 4):
+            for paged, engine in engines.items():
+                out = engine.generate(prompts, params, samples_per_prompt=MIXED_GROUP, draft_tokens=k)
+                outputs[paged, k] = out
+                if (paged, k) not in best or out.stats.total_s < best[paged, k].total_s:
+                    best[paged, k] = out.stats
+    reference = outputs[False, 0]
+    for (paged, k), out in outputs.items():
+        if not (torch.equal(out.tokens, reference.tokens) and torch.equal(out.response_lens, reference.response_lens)):
+            failures.append(f"mixed lengths: {'paged' if paged else 'static'} engine at k={k} differs from static "
+                            "plain greedy")
+    records = []
+    for (paged, k), stats in sorted(best.items(), key=lambda item: (item[0][1], item[0][0])):
+        engine = engines[paged]
+        decoding = stats.new_tokens / max(stats.acceptance_length, 1e-9)  # (round, sequence) pairs
+        records.append(dict(engine="paged" if paged else "static", k=k, tokens_per_s=stats.tokens_per_s,
+                            kv_peak_bytes=stats.kv_peak_bytes,
+                            kv_pool_bytes=sum(t.numel() * t.element_size() for t in engine.cache_tensors()),
+                            rows=engine.max_batch_size, rounds=stats.target_forwards,
+                            mean_decoding=decoding / max(stats.target_forwards, 1),
+                            acceptance_length=stats.acceptance_length, total_s=stats.total_s))
+        print(f"mixed  {records[-1]['engine']:6s} k={k}  {stats.tokens_per_s:8.0f} tok/s  KV peak "
+              f"{stats.kv_peak_bytes / 2**20:.1f} MiB of {records[-1]['kv_pool_bytes'] / 2**20:.1f}  "
+              f"{stats.target_forwards} rounds, {records[-1]['mean_decoding']:.1f} decoding", flush=True)
+    lens = reference.response_lens.tolist()
+    mixed = dict(prompts=MIXED_PROMPTS, group=MIXED_GROUP, prompt_lengths=[len(p) for p in prompts],
+                 response_lengths=dict(min=min(lens), median=sorted(lens)[len(lens) // 2], max=max(lens)),
+                 eos_token_id=params.eos_token_id, budget_sequences=MIXED_BUDGET, kv_budget_bytes=budget,
+                 block_size=engines[True].block_size, records=records,
+                 paged_over_static={k: {"tokens_per_s": best[True, k].tokens_per_s / best[False, k].tokens_per_s,
+                                        "kv_peak": best[True, k].kv_peak_bytes / best[False, k].kv_peak_bytes}
+                                    for k in (0, 4)})
+    return mixed, failures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--new-tokens", type=int, default=96, help="response tokens per prompt")
@@ -258,6 +335,12 @@ def main() -> int:
             print(f"FAIL: {failure}", file=sys.stderr)
         return 1
     print("check: speculative greedy == plain greedy (ragged prompts, EOS mid-batch, k in 2/4/6, both drafts)")
+
+    mixed, failures = mixed_lengths(target, trained, language, args, args.repeats, g)
+    if failures:
+        for failure in failures:
+            print(f"FAIL: {failure}", file=sys.stderr)
+        return 1
 
     greedy = SamplingParams(temperature=0, max_new_tokens=args.new_tokens)
     configs = [("none", 0)] + [(name, k) for name in drafts for k in (*KS, "adaptive")]
@@ -318,8 +401,8 @@ def main() -> int:
         adaptive_met=all(a["ratio"] >= ADAPTIVE_GOAL for a in adaptive), runtime_s=time.perf_counter() - t0,
     )
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(dict(records=records, bounds=bounds, adaptive=adaptive, summary=summary,
-                                         command=command_line()), indent=1) + "\n")
+    args.json.write_text(json.dumps(dict(records=records, bounds=bounds, adaptive=adaptive, mixed=mixed,
+                                         summary=summary, command=command_line()), indent=1) + "\n")
     plot(records, bounds, args.png)
     print(f"best batch-1 speedup with the trained draft: x{best_b1:.2f} (goal x2.0); "
           f"{summary['runtime_s']:.0f}s; wrote {args.json} and {args.png}")

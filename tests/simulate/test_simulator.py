@@ -52,7 +52,7 @@ def test_a_dataset_task_simulates_without_its_file(tmp_path, monkeypatch):
     generate = trainer.RolloutEngine.generate
 
     def recording_generate(self, prompts, *args, **kwargs):
-        lengths.extend(map(len, prompts))
+        lengths.extend(len(p) for p in prompts for _ in range(kwargs["samples_per_prompt"]))
         return generate(self, prompts, *args, **kwargs)
 
     monkeypatch.setattr(trainer.RolloutEngine, "generate", recording_generate)

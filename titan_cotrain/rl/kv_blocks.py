@@ -200,13 +200,13 @@ class Scheduler:
                 row.blocks.append(self.allocator.take())
                 row.reserved -= 1
 
-    def after_round(self) -> None:
-        """A simulated run's stand-in for the lengths it cannot read: every row committed
-        ``k + 1`` tokens, at most up to its end."""
+    def assume_longest(self) -> None:
+        """A simulated run's stand-in for the lengths it cannot read: every row at its last
+        round (``P + max_new_tokens - 1`` committed tokens), so the next ``grow`` takes every
+        block it reserved and the tables are as wide as they get: the round of most memory."""
         for row in self.rows:
             if row is not None:
-                row.length = min(row.length + self.k + 1, self.prompt_lens[row.seq // self.samples]
-                                 + self.max_new_tokens)
+                row.length = self.prompt_lens[row.seq // self.samples] + self.max_new_tokens - 1
 
     def retire(self, lengths: list[int], active: list[bool]) -> list[int]:
         """After a round: the rows' committed tokens and whether they still decode, read from

@@ -338,8 +338,8 @@ class RolloutEngine:
         given, is called after every decoding round with the number of finished responses.
         ``max_rounds``: admit what fits the empty batch, run exactly that many decoding rounds
         and return None, reading nothing back from the device (the scale simulator's bounded
-        rollout, whose device values are unknown; every row is taken to commit ``k + 1``
-        tokens a round, the most blocks it can need).
+        rollout, whose device values are unknown): the rows are taken to be at their last
+        round, holding every block they can and reading the widest tables.
         """
         if self._released is not None:
             raise RuntimeError("the engine's weights and caches were released: load_weights first")
@@ -362,13 +362,15 @@ class RolloutEngine:
         draft_to_target = self.draft.d2t + torch.arange(self.draft.args.draft_vocab_size, device=self.device) if k else None
         counters = StepCounters(synchronize=torch.get_device_module(self.device).synchronize)
         seqs = Sequences.start(self.max_batch_size, total, params.max_new_tokens, k,
-                               self.draft.args.dim if k else 0, self.device)
+                               self.draft.args.dim if k else 0, self.device, self.policy.embed_tokens.weight.dtype)
         rounds = 0
         while not scheduler.done():
             admitted = scheduler.admit()
             if admitted:
                 with counters.timed("prefill"):
                     self._prefill(seqs, scheduler, admitted, prompt, params, generator, k)
+            if max_rounds is not None:
+                scheduler.assume_longest()
             scheduler.grow()
             target_cache, draft_cache = self._caches(scheduler, k)
             if k:
@@ -381,7 +383,6 @@ class RolloutEngine:
             if max_rounds is not None:
                 if rounds == max_rounds:
                     return None
-                scheduler.after_round()
                 continue
             # The one host sync per round.
             length, active = torch.stack([seqs.length, seqs.active.long()]).tolist()

@@ -108,7 +108,8 @@ class Sequences:
 
     @classmethod
     def start(cls, rows: int, total: int, max_new_tokens: int, k: int, hidden_dim: int,
-              device: torch.device) -> Sequences:
+              device: torch.device, dtype: torch.dtype) -> Sequences:
+        """Every row free; ``draft_hidden [rows, hidden_dim]`` in the draft's ``dtype``."""
         def ints(*shape, fill=0):
             return torch.full(shape, fill, dtype=torch.int64, device=device)
 
@@ -117,7 +118,7 @@ class Sequences:
 
         return cls(out_row=ints(rows, fill=total), length=ints(rows, fill=1), last_token=ints(rows),
                    response_len=ints(rows), active=flags(rows), finished=flags(rows),
-                   draft_hidden=torch.zeros(rows, hidden_dim, device=device),
+                   draft_hidden=torch.zeros(rows, hidden_dim, device=device, dtype=dtype),
                    tokens=ints(total + 1, max_new_tokens + k + 1),
                    logprobs=torch.zeros(total + 1, max_new_tokens + k + 1, device=device),
                    out_len=ints(total + 1), out_finished=flags(total + 1))

@@ -6,8 +6,8 @@ For each simulated rank (``[simulate] ranks``; default rank 0 and, under PP, the
 rank of the last stage) the real ``Trainer`` runs at the config's world size and shapes on
 ``simgpu`` (``titan_cotrain.simulate.device``) with torch's fake process group:
 construction; the optimizers' state made first, as a running job holds it from its first
-step on; one rollout phase (the first wave of the real engine, ``[simulate] decode_rounds``
-decoding rounds); packing; one update over the real microbatches (the first
+step on; one rollout phase (the real engine: the sequences its KV pool admits at once, then
+``[simulate] decode_rounds`` decoding rounds at their longest); packing; one update over the real microbatches (the first
 ``[simulate] microbatches`` of them, or one schedule step under PP: memory repeats from one
 to the next); the optimizer step; the engine refresh; the checkpoint's state dicts. Rollout
 *contents* are unknown on fake tensors, so the rank trains on the worst case: every

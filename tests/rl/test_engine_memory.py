@@ -159,6 +159,15 @@ def test_a_group_shares_its_prompt_blocks():
     assert group.stats.kv_peak_bytes == 5 * alone.stats.kv_peak_bytes - 4 * shared * engine.kv_block_bytes
     static = RolloutEngine(target, draft, max_batch_size=8, max_seq_len=40, max_draft_tokens=3, paged=False)
     assert torch.equal(static.generate(prompt, params, samples_per_prompt=5).tokens, group.tokens)
+    # A pool of 13 blocks (+ scratch) holds two samples at their longest (2 shared + 2 x 5 of
+    # 26 positions): the group runs as groups of 2, 2 and 1, one after the other.
+    chain = 8 * _chain(draft.args, 3, 4)
+    small = RolloutEngine(target, draft, max_batch_size=8, max_seq_len=40, max_draft_tokens=3, block_size=4,
+                          kv_cache_gib=(14 * engine.kv_block_bytes + chain) / GIB)
+    split = small.generate(prompt, params, samples_per_prompt=5)
+    assert small.target_pool.n_blocks == 14 and torch.equal(split.tokens, group.tokens)
+    assert split.stats.kv_peak_bytes == 2 * alone.stats.kv_peak_bytes - shared * engine.kv_block_bytes
+    assert split.stats.target_forwards == 3 * alone.stats.target_forwards
 
 
 def test_grouped_decode_attention_equals_sdpa(monkeypatch):

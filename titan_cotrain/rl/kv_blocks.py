@@ -22,7 +22,9 @@ the free list with their last reader.
 Admission reserves a sequence's worst case (``P + max_new_tokens + k + 1`` positions), so
 a running sequence never waits for a block and nothing is ever preempted; blocks are taken
 from the reservation as positions are reached and the rest is returned when the sequence
-finishes. ``waves = True`` admits only into an empty batch (the static engine's schedule).
+finishes. A group too big for the whole pool (or for the rows) waits as several smaller ones,
+each prefilled on its own. ``waves = True`` admits only into an empty batch (the static
+engine's schedule).
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ class BlockAllocator:
 
 @dataclass
 class _Row:
+    prompt: int
     seq: int  # output row of the sequence, prompt * G + sample
     blocks: list[int]
     reserved: int  # blocks still promised to it
@@ -100,15 +103,20 @@ class _Row:
 class Admitted:
     """Groups that enter the batch this round: ``prompts`` (indices into the call's prompts)
     with ``lengths``, each prefilled into ``prompt_blocks`` (its block table, ``c + 1``
-    blocks), and its samples' rows ``slots[i]`` (``G`` each, sample order)."""
+    blocks); group ``i`` is samples ``first[i] ..`` of its prompt, in rows ``slots[i]``."""
 
     prompts: list[int] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)
+    first: list[int] = field(default_factory=list)
     prompt_blocks: list[list[int]] = field(default_factory=list)
     slots: list[list[int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    def counts(self) -> list[int]:
+        """Samples per group."""
+        return [len(slots) for slots in self.slots]
 
 
 class Scheduler:
@@ -123,13 +131,17 @@ class Scheduler:
         self.max_new_tokens, self.waves = max_new_tokens, waves
         self.prompt_lens = prompt_lens
         self.rows: list[_Row | None] = [None] * n_slots
-        self.waiting = deque(range(len(prompt_lens)))
+        self.waiting: deque[tuple[int, int, int]] = deque()  # (prompt, first sample, samples)
         self.retired = 0
-        for p in prompt_lens:
-            if self._group_need(p) > allocator.n_blocks or samples > n_slots:
-                raise ValueError(f"a prompt of {p} tokens with {samples} samples of up to {max_new_tokens} new "
-                                 f"tokens needs {self._group_need(p)} KV blocks and {samples} rows; the engine has "
-                                 f"{allocator.n_blocks} blocks of {block_size} positions and {n_slots} rows")
+        for prompt, p in enumerate(prompt_lens):
+            fits = min(samples, n_slots)
+            while fits and self._group_need(p, fits) > allocator.n_blocks:
+                fits -= 1
+            if not fits:
+                raise ValueError(f"a prompt of {p} tokens and up to {max_new_tokens} new tokens needs "
+                                 f"{self._group_need(p, 1)} KV blocks of {block_size} positions; the engine has "
+                                 f"{allocator.n_blocks}")
+            self.waiting.extend((prompt, first, min(fits, samples - first)) for first in range(0, samples, fits))
 
     def _sequence_blocks(self, prompt_len: int) -> int:
         return _ceil_div(prompt_len + self.max_new_tokens + self.k + 1, self.block_size)
@@ -137,9 +149,9 @@ class Scheduler:
     def _shared(self, prompt_len: int) -> int:
         return (prompt_len - 1) // self.block_size
 
-    def _group_need(self, prompt_len: int) -> int:
+    def _group_need(self, prompt_len: int, samples: int) -> int:
         c = self._shared(prompt_len)
-        return c + self.samples * (self._sequence_blocks(prompt_len) - c)
+        return c + samples * (self._sequence_blocks(prompt_len) - c)
 
     def busy(self) -> bool:
         return any(row is not None for row in self.rows)
@@ -154,28 +166,28 @@ class Scheduler:
         if self.waves and self.busy():
             return out
         free = [s for s, row in enumerate(self.rows) if row is None]
-        while self.waiting and len(free) >= self.samples:
-            prompt = self.waiting[0]
+        while self.waiting and len(free) >= self.waiting[0][2]:
+            prompt, first, count = self.waiting[0]
             p = self.prompt_lens[prompt]
-            need = self._group_need(p)
+            need = self._group_need(p, count)
             if need > self.allocator.available():
                 break
             self.waiting.popleft()
             self.allocator.reserve(need)
-            blocks = [self.allocator.take() for _ in range(self._shared(p) + 1)]
-            slots, free = free[: self.samples], free[self.samples:]
             out.prompts.append(prompt)
             out.lengths.append(p)
-            out.prompt_blocks.append(blocks)
-            out.slots.append(slots)
+            out.first.append(first)
+            out.prompt_blocks.append([self.allocator.take() for _ in range(self._shared(p) + 1)])
+            out.slots.append(free[:count])
+            free = free[count:]
         return out
 
     def fork(self, admitted: Admitted) -> tuple[list[int], list[int]]:
         """Give each admitted sample its row and block table: the prompt's shared blocks, and
         block ``c`` (sample 0's) or a copy of it. Returns the copies to make, ``(src, dst)``."""
         src, dst = [], []
-        for prompt, p, blocks, slots in zip(admitted.prompts, admitted.lengths, admitted.prompt_blocks,
-                                            admitted.slots):
+        for prompt, p, first, blocks, slots in zip(admitted.prompts, admitted.lengths, admitted.first,
+                                                   admitted.prompt_blocks, admitted.slots):
             shared, last = blocks[:-1], blocks[-1]
             each = self._sequence_blocks(p) - len(shared)  # reservation per sample, block c included
             for g, slot in enumerate(slots):
@@ -187,7 +199,7 @@ class Scheduler:
                     own = self.allocator.take()
                     src.append(last)
                     dst.append(own)
-                self.rows[slot] = _Row(prompt * self.samples + g, [*shared, own], each - 1, p + 1)
+                self.rows[slot] = _Row(prompt, prompt * self.samples + first + g, [*shared, own], each - 1, p + 1)
         return src, dst
 
     def grow(self) -> None:
@@ -206,7 +218,7 @@ class Scheduler:
         block it reserved and the tables are as wide as they get: the round of most memory."""
         for row in self.rows:
             if row is not None:
-                row.length = self.prompt_lens[row.seq // self.samples] + self.max_new_tokens - 1
+                row.length = self.prompt_lens[row.prompt] + self.max_new_tokens - 1
 
     def retire(self, lengths: list[int], active: list[bool]) -> list[int]:
         """After a round: the rows' committed tokens and whether they still decode, read from

@@ -412,7 +412,8 @@ class RolloutEngine:
         TTT pass 1: over the prompt positions once per prompt, then at the last one per
         sample (anchor ``P - 1`` reads the sample's first token). The prefill attends to
         the prompts' positions only."""
-        device, samples = self.device, scheduler.samples
+        device = self.device
+        samples = torch.tensor(admitted.counts(), device=device)  # per group
         lens = torch.tensor(admitted.lengths, device=device)
         width = int(max(admitted.lengths))
         tokens = prompt[admitted.prompts, :width].to(device)

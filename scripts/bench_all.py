@@ -50,6 +50,7 @@ BENCHMARKS = {
     "bench_vocab_chunks": ([], [], lambda a: ["--json", a / "bench_vocab_chunks.json"]),
     "bench_compile": ([], ["--repeats", "2", "--new-tokens", "32"],
                       lambda a: ["--json", a / "bench_compile.json", "--png", a / "bench_compile.png"]),
+    "bench_e2e": ([], ["--quick"], lambda a: ["--json", a / "bench_e2e.json", "--png", a / "bench_e2e.png"]),
 }
 
 
@@ -158,6 +159,27 @@ def rollout_rows(result: dict, command: str) -> list[Row]:
                 f"plain {plain['tokens_per_s']:.0f} tok/s", f"{best['speedup']:.2f}x", ">= 2x" if goal else "-",
                 _met(best["speedup"] >= 2.0 if goal else None), f"{best['model']}, {best['device']}", command))
     hardware = f"{records[0]['model']}, {records[0]['device']}"
+    mixed = result.get("mixed")
+    if mixed:
+        by = {(r["engine"], r["k"]): r for r in mixed["records"]}
+        lens = mixed["response_lengths"]
+        what = (f"{mixed['prompts']} prompts x {mixed['group']} samples, prompts {min(mixed['prompt_lengths'])}-"
+                f"{max(mixed['prompt_lengths'])} tokens, responses {lens['min']}-{lens['max']}, KV budget of "
+                f"{mixed['budget_sequences']} sequences at their longest")
+        for k in sorted({r["k"] for r in mixed["records"]}):
+            paged, static = by["paged", k], by["static", k]
+            name = "plain" if k == 0 else f"trained draft k = {k}"
+            rows.append(Row(
+                "Rollout engine: paged KV + continuous batching vs static",
+                f"{what}; greedy, {name}: tokens/s",
+                f"{paged['tokens_per_s']:.0f} tok/s ({paged['mean_decoding']:.1f} decoding per round)",
+                f"static {static['tokens_per_s']:.0f} tok/s ({static['mean_decoding']:.1f} per round)",
+                f"{paged['tokens_per_s'] / static['tokens_per_s']:.2f}x", "-", "-", hardware, command))
+            rows.append(Row(
+                "Rollout engine: paged KV + continuous batching vs static",
+                f"{what}; greedy, {name}: KV held at the peak",
+                f"{paged['kv_peak_bytes'] / 2**20:.1f} MiB", f"static {static['kv_peak_bytes'] / 2**20:.1f} MiB",
+                f"{paged['kv_peak_bytes'] / static['kv_peak_bytes']:.2f}x", "-", "-", hardware, command))
     goal = result["summary"].get("adaptive_goal")
     for a in result.get("adaptive", []):
         rows.append(Row(
@@ -165,6 +187,26 @@ def rollout_rows(result: dict, command: str) -> list[Row]:
             f"{a['tokens_per_s']:.0f} tok/s", f"best of plain and fixed k {a['best_other']:.0f} tok/s",
             f"{a['ratio']:.2f}x",
             f">= {goal}x", _met(a["ratio"] >= goal), hardware, command))
+    return rows
+
+
+def e2e_rows(result: dict, command: str) -> list[Row]:
+    claim = "End to end: RL step with speculative rollouts"
+    cfg, summary = result["config"], result["summary"]
+    n = len(result["plain"]["step_s"])
+    hardware = cfg["job"]
+    rows = []
+    for arm, label in (("speculative", "adaptive k"), ("fixed_k", "k = 3 every step")):
+        ratio = result[arm]["median_step_s"] / result["plain"]["median_step_s"]
+        goal = arm == "speculative"
+        rows.append(Row(
+            claim, f"median of {n} RL steps after a {cfg['sft_steps']}-step warm start, {label} "
+                   f"(drafted k: {sorted(set(result[arm]['draft_tokens']))})",
+            f"{result[arm]['median_step_s']:.3f} s/step, {result[arm]['median_rollout_tokens_per_s']:.0f} rollout tok/s",
+            f"plain {result['plain']['median_step_s']:.3f} s/step, "
+            f"{result['plain']['median_rollout_tokens_per_s']:.0f} tok/s",
+            f"{ratio:.2f}x", f"<= {summary['goal']}x" if goal else "-", _met(ratio <= summary["goal"]) if goal else "-",
+            hardware, command))
     return rows
 
 
@@ -241,6 +283,7 @@ SOURCES = [  # (script, json, rows)
     ("compare_cotrain", "compare_cotrain.json", cotrain_rows),
     ("bench_vocab_chunks", "bench_vocab_chunks.json", vocab_rows),
     ("bench_compile", "bench_compile.json", compile_rows),
+    ("bench_e2e", "bench_e2e.json", e2e_rows),
 ]
 
 

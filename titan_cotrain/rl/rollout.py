@@ -413,7 +413,9 @@ class RolloutEngine:
         sample (anchor ``P - 1`` reads the sample's first token). The prefill attends to
         the prompts' positions only."""
         device = self.device
-        samples = torch.tensor(admitted.counts(), device=device)  # per group
+        # Group of each sample row, from the host counts (a data-dependent repeat_interleave
+        # has no static shape for the simulator's fake tensors).
+        group = torch.tensor([i for i, count in enumerate(admitted.counts()) for _ in range(count)], device=device)
         lens = torch.tensor(admitted.lengths, device=device)
         width = int(max(admitted.lengths))
         tokens = prompt[admitted.prompts, :width].to(device)
@@ -428,7 +430,7 @@ class RolloutEngine:
         last = lens - 1
         out = self.policy.forward_cached(tokens, target_view, torch.zeros_like(lens), return_taps=bool(k),
                                          logits_at=last)
-        logits = processed_logits((out.logits if k else out)[:, 0], params).repeat_interleave(samples, 0)
+        logits = processed_logits((out.logits if k else out)[:, 0], params)[group]
         token = draw(logits, params, generator)
         logprob = logits.log_softmax(-1).gather(-1, token.unsqueeze(-1))
         src, dst = scheduler.fork(admitted)
@@ -438,7 +440,7 @@ class RolloutEngine:
                     pool.copy_blocks(torch.tensor(src, device=device), torch.tensor(dst, device=device))
         rows = torch.tensor([s for slots in admitted.slots for s in slots], device=device)
         out_rows = torch.tensor(scheduler.output_rows(), device=device)[rows]
-        seqs.admit(rows, out_rows, lens.repeat_interleave(samples))
+        seqs.admit(rows, out_rows, lens[group])
         self._commit(seqs, *seqs.new_tokens(rows, token, logprob.squeeze(-1)), params)
         if not k:
             return
@@ -446,14 +448,14 @@ class RolloutEngine:
         chain = (self.chain_k[:n], self.chain_v[:n])
         self.draft.extend(taps, self._draft_embed(torch.roll(tokens, -1, dims=1)), torch.zeros_like(lens),
                           DraftKVCache(trunk_view, *chain))
-        taps_last = taps[torch.arange(n, device=device), last].repeat_interleave(samples, 0).unsqueeze(1)
+        taps_last = taps[group, last[group]].unsqueeze(1)
         if self.paged:
             sample_table = torch.tensor(scheduler.table(), dtype=torch.int64, device=device)[rows]
             sample_view = self.draft_pool.view(sample_table)
         else:
             sample_view = trunk_view
         chain = (self.chain_k[: len(rows)], self.chain_v[: len(rows)])
-        hidden = self.draft.extend(taps_last, self._draft_embed(token.unsqueeze(1)), last.repeat_interleave(samples),
+        hidden = self.draft.extend(taps_last, self._draft_embed(token.unsqueeze(1)), last[group],
                                    DraftKVCache(sample_view, *chain))
         seqs.draft_hidden[rows] = hidden[:, 0]
 

@@ -36,18 +36,16 @@ there is no Python loop over sequences on the device.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TypeVar
 
 import torch
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from titan_cotrain.models.args import ModelArgs
 from titan_cotrain.models.draft import Draft, DraftArgs, DraftKVCache
 from titan_cotrain.models.kv_cache import PagedKV, RowsKV
-from titan_cotrain.models.transformer import Transformer, rope_inv_freq
-from titan_cotrain.parallel.engine_tp import fill_from_whole, tensor_parallel_engine_policy
+from titan_cotrain.models.transformer import Transformer
+from titan_cotrain.rl.engine_copy import copy_state, empty_copy
 from titan_cotrain.rl.kv_blocks import Admitted, BlockAllocator, Scheduler
 from titan_cotrain.rl.rollout_state import RolloutStats, Rollouts, Sequences, StepCounters
 from titan_cotrain.rl.sampling import (
@@ -72,25 +70,6 @@ def _pad_prompts(prompts: Sequence[torch.Tensor | Sequence[int]]) -> tuple[torch
     for i, r in enumerate(rows):
         tokens[i, : r.numel()] = r
     return tokens, lens
-
-
-def _whole(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A whole tensor in ``dtype`` from a state-dict entry: DTensors (FSDP2 shards) are cast
-    first, then all-gathered, so the gather moves the engine's bytes (bf16), not fp32."""
-    return t.to(dtype).full_tensor() if isinstance(t, DTensor) else t
-
-
-@torch.no_grad()
-def _copy_state(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-    """``module``'s tensors <- ``state``'s, one whole tensor at a time; a tensor-parallel
-    engine keeps its slice of each."""
-    own = module.state_dict()
-    missing, unexpected = own.keys() - state.keys(), state.keys() - own.keys()
-    if missing or unexpected:
-        raise KeyError(f"state dict does not match the engine's {type(module).__name__}: "
-                       f"missing {sorted(missing)}, unexpected {sorted(unexpected)}")
-    for name, dst in own.items():  # the module's order: the same on every rank, as collectives need
-        fill_from_whole(dst, _whole(state[name], dst.dtype))
 
 
 def _cache_slots(max_seq_len: int, max_draft_tokens: int) -> tuple[int, int]:
@@ -118,33 +97,6 @@ def kv_bytes_per_sequence(policy: ModelArgs, draft: DraftArgs | None, max_seq_le
     positions, chain = _cache_slots(max_seq_len, max_draft_tokens)
     chain_bytes = 2 * draft.n_kv_heads * draft.head_dim * chain * dtype.itemsize if draft is not None else 0
     return positions * kv_bytes_per_position(policy, draft, dtype, tensor_parallel) + chain_bytes
-
-
-_Model = TypeVar("_Model", Transformer, Draft)
-
-
-def _empty_copy(build: Callable[[], _Model], device: torch.device, dtype: torch.dtype,
-                tp_mesh: DeviceMesh | None = None) -> _Model:
-    """``build()`` on the meta device (split over ``tp_mesh`` when given), materialised
-    uninitialised on ``device`` with its parameters in ``dtype``; the weights are the
-    caller's to load. The RoPE frequencies (a non-persistent buffer, in no state dict) are
-    recomputed, in fp32 as the trainer's are."""
-    with torch.device("meta"):
-        model = build().to(dtype)
-    if tp_mesh is not None:
-        tensor_parallel_engine_policy(model, tp_mesh)
-    # to_empty gives each alias of a shared parameter (tied embeddings) a tensor of its own.
-    ties: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        ties.setdefault(id(param), []).append(name)
-    model.to_empty(device=device)
-    for first, *aliases in ties.values():
-        for alias in aliases:
-            owner, _, leaf = alias.rpartition(".")
-            setattr(model.get_submodule(owner), leaf, model.get_parameter(first))
-    a = model.args
-    model.rope_inv_freq = rope_inv_freq(a.head_dim, a.rope_theta, a.rope_scaling).to(device)
-    return model
 
 
 class RolloutEngine:
@@ -254,11 +206,11 @@ class RolloutEngine:
         """
         device = torch.device(device)
         dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
-        own_policy = _empty_copy(lambda: Transformer(policy.args, policy.tap_layers), device, dtype, tp_mesh)
+        own_policy = empty_copy(lambda: Transformer(policy.args, policy.tap_layers), device, dtype, tp_mesh)
         own_draft = None
         if draft is not None:
             d2t, t2d = draft.d2t, draft.t2d
-            own_draft = _empty_copy(lambda: Draft(draft.args, torch.empty(d2t.shape, dtype=d2t.dtype),
+            own_draft = empty_copy(lambda: Draft(draft.args, torch.empty(d2t.shape, dtype=d2t.dtype),
                                                   torch.empty(t2d.shape, dtype=t2d.dtype)), device, dtype)
         engine = cls(own_policy, own_draft, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                      max_draft_tokens=max_draft_tokens, kv_cache_gib=kv_cache_gib, block_size=block_size, paged=paged,
@@ -283,11 +235,11 @@ class RolloutEngine:
         generating or not.
         """
         self.restore()
-        _copy_state(self.policy, policy_state)
+        copy_state(self.policy, policy_state)
         if draft_state is not None:
             if self.draft is None:
                 raise ValueError("this engine has no draft to load weights into")
-            _copy_state(self.draft, draft_state)
+            copy_state(self.draft, draft_state)
 
     def release(self) -> None:
         """Free the device memory of the weights and KV caches until the next ``load_weights``

@@ -235,14 +235,34 @@ class Scheduler:
         self.retired += len(out)
         return out
 
-    def table(self) -> list[list[int]]:
-        """Every row's block table, padded with the scratch block to one width: a power of
-        two of blocks (a few shapes for compiled steps), enough for ``k + 1`` positions."""
+    def compact(self) -> tuple[list[int], list[int]]:
+        """Move busy rows past the smallest power of two that holds them all into free rows
+        before it, so a draining batch decodes fewer rows (a paged row is its block table:
+        moving it moves no KV). Returns the moves ``(src, dst)`` for the device state."""
+        busy = sum(row is not None for row in self.rows)
+        bound = min(1 << max(busy - 1, 0).bit_length(), len(self.rows))
+        free = [s for s in range(bound) if self.rows[s] is None]
+        src = [s for s in range(bound, len(self.rows)) if self.rows[s] is not None]
+        dst = free[: len(src)]
+        for a, b in zip(src, dst):
+            self.rows[b], self.rows[a] = self.rows[a], None
+        return src, dst
+
+    def running_rows(self) -> int:
+        """How many leading rows the next round decodes: a power of two (a few shapes for
+        compiled steps) that covers every busy row. Rows are filled lowest first, so the busy
+        ones gather at the front and a batch that drains decodes fewer rows."""
+        last = max((s for s, row in enumerate(self.rows) if row is not None), default=0)
+        return min(1 << last.bit_length(), len(self.rows))
+
+    def table(self, rows: int | None = None) -> list[list[int]]:
+        """The block tables of the first ``rows`` rows (default all), padded with the scratch
+        block to one width: a power of two of blocks, enough for ``k + 1`` positions."""
         widest = max([len(row.blocks) for row in self.rows if row is not None]
                      + [_ceil_div(self.k + 1, self.block_size)])
         width = min(1 << (widest - 1).bit_length(), max(map(self._sequence_blocks, self.prompt_lens)))
         return [row.blocks + [SCRATCH_BLOCK] * (width - len(row.blocks)) if row is not None else [SCRATCH_BLOCK] * width
-                for row in self.rows]
+                for row in self.rows[:rows]]
 
     def prefill_table(self, admitted: Admitted, width: int) -> list[list[int]]:
         """Block tables of the admitted prompts for a prefill over ``width`` positions."""

@@ -324,13 +324,18 @@ class RolloutEngine:
             if max_rounds is not None:
                 scheduler.assume_longest()
             scheduler.grow()
-            target_cache, draft_cache = self._caches(scheduler, k)
+            if self.paged:
+                seqs.move(*scheduler.compact(), self.device)
+            rows = scheduler.running_rows()
+            target_cache, draft_cache = self._caches(scheduler, k, rows)
+            running = seqs.head(rows)
             if k:
-                self._speculative_round(seqs, k, params, generator, target_cache, draft_cache, draft_to_target,
+                self._speculative_round(running, k, params, generator, target_cache, draft_cache, draft_to_target,
                                         counters)
             else:
                 with counters.timed("verify"):
-                    self._decode_one_token(seqs, params, generator, target_cache, counters)
+                    self._decode_one_token(running, params, generator, target_cache, counters)
+            seqs.absorb(running)
             rounds += 1
             if max_rounds is not None:
                 if rounds == max_rounds:
@@ -344,17 +349,16 @@ class RolloutEngine:
         stats = counters.stats(int(seqs.out_len.sum()), k, kv_peak_bytes=allocator.peak * self.kv_block_bytes)
         return seqs.result(prompt_lens.repeat_interleave(samples).to(self.device), params.max_new_tokens, stats)
 
-    def _caches(self, scheduler: Scheduler, k: int) -> tuple[PagedKV | RowsKV, DraftKVCache | None]:
-        """The running batch's views of the pools for one round: its block tables, or the
-        static layout's rows."""
-        rows = self.max_batch_size
+    def _caches(self, scheduler: Scheduler, k: int, rows: int) -> tuple[PagedKV | RowsKV, DraftKVCache | None]:
+        """The views of the pools for one round over the first ``rows`` rows: their block
+        tables, or the static layout's rows."""
         if self.paged:
-            table = torch.tensor(scheduler.table(), dtype=torch.int64, device=self.device)
+            table = torch.tensor(scheduler.table(rows), dtype=torch.int64, device=self.device)
             views = [pool.view(table) if pool is not None else None for pool in (self.target_pool, self.draft_pool)]
         else:
             views = [pool.rows(0, rows) if pool is not None else None for pool in (self.target_pool, self.draft_pool)]
         target, trunk = views
-        return target, DraftKVCache(trunk, self.chain_k, self.chain_v) if k else None
+        return target, DraftKVCache(trunk, self.chain_k[:rows], self.chain_v[:rows]) if k else None
 
     def _prefill(self, seqs: Sequences, scheduler: Scheduler, admitted: Admitted, prompt: torch.Tensor,
                  params: SamplingParams, generator, k: int) -> None:

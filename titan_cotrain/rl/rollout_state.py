@@ -7,6 +7,7 @@ target's and the draft's caches hold at ``n``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -123,6 +124,34 @@ class Sequences:
                    logprobs=torch.zeros(total + 1, max_new_tokens + k + 1, device=device),
                    out_len=ints(total + 1), out_finished=flags(total + 1))
 
+    _ROWS = ("out_row", "length", "last_token", "response_len", "active", "finished", "draft_hidden")
+
+    def head(self, rows: int) -> Sequences:
+        """The first ``rows`` rows (views) with the same outputs; ``absorb`` it back after a round."""
+        return dataclasses.replace(self, **{name: getattr(self, name)[:rows] for name in self._ROWS})
+
+    def absorb(self, head: Sequences) -> None:
+        """Take back the row state of ``head`` (a round may have replaced its tensors)."""
+        rows = len(head.length)
+        for name in self._ROWS:
+            getattr(self, name)[:rows].copy_(getattr(head, name))
+
+    def move(self, src: list[int], dst: list[int], device: torch.device) -> None:
+        """Rows ``dst`` take over the sequences of rows ``src``, which become free."""
+        if not src:
+            return
+        a, b = torch.tensor(src, device=device), torch.tensor(dst, device=device)
+        for name in self._ROWS:
+            tensor = getattr(self, name)
+            tensor[b] = tensor[a]
+        self._free(a)
+
+    def _free(self, index: torch.Tensor) -> None:
+        self.out_row[index] = len(self.out_len) - 1
+        self.length[index] = 1
+        self.response_len[index] = 0
+        self.active[index] = False
+
     def admit(self, rows: torch.Tensor, out_rows: torch.Tensor, prompt_lens: torch.Tensor) -> None:
         """Rows ``rows`` start sequences ``out_rows`` after prompts of ``prompt_lens`` tokens
         (nothing committed yet: ``rl.rollout`` commits the first token)."""
@@ -152,10 +181,7 @@ class Sequences:
         out = self.out_row[index]
         self.out_len[out] = self.response_len[index]
         self.out_finished[out] = self.finished[index]
-        self.out_row[index] = len(self.out_len) - 1
-        self.length[index] = 1
-        self.response_len[index] = 0
-        self.active[index] = False
+        self._free(index)
 
     def result(self, prompt_lens: torch.Tensor, max_new_tokens: int, stats: RolloutStats) -> Rollouts:
         n = len(self.out_len) - 1

@@ -86,7 +86,7 @@ from titan_cotrain.parallel.context_parallel import CPShard, plan_padded_rows, s
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-from benchtools import command_line, plain_ticks, pyplot  # noqa: E402
+from benchtools import command_line, plain_ticks, pyplot, save_figure  # noqa: E402
 
 N_HEADS, N_KV_HEADS, HEAD_DIM = 2, 1, 16  # N_KV_HEADS: the GQA config; --mha-seq-lens adds Hkv = Hq
 SCALE = HEAD_DIM**-0.5
@@ -697,10 +697,7 @@ def plot(records: list[dict], p: int, path: Path) -> None:
     ax.set_title(f"draft attention fwd+bwd per rank, P = {p}, Hkv = {N_KV_HEADS}, {pieces} pieces per hop (CPU, fp32)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(ncol=2)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def png_paths(png: Path, branch_sets: list[int]) -> list[tuple[int, Path]]:

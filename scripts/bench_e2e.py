@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchtools import command_line, pyplot  # noqa: E402
+from benchtools import command_line, pyplot, save_figure  # noqa: E402
 from compare_cotrain import folder_hash, rl_curve, run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,10 +80,7 @@ def plot(result: dict, path: Path) -> None:
         ax.legend()
     ratio = result["summary"]["speculative_over_plain"]
     fig.suptitle(f"embedded default, speculative / plain median step time {ratio:.2f}x (goal <= {GOAL})")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> int:

@@ -86,7 +86,7 @@ from titan_cotrain.rl.grpo import ppo_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-from benchtools import command_line, pyplot  # noqa: E402
+from benchtools import command_line, pyplot, save_figure  # noqa: E402
 
 MODEL = ModelArgs(dim=128, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=16, ffn_dim=256, vocab_size=1024)
 SEQ, MICROBATCHES = 128, 8
@@ -402,10 +402,7 @@ def plot(result: dict, path: Path) -> None:
     fig.suptitle("pipeline co-training on CPU; tapchannel / no_transport wall: " +
                  ", ".join(f"{k.split()[0]} {k.split()[1][:5]} {v['median']:.3f}" for k, v in ratios.items()),
                  fontsize="medium")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # ---- main ------------------------------------------------------------------------------------

@@ -69,7 +69,7 @@ from titan_cotrain.rl.sampling import SamplingParams
 from titan_cotrain.rl.speculation import SpeculationTuner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchtools import command_line, pyplot  # noqa: E402
+from benchtools import command_line, pyplot, save_figure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCHES, KS = (1, 8, 64), (2, 4, 6)
@@ -441,10 +441,7 @@ def plot(records: list[dict], bounds: list[dict], path: Path) -> None:
     ax.grid(alpha=0.3, axis="y")
     ax.set_ylim(0, 1.2 * max(b["bound"] for b in bounds if b["draft"] == "trained"))
     ax.legend(loc="upper center", ncol=2, fontsize="small")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

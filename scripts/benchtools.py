@@ -18,6 +18,16 @@ def pyplot():
     return plt
 
 
+def save_figure(fig, path) -> None:
+    """Lay ``fig`` out, write it to ``path`` (its folder made) and close it."""
+    from matplotlib import pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def plain_ticks(axis) -> None:
     """Log-axis tick labels as plain numbers (``64``, not ``2^6``): readable values."""
     from matplotlib.ticker import FuncFormatter

@@ -46,7 +46,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchtools import command_line, pyplot  # noqa: E402
+from benchtools import command_line, pyplot, save_figure  # noqa: E402
 
 GOAL_RATIO = 1.3
 # --quick: a few minutes on 2 cores, most of it the 8 job launches; the draft barely trains.
@@ -138,10 +138,7 @@ def plot(result: dict, path: Path) -> None:
     ratio = result["summary"]["acceptance_ratio_cotrain_over_frozen"]
     fig.suptitle(f"co-trained / frozen acceptance length, last quarter: {ratio['mean']:.2f}x "
                  f"(seeds {ratio['min']:.2f}-{ratio['max']:.2f}); {result['config']['sft_steps']} SFT steps")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> int:

@@ -299,6 +299,8 @@ def main() -> int:
     if args.replot:
         result = json.loads(args.json.read_text())
         plot(result["records"], result["bounds"], args.png)
+        if "mixed" in result:
+            plot_engines(result["mixed"], engine_png(args.png))
         return 0
     torch.set_num_threads(args.threads)
     if args.device == "cpu":
@@ -404,6 +406,7 @@ def main() -> int:
     args.json.write_text(json.dumps(dict(records=records, bounds=bounds, adaptive=adaptive, mixed=mixed,
                                          summary=summary, command=command_line()), indent=1) + "\n")
     plot(records, bounds, args.png)
+    plot_engines(mixed, engine_png(args.png))
     print(f"best batch-1 speedup with the trained draft: x{best_b1:.2f} (goal x2.0); "
           f"{summary['runtime_s']:.0f}s; wrote {args.json} and {args.png}")
     if args.min_speedup and best_b1 < args.min_speedup:
@@ -441,6 +444,31 @@ def plot(records: list[dict], bounds: list[dict], path: Path) -> None:
     ax.grid(alpha=0.3, axis="y")
     ax.set_ylim(0, 1.2 * max(b["bound"] for b in bounds if b["draft"] == "trained"))
     ax.legend(loc="upper center", ncol=2, fontsize="small")
+    save_figure(fig, path)
+
+
+def engine_png(path: Path) -> Path:
+    return path.with_name(path.stem + "_engine" + path.suffix)
+
+
+def plot_engines(mixed: dict, path: Path) -> None:
+    """Mixed lengths: tokens/s and the KV held at the peak, paged vs static, per k."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.5))
+    ks = sorted({r["k"] for r in mixed["records"]})
+    for ax, key, scale, label in ((axes[0], "tokens_per_s", 1, "tokens / s"),
+                                  (axes[1], "kv_peak_bytes", 2**-20, "KV held at the peak (MiB)")):
+        for m, (engine, color) in enumerate((("static", "tab:grey"), ("paged", "tab:blue"))):
+            values = [next(r[key] for r in mixed["records"] if (r["engine"], r["k"]) == (engine, k)) * scale
+                      for k in ks]
+            ax.bar([i + (m - 0.5) * 0.38 for i in range(len(ks))], values, 0.38, color=color, label=engine)
+        ax.set_xticks(range(len(ks)), ["plain" if k == 0 else f"trained draft, k={k}" for k in ks])
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend()
+    lens = mixed["response_lengths"]
+    fig.suptitle(f"{mixed['prompts']} prompts x {mixed['group']} samples, responses {lens['min']}-{lens['max']} "
+                 f"tokens, one KV budget ({mixed['budget_sequences']} sequences at their longest)")
     save_figure(fig, path)
 
 

@@ -144,6 +144,19 @@ def test_greedy_speculative_equals_greedy_plain(vocab, draft_vocab, k):
         assert spec.stats.acceptance_length > 1.2
         assert spec.stats.acceptance_rate[1] > 0  # some rounds accepted two drafted tokens or more
         assert spec.stats.target_forwards < plain.stats.target_forwards
+    # Continuous batching and prefix sharing on: 2 samples per prompt sharing its blocks (of 4
+    # positions), a pool that holds 3 sequences at their longest, so groups wait and refill.
+    per_sequence = rollout.kv_bytes_per_sequence(target.args, draft.args, 40, k, torch.float32)
+    shared = RolloutEngine(target, draft, max_batch_size=8, max_seq_len=40, max_draft_tokens=k, block_size=4,
+                           kv_cache_gib=3 * per_sequence / 2**30)
+    for draft_tokens in (0, k):
+        out = shared.generate(prompts, params, samples_per_prompt=2, draft_tokens=draft_tokens)
+        assert torch.equal(out.tokens, plain.tokens.repeat_interleave(2, 0)), draft_tokens
+        assert torch.equal(out.response_lens, plain.response_lens.repeat_interleave(2))
+        torch.testing.assert_close(out.logprobs, plain.logprobs.repeat_interleave(2, 0), rtol=1e-4, atol=1e-4)
+        one_batch = plain if draft_tokens == 0 else spec  # every sequence at once, in its own rows
+        assert out.stats.target_forwards > one_batch.stats.target_forwards  # some waited for room
+        assert out.stats.kv_peak_bytes <= 3 * per_sequence
 
 
 def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:

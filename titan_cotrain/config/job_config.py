@@ -247,8 +247,9 @@ class Rollout:
     cache; the draft stays whole. The engine groups of a coordinate share its prompts out."""
 
     compile: bool = False
-    """``torch.compile`` the engine's fixed-shape steps (target decode / verify, the draft's
-    chain step and catch-up), one graph per ``(rows, k, block-table width)``; on a GPU with
+    """``torch.compile`` the engine's decoding steps (target decode / verify, the draft's chain
+    step and catch-up), one graph per ``k``: compiled, the steps run every row of the engine
+    against whole-sequence block tables (fixed shapes); on a GPU with
     ``mode="reduce-overhead"`` (CUDA graphs). The prefill (ragged prompt width) stays eager."""
 
     kv_cache_gib: float = 0.0

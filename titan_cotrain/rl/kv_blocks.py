@@ -255,12 +255,14 @@ class Scheduler:
         last = max((s for s, row in enumerate(self.rows) if row is not None), default=0)
         return min(1 << last.bit_length(), len(self.rows))
 
-    def table(self, rows: int | None = None) -> list[list[int]]:
+    def table(self, rows: int | None = None, width: int | None = None) -> list[list[int]]:
         """The block tables of the first ``rows`` rows (default all), padded with the scratch
-        block to one width: a power of two of blocks, enough for ``k + 1`` positions."""
-        widest = max([len(row.blocks) for row in self.rows if row is not None]
-                     + [_ceil_div(self.k + 1, self.block_size)])
-        width = min(1 << (widest - 1).bit_length(), max(map(self._sequence_blocks, self.prompt_lens)))
+        block to one width: ``width`` blocks if given, else a power of two of blocks that
+        covers every row and ``k + 1`` positions."""
+        if width is None:
+            widest = max([len(row.blocks) for row in self.rows if row is not None]
+                         + [_ceil_div(self.k + 1, self.block_size)])
+            width = min(1 << (widest - 1).bit_length(), max(map(self._sequence_blocks, self.prompt_lens)))
         return [row.blocks + [SCRATCH_BLOCK] * (width - len(row.blocks)) if row is not None else [SCRATCH_BLOCK] * width
                 for row in self.rows[:rows]]
 

@@ -126,8 +126,10 @@ class RolloutEngine:
     schedule follows the sequences' lengths, the same on every rank).
 
     ``compile`` wraps the fixed-shape steps (target decode / verify, draft chain step and
-    catch-up) in ``torch.compile``: one graph per ``(rows, k, table width)``, worth it on
-    GPU, slow to build on CPU. The prefill (ragged prompt width) stays eager.
+    catch-up) in ``torch.compile``: one graph per ``k`` (and chain depth), as the steps then
+    always run every row against block tables of a whole sequence's width (CUDA graphs want
+    fixed shapes; uncompiled, a round decodes only the rows in use, over the blocks they
+    reach). Worth it on GPU, slow to build on CPU. The prefill (ragged width) stays eager.
     """
 
     def __init__(self, policy: Transformer, draft: Draft | None = None, *, max_batch_size: int, max_seq_len: int,
@@ -171,6 +173,8 @@ class RolloutEngine:
                 + (f", with {max_batch_size} rows' draft chains beside it" if paged else ""))
         self.max_batch_size = max_batch_size
         self.kv_block_bytes = per_block
+        self.blocks_per_sequence = blocks_per_sequence
+        self.compiled = compile
         self.target_pool = policy.new_kv_pool(n_blocks, self.block_size, dtype,
                                               n_kv_heads=policy.args.n_kv_heads // self.tensor_parallel)
         self.draft_pool = self.chain_k = self.chain_v = None
@@ -326,7 +330,8 @@ class RolloutEngine:
             scheduler.grow()
             if self.paged:
                 seqs.move(*scheduler.compact(), self.device)
-            rows = scheduler.running_rows()
+            # Compiled steps see one shape per k: every row, the widest table.
+            rows = self.max_batch_size if self.compiled else scheduler.running_rows()
             target_cache, draft_cache = self._caches(scheduler, k, rows)
             running = seqs.head(rows)
             if k:
@@ -353,7 +358,8 @@ class RolloutEngine:
         """The views of the pools for one round over the first ``rows`` rows: their block
         tables, or the static layout's rows."""
         if self.paged:
-            table = torch.tensor(scheduler.table(rows), dtype=torch.int64, device=self.device)
+            width = self.blocks_per_sequence if self.compiled else None
+            table = torch.tensor(scheduler.table(rows, width), dtype=torch.int64, device=self.device)
             views = [pool.view(table) if pool is not None else None for pool in (self.target_pool, self.draft_pool)]
         else:
             views = [pool.rows(0, rows) if pool is not None else None for pool in (self.target_pool, self.draft_pool)]

@@ -7,7 +7,8 @@ What runs (the llama3 debug model with an EAGLE-3 draft, fp32, one thread by def
   the draft's TTT pass, ``fullgraph=True``, inductor);
 * ``decode``: ``RolloutEngine.generate`` of greedy responses, plain (k = 0) and speculative
   (k = 3), eager vs ``[rollout] compile`` (the decode / verify / draft steps, one graph per
-  ``(batch, k)``).
+  ``k``: compiled, every round runs every row over whole-sequence block tables; eager, over
+  the blocks the rows have reached, what each mode does in a job).
 
 Correctness first: the compiled co-training step must give the eager one's losses and
 gradients (rtol 1e-4), and compiled decoding the eager tokens, or the script exits 1 before

@@ -45,6 +45,13 @@ class RolloutStats:
     def tokens_per_s(self) -> float:
         return self.new_tokens / max(self.total_s, 1e-9)
 
+    @property
+    def seconds_per_round(self) -> float:
+        """The call's wall time per decoding round, prefill included: what adaptive speculation
+        weighs (drafting also costs the draft's pass over every prompt, and a short response
+        has few rounds to spread it over)."""
+        return self.total_s / max(self.target_forwards, 1)
+
     def metrics(self, prefix: str = "rollout/") -> dict[str, float]:
         out = {
             "tokens_per_s": self.tokens_per_s,

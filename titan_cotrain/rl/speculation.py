@@ -7,7 +7,9 @@ that tokens ``1..d-1`` were), a round that drafts ``k`` tokens commits on averag
     E(k) = 1 + sum_{j=1..k} prod_{d<=j} a_d        (E(0) = 1: plain decoding)
 
 tokens per sequence, and costs ``c(k)`` seconds: ``k`` draft steps, one verify forward over
-``k + 1`` positions and the draft's catch-up. The best ``k`` maximises ``E(k) / c(k)``, which
+``k + 1`` positions and the draft's catch-up, plus its share of the call's prefill (with a
+draft, the prefill also runs the draft over every prompt): ``c`` is measured as the call's
+wall time over its rounds. The best ``k`` maximises ``E(k) / c(k)``, which
 is 0 whenever the draft costs more than it saves: on a compute-bound batch, where a verify
 forward of ``k + 1`` positions costs ``k + 1`` decode steps, or with a draft the policy has
 left behind. Both sides move: ``c`` with the batch size (compute-bound at large batches,
@@ -102,8 +104,9 @@ class SpeculationTuner:
         return best
 
     def observe(self, batch_size: int, k: int, seconds_per_round: float, acceptance_rate: list[float]) -> None:
-        """What a call at ``k`` measured: its decoding seconds per round (draft + verify, the
-        device synchronised) and the acceptance rate of each drafted position (``k`` values)."""
+        """What a call at ``k`` measured: its seconds per round (``RolloutStats.seconds_per_round``:
+        wall time, prefill included, over decoding rounds) and the acceptance rate of each
+        drafted position (``k`` values)."""
         bucket = self.round_s.setdefault(self.bucket(batch_size), {})
         old = bucket.get(k)
         bucket[k] = seconds_per_round if old is None else old + self.smoothing * (seconds_per_round - old)

@@ -49,9 +49,6 @@ class KVPool:
     def block_size(self) -> int:
         return self.k.shape[2]
 
-    def bytes_per_block(self) -> int:
-        return 2 * self.k[:, 0].numel() * self.k.element_size()
-
     def view(self, table: torch.Tensor) -> PagedKV:
         """The sequences of ``table: int64 [B, nb]`` (block ids, row ``b`` = sequence ``b``)."""
         return PagedKV(self, table)

@@ -271,6 +271,6 @@ class Scheduler:
         n = _ceil_div(width, self.block_size)
         return [blocks + [SCRATCH_BLOCK] * (n - len(blocks)) for blocks in admitted.prompt_blocks]
 
-    def output_rows(self) -> list[int]:
-        """Each row's output row (``-1`` for a free row)."""
-        return [row.seq if row is not None else -1 for row in self.rows]
+    def output_rows(self, slots: list[int]) -> list[int]:
+        """The output rows of the sequences in rows ``slots``."""
+        return [self.rows[s].seq for s in slots]

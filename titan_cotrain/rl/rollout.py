@@ -400,9 +400,9 @@ class RolloutEngine:
             for pool in (self.target_pool, self.draft_pool):
                 if pool is not None:
                     pool.copy_blocks(torch.tensor(src, device=device), torch.tensor(dst, device=device))
-        rows = torch.tensor([s for slots in admitted.slots for s in slots], device=device)
-        out_rows = torch.tensor(scheduler.output_rows(), device=device)[rows]
-        seqs.admit(rows, out_rows, lens[group])
+        slots = [s for group_slots in admitted.slots for s in group_slots]
+        rows = torch.tensor(slots, device=device)
+        seqs.admit(rows, torch.tensor(scheduler.output_rows(slots), device=device), lens[group])
         self._commit(seqs, *seqs.new_tokens(rows, token, logprob.squeeze(-1)), params)
         if not k:
             return
@@ -412,8 +412,9 @@ class RolloutEngine:
                           DraftKVCache(trunk_view, *chain))
         taps_last = taps[group, last[group]].unsqueeze(1)
         if self.paged:
-            sample_table = torch.tensor(scheduler.table(), dtype=torch.int64, device=device)[rows]
-            sample_view = self.draft_pool.view(sample_table)
+            table = scheduler.table()
+            sample_view = self.draft_pool.view(torch.tensor([table[s] for s in slots], dtype=torch.int64,
+                                                            device=device))
         else:
             sample_view = trunk_view
         chain = (self.chain_k[: len(rows)], self.chain_v[: len(rows)])

@@ -192,7 +192,7 @@ def _generate(engine, prompts, params, name, k, seed, adaptive) -> RolloutStats:
     chosen = adaptive[name].tuner.choose(len(prompts)) if k == "adaptive" else k
     stats = engine.generate(prompts, params, draft_tokens=chosen, generator=generator).stats
     if k == "adaptive":
-        adaptive[name].tuner.observe(len(prompts), chosen, stats.seconds_per_round,
+        adaptive[name].tuner.observe(len(prompts), chosen, stats.seconds_per_round, stats.tokens_per_round,
                                      stats.acceptance_rate)
         adaptive[name].chosen.append(chosen)
     return stats

@@ -6,15 +6,23 @@ import pytest
 from titan_cotrain.rl.speculation import SpeculationTuner, expected_tokens
 
 
-def _measure(tuner, batch, draft_step_s, verify_s, verify_per_position_s, acceptance, calls):
+def _measure(tuner, batch, draft_step_s, verify_s, verify_per_position_s, acceptance, calls, drafting_s=0.0,
+             served_when_drafting=1.0):
     """Run ``calls`` calls against a cost model: a round at k costs k draft steps plus a verify
-    over k + 1 positions. Returns the k chosen at each call."""
+    over k + 1 positions (plus ``drafting_s`` for any k >= 1), and commits E(k) tokens for each
+    of the ``batch`` sequences (``served_when_drafting`` x the batch at k >= 1). Returns the
+    k chosen at each call."""
     chosen = []
     for _ in range(calls):
         k = tuner.choose(batch)
         chosen.append(k)
-        tuner.observe(batch, k, k * draft_step_s + verify_s + verify_per_position_s * (k + 1), acceptance[:k])
+        tuner.observe(batch, k, _round_s(k, draft_step_s, verify_s, verify_per_position_s, drafting_s),
+                      batch * (served_when_drafting if k else 1.0) * expected_tokens(acceptance, k), acceptance[:k])
     return chosen
+
+
+def _round_s(k, draft_step_s, verify_s, verify_per_position_s, drafting_s=0.0):
+    return k * draft_step_s + verify_s + verify_per_position_s * (k + 1) + (drafting_s if k else 0.0)
 
 
 def test_expected_tokens_is_one_plus_the_survival_sum():
@@ -28,22 +36,58 @@ def test_a_cheap_good_draft_runs_deep_and_an_expensive_one_is_switched_off():
     chosen = _measure(good, 8, draft_step_s=0.05, verify_s=1.0, verify_per_position_s=0.0,
                       acceptance=[0.9, 0.9, 0.9, 0.9], calls=12)
     assert chosen[:2] == [4, 0]  # explore the deepest, then plain
-    assert set(chosen[2:]) == {4}
+    assert chosen[2:] == [4] * 7 + [3, 4, 4], chosen  # the 8th call explores the only neighbour
     # Compute-bound: a verify over k + 1 positions costs k + 1 decode steps; speculation cannot pay.
     bound = SpeculationTuner(k_max=4)
     chosen = _measure(bound, 64, draft_step_s=0.05, verify_s=0.0, verify_per_position_s=1.0,
                       acceptance=[0.9, 0.9, 0.9, 0.9], calls=18)
     exploit = [k for i, k in enumerate(chosen[2:], start=1) if i % bound.explore_every]
     assert set(exploit) == {0}
-    # Exploration costs at most one call in explore_every, one token deeper than the best.
+    # Exploration costs at most one call in explore_every, a neighbour of the best (0 has one).
     assert [k for i, k in enumerate(chosen[2:], start=1) if not i % bound.explore_every] == [1, 1]
+
+
+def test_exploration_alternates_between_the_neighbours_of_the_best():
+    tuner = SpeculationTuner(k_max=4, explore_every=2, smoothing=1.0)
+    # Memory-bound with a cheap draft whose acceptance falls with depth: k = 2 is best.
+    acceptance = [0.9, 0.5, 0.1, 0.1]
+    chosen = _measure(tuner, 8, draft_step_s=0.1, verify_s=1.0, verify_per_position_s=0.0, acceptance=acceptance,
+                      calls=10)
+    assert tuner.best(8) == 2
+    assert chosen[2:] == [2, 3, 2, 1, 2, 3, 2, 1], chosen
+
+
+def test_a_fixed_cost_of_drafting_is_tried_once_and_then_known():
+    # Any k >= 1 pays a fixed cost per round (catch-up, the draft's prefill): the line from
+    # k = 0 to k_max makes k = 1 look better than plain decoding, which it is not.
+    tuner = SpeculationTuner(k_max=3)
+    costs = dict(draft_step_s=0.05, verify_s=1.0, verify_per_position_s=0.0, drafting_s=0.5)
+    acceptance = [0.4, 0.4, 0.4]
+    assert expected_tokens(acceptance, 1) / _round_s(1, **costs) < 1 / _round_s(0, **costs)
+    chosen = _measure(tuner, 8, acceptance=acceptance, calls=12, **costs)
+    assert chosen[:3] == [3, 0, 1], chosen  # k = 1 is tried once, on the interpolated guess
+    assert chosen[3:] == [0] * 6 + [1, 0, 0], chosen  # then plain, but for the 8th call's exploration
+
+
+def test_measured_tokens_per_second_beats_the_model_when_the_batch_drains_slower():
+    # Drafting at k = 1 should pay by E(1) / c(1) alone (1.6 / 1.3 = 1.23 x plain), but the
+    # call ends with its unluckiest sequence: rounds serve 20% fewer sequences when drafting
+    # (measured: tokens per round). The tuner ranks by what it measured and picks plain.
+    tuner = SpeculationTuner(k_max=1, smoothing=1.0)
+    costs = dict(draft_step_s=0.3, verify_s=1.0, verify_per_position_s=0.0)
+    acceptance = [0.6]
+    chosen = _measure(tuner, 64, acceptance=acceptance, calls=6, served_when_drafting=0.75, **costs)
+    assert chosen[:2] == [1, 0] and set(chosen[2:]) == {0}, chosen
+    estimate = tuner.estimate(tuner.bucket(64))
+    assert estimate[0] == pytest.approx(64 / 1.0)
+    assert estimate[1] == pytest.approx(0.75 * 64 * 1.6 / 1.3)
 
 
 def test_the_best_k_is_the_argmax_of_the_estimate():
     tuner = SpeculationTuner(k_max=6)
     acceptance = [0.8, 0.7, 0.6, 0.5, 0.4, 0.3]
     _measure(tuner, 4, draft_step_s=0.1, verify_s=1.0, verify_per_position_s=0.02, acceptance=acceptance, calls=2)
-    rates = {k: expected_tokens(acceptance, k) / (0.1 * k + 1.0 + 0.02 * (k + 1)) for k in range(7)}
+    rates = {k: 4 * expected_tokens(acceptance, k) / _round_s(k, 0.1, 1.0, 0.02) for k in range(7)}
     assert tuner.best(4) == max(rates, key=rates.get)
     estimate = tuner.estimate(tuner.bucket(4))
     for k, rate in rates.items():  # interpolated costs: exact for an affine cost

@@ -52,6 +52,12 @@ class RolloutStats:
         has few rounds to spread it over)."""
         return self.total_s / max(self.target_forwards, 1)
 
+    @property
+    def tokens_per_round(self) -> float:
+        """Tokens committed per decoding round over the whole batch (``new_tokens`` includes
+        each sequence's first token, drawn at the prefill)."""
+        return self.new_tokens / max(self.target_forwards, 1)
+
     def metrics(self, prefix: str = "rollout/") -> dict[str, float]:
         out = {
             "tokens_per_s": self.tokens_per_s,

@@ -6,30 +6,41 @@ that tokens ``1..d-1`` were), a round that drafts ``k`` tokens commits on averag
 
     E(k) = 1 + sum_{j=1..k} prod_{d<=j} a_d        (E(0) = 1: plain decoding)
 
-tokens per sequence, and costs ``c(k)`` seconds: ``k`` draft steps, one verify forward over
-``k + 1`` positions and the draft's catch-up, plus its share of the call's prefill (with a
-draft, the prefill also runs the draft over every prompt): ``c`` is measured as the call's
-wall time over its rounds. The best ``k`` maximises ``E(k) / c(k)``, which
-is 0 whenever the draft costs more than it saves: on a compute-bound batch, where a verify
-forward of ``k + 1`` positions costs ``k + 1`` decode steps, or with a draft the policy has
-left behind. Both sides move: ``c`` with the batch size (compute-bound at large batches,
+tokens per running sequence. A call at ``k`` runs some number of rounds, each costing ``c(k)``
+seconds of wall time (``k`` draft steps, one verify forward over ``k + 1`` positions, the
+draft's catch-up, and the round's share of the prefill, which with a draft also runs the draft
+over every prompt), and commits ``n(k) E(k)`` tokens per round, where ``n(k)`` is the number
+of sequences a round effectively serves: fewer than the batch while the batch drains, and
+fewer at ``k >= 1`` than at 0 when the longest response's acceptance is unlucky (the call
+lasts as long as its slowest sequence). Its tokens per second are
+
+    T(k) = n(k) E(k) / c(k),
+
+and ``k = 0`` is best whenever the draft costs more than it saves: on a compute-bound batch,
+where a verify forward of ``k + 1`` positions costs ``k + 1`` decode steps, or with a draft the
+policy has left behind. ``c`` moves with the batch size (compute-bound at large batches,
 memory-bound at small ones), ``a_d`` as the policy and the draft train.
 
-``SpeculationTuner`` keeps, per batch-size bucket (powers of two), the measured seconds per
-round at each ``k`` it ran, and one set of acceptance rates (a property of the policy and the
-draft, not of the batch). For a bucket it has not seen it runs ``k_max`` (which measures
-every ``a_d``), then ``k = 0``; from then on it runs the best ``k`` by the estimate, costs
-of unmeasured ``k`` read off the line through the measured ones (a round's cost is affine in
-``k``: ``k`` draft steps and ``k + 1`` verified positions), and every ``explore_every``-th call
-it tries one more token than the best, so a draft that catches up is noticed. Exploration
-is the only time it runs a ``k`` it does not expect to be best: at most one call in
-``explore_every``.
+``SpeculationTuner`` keeps, per batch-size bucket (powers of two) and per ``k`` it ran, the
+measured ``c(k)`` and ``n(k)`` (the call's committed tokens per round over ``E(k)`` at the
+call's own acceptance), and one set of acceptance rates (a property of the policy and the
+draft, not of the batch). At a measured ``k`` the estimate is therefore the measured wall
+tokens/s, rescaled only by how acceptance has moved since. An unmeasured ``k`` takes ``c``
+and ``n`` on the line between its measured neighbours: an optimistic guess when drafting
+has a fixed cost (catch-up, the draft's prefill), so the tuner tries it once and from then
+on uses what it measured. For a bucket it has not seen it runs ``k_max`` (which measures
+every ``a_d``), then ``k = 0``, then the best estimate; every ``explore_every``-th call it
+runs a neighbour of the best instead (one token more and one less, in turn), so a draft
+that catches up is noticed and a stale measurement is refreshed. Exploration is the only
+time it runs a ``k`` it does not expect to be best: at most one call in ``explore_every``.
 
 Chosen ``k`` depend on timings, so sampled rollouts are not reproducible run to run (they
 have the same distribution: speculative sampling is lossless at every ``k``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 __all__ = ["SpeculationTuner", "expected_tokens"]
 
@@ -43,6 +54,15 @@ def expected_tokens(acceptance: list[float], k: int) -> float:
     return total
 
 
+@dataclass
+class Measured:
+    """What the calls at one ``(bucket, k)`` measured (running averages): ``round_s``, the wall
+    seconds per round ``c(k)``; ``served``, the sequences a round effectively served ``n(k)``."""
+
+    round_s: float
+    served: float
+
+
 class SpeculationTuner:
     """Picks ``k`` in ``0..k_max`` for each ``generate`` call (``choose``) and learns from the
     call's statistics (``observe``). ``smoothing``: weight of a new measurement in the
@@ -54,32 +74,33 @@ class SpeculationTuner:
                              f"{smoothing} in (0, 1]")
         self.k_max, self.explore_every, self.smoothing = k_max, explore_every, smoothing
         self.acceptance: list[float | None] = [None] * k_max
-        self.round_s: dict[int, dict[int, float]] = {}  # bucket -> k -> seconds per round
+        self.measured: dict[int, dict[int, Measured]] = {}  # bucket -> k -> what its calls measured
         self.calls: dict[int, int] = {}
 
     @staticmethod
     def bucket(batch_size: int) -> int:
         return 1 << max(batch_size - 1, 0).bit_length()
 
-    def cost(self, bucket: int, k: int) -> float | None:
-        """Seconds per round at ``k``: measured, or on the line through the measured ``k``."""
-        measured = self.round_s.get(bucket, {})
+    def _at(self, bucket: int, k: int) -> Measured | None:
+        """``c(k)`` and ``n(k)``: measured, or on the line between the nearest measured ``k``."""
+        measured = self.measured.get(bucket, {})
         if k in measured:
             return measured[k]
         below = [j for j in measured if j < k]
         above = [j for j in measured if j > k]
         if not below or not above:
             return None
-        lo, hi = max(below), min(above)
-        return measured[lo] + (measured[hi] - measured[lo]) * (k - lo) / (hi - lo)
+        lo, hi = measured[max(below)], measured[min(above)]
+        t = (k - max(below)) / (min(above) - max(below))
+        return Measured(lo.round_s + t * (hi.round_s - lo.round_s), lo.served + t * (hi.served - lo.served))
 
     def estimate(self, bucket: int) -> dict[int, float]:
-        """Expected tokens per second per sequence, ``E(k) / c(k)``, for every ``k`` it can estimate."""
+        """Expected tokens per second, ``n(k) E(k) / c(k)``, for every ``k`` it can estimate."""
         out = {}
         for k in range(self.k_max + 1):
-            cost = self.cost(bucket, k)
-            if cost is not None and all(a is not None for a in self.acceptance[:k]):
-                out[k] = expected_tokens(self.acceptance, k) / max(cost, 1e-12)
+            at = self._at(bucket, k)
+            if at is not None and all(a is not None for a in self.acceptance[:k]):
+                out[k] = at.served * expected_tokens(self.acceptance, k) / max(at.round_s, 1e-12)
         return out
 
     def best(self, batch_size: int) -> int:
@@ -92,24 +113,34 @@ class SpeculationTuner:
         if self.k_max == 0:
             return 0
         bucket = self.bucket(batch_size)
-        measured = self.round_s.get(bucket, {})
+        measured = self.measured.get(bucket, {})
         if self.k_max not in measured:
             return self.k_max
         if 0 not in measured:
             return 0
         self.calls[bucket] = self.calls.get(bucket, 0) + 1
         best = self.best(batch_size)
-        if self.calls[bucket] % self.explore_every == 0:
-            return min(best + 1, self.k_max)
-        return best
+        exploration, due = divmod(self.calls[bucket], self.explore_every)
+        if due:
+            return best
+        up, down = min(best + 1, self.k_max), max(best - 1, 0)
+        if up == best or (exploration % 2 == 0 and down != best):
+            return down
+        return up
 
-    def observe(self, batch_size: int, k: int, seconds_per_round: float, acceptance_rate: list[float]) -> None:
-        """What a call at ``k`` measured: its seconds per round (``RolloutStats.seconds_per_round``:
-        wall time, prefill included, over decoding rounds) and the acceptance rate of each
-        drafted position (``k`` values)."""
-        bucket = self.round_s.setdefault(self.bucket(batch_size), {})
+    def observe(self, batch_size: int, k: int, seconds_per_round: float, tokens_per_round: float,
+                acceptance_rate: list[float]) -> None:
+        """What a call at ``k`` measured (``RolloutStats``): its wall seconds per round, prefill
+        included (``seconds_per_round``), the tokens it committed per round over the batch
+        (``tokens_per_round``), and the acceptance rate of each drafted position (``k`` values)."""
+        served = tokens_per_round / expected_tokens(acceptance_rate, k)
+        bucket = self.measured.setdefault(self.bucket(batch_size), {})
         old = bucket.get(k)
-        bucket[k] = seconds_per_round if old is None else old + self.smoothing * (seconds_per_round - old)
+        if old is None:
+            bucket[k] = Measured(seconds_per_round, served)
+        else:
+            old.round_s += self.smoothing * (seconds_per_round - old.round_s)
+            old.served += self.smoothing * (served - old.served)
         for d, rate in enumerate(acceptance_rate[:k]):
-            old = self.acceptance[d]
-            self.acceptance[d] = rate if old is None else old + self.smoothing * (rate - old)
+            old_rate = self.acceptance[d]
+            self.acceptance[d] = rate if old_rate is None else old_rate + self.smoothing * (rate - old_rate)

@@ -359,7 +359,7 @@ class Trainer:
                                             max_rounds=self.simulation.decode_rounds if self.simulation else None)
         if rollouts is not None and rollouts.stats.target_forwards:
             stats = rollouts.stats
-            self.speculation.observe(wave, k, stats.seconds_per_round,
+            self.speculation.observe(wave, k, stats.seconds_per_round, stats.tokens_per_round,
                                      stats.acceptance_rate)
         if progress is not None:
             progress.close()

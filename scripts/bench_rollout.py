@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import sys
 import time
@@ -189,6 +190,7 @@ def measure(engine: RolloutEngine, prompts, params: SamplingParams, policy_state
 
 def _generate(engine, prompts, params, name, k, seed, adaptive) -> RolloutStats:
     generator = torch.Generator(engine.device).manual_seed(seed)
+    gc.collect()  # a collection inside one timed call and not another is noise
     chosen = adaptive[name].tuner.choose(len(prompts)) if k == "adaptive" else k
     stats = engine.generate(prompts, params, draft_tokens=chosen, generator=generator).stats
     if k == "adaptive":
@@ -280,7 +282,7 @@ def mixed_lengths(target: Transformer, draft: Draft, language: PhraseLanguage, a
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--new-tokens", type=int, default=96, help="response tokens per prompt")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per point; the fastest counts")
+    parser.add_argument("--repeats", type=int, default=5, help="runs per point; the fastest counts")
     parser.add_argument("--target-steps", type=int, default=120, help="steps fitting the target to the language")
     parser.add_argument("--draft-steps", type=int, default=150, help="TTT steps fitting the trained draft")
     parser.add_argument("--model", default="llama3/debugmodel", help="architecture/flavor of the target, e.g. qwen3/1.7B")

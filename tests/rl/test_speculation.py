@@ -104,6 +104,16 @@ def test_it_follows_a_draft_that_falls_behind_and_batch_sizes_are_tuned_apart():
     assert tuner.choose(32) == 3 and tuner.bucket(32) != tuner.bucket(2)
 
 
+def test_drafting_must_beat_plain_decoding_by_the_margin():
+    # Memory-bound, a draft step costs 0.1: k = 1 earns (1 + a) / 1.1 x plain decoding.
+    for acceptance, drafts in ((0.12, False), (0.25, True)):  # 1.018 x and 1.136 x
+        tuner = SpeculationTuner(k_max=1, min_gain=0.05)
+        chosen = _measure(tuner, 8, draft_step_s=0.1, verify_s=1.0, verify_per_position_s=0.0,
+                          acceptance=[acceptance], calls=5)
+        assert chosen[2:] == ([1, 1, 1] if drafts else [0, 0, 0]), (acceptance, chosen)
+    assert SpeculationTuner(k_max=1, min_gain=0.0).best(8) == 1
+
+
 def test_no_draft_means_plain_decoding_and_bad_settings_are_refused():
     assert SpeculationTuner(k_max=0).choose(8) == 0
     with pytest.raises(ValueError, match="explore_every"):
@@ -129,9 +139,13 @@ def _a_bad_draft_is_switched_off(rank, world_size, folder):
     # After measuring k = 3 and plain decoding, drafting does not pay: plain decoding.
     assert trainer.speculation.acceptance[0] < 0.3, trainer.speculation.acceptance
     assert chosen == [3.0, 0.0, 0.0, 0.0], chosen
+    # The tuner learnt from every rank's generations, averaged: each rank holds the same numbers.
+    states = [None] * world_size
+    torch.distributed.all_gather_object(states, (trainer.speculation.acceptance, trainer.speculation.measured))
+    assert all(state == states[0] for state in states), states
 
 
 def test_the_trainer_switches_a_draft_that_does_not_pay_off(tmp_path):
     from tests.multiprocess import run_on_ranks
 
-    run_on_ranks(_a_bad_draft_is_switched_off, 1, str(tmp_path))
+    run_on_ranks(_a_bad_draft_is_switched_off, 2, str(tmp_path))

@@ -28,7 +28,9 @@ draft, not of the batch). At a measured ``k`` the estimate is therefore the meas
 tokens/s, rescaled only by how acceptance has moved since. An unmeasured ``k`` takes ``c``
 and ``n`` on the line between its measured neighbours: an optimistic guess when drafting
 has a fixed cost (catch-up, the draft's prefill), so the tuner tries it once and from then
-on uses what it measured. For a bucket it has not seen it runs ``k_max`` (which measures
+on uses what it measured. Drafting is chosen only where it is estimated ``min_gain`` (5%)
+faster than plain decoding: measurements are noisy, and plain decoding is the choice that
+cannot make a rollout slower. For a bucket it has not seen it runs ``k_max`` (which measures
 every ``a_d``), then ``k = 0``, then the best estimate; every ``explore_every``-th call it
 runs a neighbour of the best instead (one token more and one less, in turn), so a draft
 that catches up is noticed and a stale measurement is refreshed. Exploration is the only
@@ -66,13 +68,15 @@ class Measured:
 class SpeculationTuner:
     """Picks ``k`` in ``0..k_max`` for each ``generate`` call (``choose``) and learns from the
     call's statistics (``observe``). ``smoothing``: weight of a new measurement in the
-    running averages."""
+    running averages. ``min_gain``: drafting is chosen only where its estimate beats plain
+    decoding's by this fraction (one call's timing is noisy; a wrong switch-on makes rollouts
+    slower, a missed gain below the margin costs at most that much)."""
 
-    def __init__(self, k_max: int, explore_every: int = 8, smoothing: float = 0.5) -> None:
-        if k_max < 0 or explore_every < 2 or not 0 < smoothing <= 1:
+    def __init__(self, k_max: int, explore_every: int = 8, smoothing: float = 0.5, min_gain: float = 0.05) -> None:
+        if k_max < 0 or explore_every < 2 or not 0 < smoothing <= 1 or min_gain < 0:
             raise ValueError(f"k_max {k_max} must be >= 0, explore_every {explore_every} >= 2, smoothing "
-                             f"{smoothing} in (0, 1]")
-        self.k_max, self.explore_every, self.smoothing = k_max, explore_every, smoothing
+                             f"{smoothing} in (0, 1], min_gain {min_gain} >= 0")
+        self.k_max, self.explore_every, self.smoothing, self.min_gain = k_max, explore_every, smoothing, min_gain
         self.acceptance: list[float | None] = [None] * k_max
         self.measured: dict[int, dict[int, Measured]] = {}  # bucket -> k -> what its calls measured
         self.calls: dict[int, int] = {}
@@ -104,9 +108,15 @@ class SpeculationTuner:
         return out
 
     def best(self, batch_size: int) -> int:
-        """The ``k`` with the highest estimated throughput (``k_max`` while nothing is known)."""
+        """The ``k`` with the highest estimated throughput (``k_max`` while nothing is known),
+        or 0 where that is less than ``1 + min_gain`` times plain decoding's."""
         estimates = self.estimate(self.bucket(batch_size))
-        return max(estimates, key=estimates.get) if estimates else self.k_max
+        if not estimates:
+            return self.k_max
+        best = max(estimates, key=estimates.get)
+        if 0 in estimates and estimates[best] < (1 + self.min_gain) * estimates[0]:
+            return 0
+        return best
 
     def choose(self, batch_size: int) -> int:
         """``k`` for the next call with ``batch_size`` sequences in its first wave."""

@@ -348,7 +348,8 @@ class Trainer:
         t0 = time.perf_counter()
         progress = RolloutProgress() if self.rank == self.log_rank and self.simulation is None else None
         k_max = self.speculation.k_max
-        wave = min(len(own_prompts), self.engine.max_batch_size)
+        # The job-wide first wave (the largest share), so every rank's tuner sees one bucket.
+        wave = min(self.generation.max_share(len(problems)) * group_size, self.engine.max_batch_size)
         k = self.speculation.choose(wave) if cfg.rollout.adaptive_speculation else k_max
         if self.engine_mesh is not None and self.simulation is None:
             k = self._engine_group_choice(k)
@@ -357,10 +358,8 @@ class Trainer:
             rollouts = self.engine.generate(unique_prompts, params, samples_per_prompt=group_size,
                                             generator=generator, progress=progress, draft_tokens=k,
                                             max_rounds=self.simulation.decode_rounds if self.simulation else None)
-        if rollouts is not None and rollouts.stats.target_forwards:
-            stats = rollouts.stats
-            self.speculation.observe(wave, k, stats.seconds_per_round, stats.tokens_per_round,
-                                     stats.acceptance_rate)
+        if cfg.rollout.adaptive_speculation and self.simulation is None:
+            self._observe_speculation(wave, k, rollouts)
         if progress is not None:
             progress.close()
         if cfg.rollout.release_between_rollouts:
@@ -433,6 +432,18 @@ class Trainer:
                                   positions=layout.positions.to(self.device), head=head).head
             out[row, 1:] = logp[:-1].to("cpu", torch.float32)
         return out
+
+    def _observe_speculation(self, wave: int, k: int, rollouts) -> None:
+        """Teach the tuner what this step's generations measured, averaged over the job's
+        engine groups (a collective): one call's timing is noisy, and every rank's tuner then
+        holds the same numbers and makes the same choice."""
+        stats = rollouts.stats if rollouts is not None and rollouts.stats.target_forwards else None
+        values = [0.0] * (3 + self.speculation.k_max)
+        if stats is not None and self.generation.sends():
+            values[:3 + k] = [1.0, stats.seconds_per_round, stats.tokens_per_round, *stats.acceptance_rate[:k]]
+        count, round_s, tokens, *acceptance = self._all_reduce(values)
+        if count:
+            self.speculation.observe(wave, k, round_s / count, tokens / count, [a / count for a in acceptance[:k]])
 
     def _engine_group_choice(self, k: int) -> int:
         """The ``k`` of this rank's engine group's first rank: the ranks of a tensor-parallel

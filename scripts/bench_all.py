@@ -200,7 +200,8 @@ def e2e_rows(result: dict, command: str) -> list[Row]:
         ratio = result[arm]["median_step_s"] / result["plain"]["median_step_s"]
         goal = arm == "speculative"
         rows.append(Row(
-            claim, f"median of {n} RL steps after a {cfg['sft_steps']}-step warm start, {label} "
+            claim, f"median of {n} RL steps ({cfg.get('rounds', 1)} runs per arm, orders alternated) after a "
+                   f"{cfg['sft_steps']}-step warm start, {label} "
                    f"(drafted k: {sorted(set(result[arm]['draft_tokens']))})",
             f"{result[arm]['median_step_s']:.3f} s/step, {result[arm]['median_rollout_tokens_per_s']:.0f} rollout tok/s",
             f"plain {result['plain']['median_step_s']:.3f} s/step, "

@@ -3,9 +3,10 @@
 Sweep: batch {1, 8, 64} x k {2, 4, 6, adaptive} x draft {untrained, trained}, plus plain
 decoding (``draft: none``), greedy, ``--new-tokens`` per response from ragged prompts; then plain vs
 the trained draft at k = 4 sampling at temperature 1 (RL's setting). Every point is the
-fastest of ``--repeats`` runs (``generate`` wall time, prefill included), all configs of a
-batch size interleaved within each repeat: the cores here are shared, and interleaving
-makes a load spike hit every config alike.
+fastest of ``--repeats`` runs (``generate`` wall time, prefill included), each right after a
+weight load (as in the RL loop), all configs of a batch size interleaved within each repeat
+and their order rotated between repeats: the cores here are shared (one call's time varies
+by 15-25%), and interleaving makes a load spike hit every config alike.
 
 ``k = adaptive`` is the RL loop's choice (``titan_cotrain.rl.speculation.SpeculationTuner``,
 ``k`` in 0..6): a tuner per draft and batch size first learns from ``--adaptive-warmup``
@@ -43,7 +44,7 @@ token (every draft, every k, ragged prompts, EOS mid-batch), and that the paged 
 engines agree; exits 1 on a mismatch or if ``--min-speedup`` (batch 1, trained draft, best
 k) is not met.
 
-    PYTHONPATH=. .venv/bin/python scripts/bench_rollout.py     # 3-4 minutes on one CPU thread
+    PYTHONPATH=. .venv/bin/python scripts/bench_rollout.py     # about 10 minutes on one CPU thread
 """
 
 from __future__ import annotations
@@ -176,12 +177,15 @@ def measure(engine: RolloutEngine, prompts, params: SamplingParams, policy_state
     """The fastest of ``repeats`` runs of every ``(draft, k)`` config (``("none", 0)``: plain;
     ``k = "adaptive"``: the draft's tuner in ``adaptive`` chooses, and learns from, every
     call, and its choices are listed there), the configs interleaved within each repeat so
-    that a load spike on a shared machine hits them alike rather than one config in full."""
+    that a load spike on a shared machine hits them alike rather than one config in full,
+    their order rotated from one repeat to the next."""
     best: dict[tuple[str, int | str], RolloutStats] = {}
-    for _ in range(repeats):
-        for name, k in configs:
-            if name != "none":
-                engine.load_weights(policy_state, drafts[name])
+    for repeat in range(repeats):
+        # Each repeat starts one config later, so no config always follows the same one.
+        for name, k in configs[repeat % len(configs):] + configs[:repeat % len(configs)]:
+            # Every call follows a weight load, as a rollout phase follows the engine's refresh
+            # (plain decoding reloads the untrained draft, which it does not read).
+            engine.load_weights(policy_state, drafts["untrained" if name == "none" else name])
             stats = _generate(engine, prompts, params, name, k, seed, adaptive)
             if (name, k) not in best or stats.total_s < best[name, k].total_s:
                 best[name, k] = stats
@@ -282,7 +286,7 @@ def mixed_lengths(target: Transformer, draft: Draft, language: PhraseLanguage, a
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--new-tokens", type=int, default=96, help="response tokens per prompt")
-    parser.add_argument("--repeats", type=int, default=5, help="runs per point; the fastest counts")
+    parser.add_argument("--repeats", type=int, default=7, help="runs per point; the fastest counts")
     parser.add_argument("--target-steps", type=int, default=120, help="steps fitting the target to the language")
     parser.add_argument("--draft-steps", type=int, default=150, help="TTT steps fitting the trained draft")
     parser.add_argument("--model", default="llama3/debugmodel", help="architecture/flavor of the target, e.g. qwen3/1.7B")

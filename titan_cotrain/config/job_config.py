@@ -231,11 +231,13 @@ class Rollout:
     otherwise."""
 
     adaptive_speculation: bool = True
-    """Choose k in ``0..draft_tokens`` for each rollout phase from measured round costs and
-    per-position acceptance at the batch's size, for the highest expected tokens/s (0 when
-    the draft does not pay), re-estimated as the policy and the draft move
-    (``titan_cotrain.rl.speculation``). The chosen k follows timings, so sampled rollouts
-    are not reproducible run to run; false always drafts ``draft_tokens`` (bit-exact resumes)."""
+    """Choose k in ``0..draft_tokens`` for each rollout phase from what earlier phases measured
+    at the batch's size (wall seconds per round, tokens per round, per-position acceptance;
+    averaged over every rank, so all ranks choose alike), for the highest expected tokens/s.
+    Drafting is chosen only where it is estimated at least 5% faster than plain decoding, and
+    re-estimated as the policy and the draft move (``titan_cotrain.rl.speculation``). The
+    chosen k follows timings, so sampled rollouts are not reproducible run to run; false
+    always drafts ``draft_tokens`` (bit-exact resumes)."""
 
     tensor_parallel_degree: int = 1
     """Split the engine's policy copy over this many ranks (Megatron's colwise / rowwise

@@ -5,7 +5,7 @@ decoding (``draft: none``), greedy, ``--new-tokens`` per response from ragged pr
 the trained draft at k = 4 sampling at temperature 1 (RL's setting). Every point is the
 fastest of ``--repeats`` runs (``generate`` wall time, prefill included), each right after a
 weight load (as in the RL loop), all configs of a batch size interleaved within each repeat
-and their order rotated between repeats: the cores here are shared (one call's time varies
+in a fresh random order every repeat: the cores here are shared (one call's time varies
 by 15-25%), and interleaving makes a load spike hit every config alike.
 
 ``k = adaptive`` is the RL loop's choice (``titan_cotrain.rl.speculation.SpeculationTuner``,
@@ -53,6 +53,7 @@ import argparse
 import copy
 import gc
 import json
+import random
 import sys
 import time
 from dataclasses import dataclass, field
@@ -178,11 +179,12 @@ def measure(engine: RolloutEngine, prompts, params: SamplingParams, policy_state
     ``k = "adaptive"``: the draft's tuner in ``adaptive`` chooses, and learns from, every
     call, and its choices are listed there), the configs interleaved within each repeat so
     that a load spike on a shared machine hits them alike rather than one config in full,
-    their order rotated from one repeat to the next."""
+    in a fresh random order every repeat."""
     best: dict[tuple[str, int | str], RolloutStats] = {}
-    for repeat in range(repeats):
-        # Each repeat starts one config later, so no config always follows the same one.
-        for name, k in configs[repeat % len(configs):] + configs[:repeat % len(configs)]:
+    order = random.Random(seed)
+    for _ in range(repeats):
+        # A fresh order every repeat: no config always follows the same one.
+        for name, k in order.sample(configs, len(configs)):
             # Every call follows a weight load, as a rollout phase follows the engine's refresh
             # (plain decoding reloads the untrained draft, which it does not read).
             engine.load_weights(policy_state, drafts["untrained" if name == "none" else name])

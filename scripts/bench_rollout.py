@@ -2,15 +2,16 @@
 
 Sweep: batch {1, 8, 64} x k {2, 4, 6, adaptive} x draft {untrained, trained}, plus plain
 decoding (``draft: none``), greedy, ``--new-tokens`` per response from ragged prompts; then plain vs
-the trained draft at k = 4 sampling at temperature 1 (RL's setting). Every point is the
-fastest of ``--repeats`` runs (``generate`` wall time, prefill included), each right after a
-weight load (as in the RL loop), all configs of a batch size interleaved within each repeat
-in a fresh random order every repeat: the cores here are shared (one call's time varies
-by 15-25%), and interleaving makes a load spike hit every config alike.
+the trained draft at k = 4 sampling at temperature 1 (RL's setting). Every point is the run
+of median wall time of ``--repeats`` (``generate``'s wall time, prefill included; each run's
+is in the record's ``call_s``), each right after a weight load (as in the RL loop), all
+configs of a batch size interleaved in a fresh random order every repeat: the cores here are
+shared (identical calls range over 1.5x), and interleaving makes a slow spell hit every
+config alike.
 
 ``k = adaptive`` is the RL loop's choice (``titan_cotrain.rl.speculation.SpeculationTuner``,
 ``k`` in 0..6): a tuner per draft and batch size first learns from ``--adaptive-warmup``
-calls (it runs ``k = 6``, then 0, then its best, exploring one more every 8th call), then
+calls (it runs ``k = 6``, then 0, then its best, exploring a neighbour of it every 8th call), then
 chooses ``k`` afresh at every timed call, still learning. Its goal: at least 0.95 x the best of
 plain and every fixed ``k`` with the same draft, at every batch size (``adaptive_met``).
 
@@ -174,13 +175,13 @@ class AdaptiveK:
 
 def measure(engine: RolloutEngine, prompts, params: SamplingParams, policy_state: dict, drafts: dict,
             configs: list[tuple[str, int | str]], repeats: int, seed: int,
-            adaptive: dict[str, AdaptiveK] | None = None) -> dict[tuple[str, int | str], RolloutStats]:
-    """The fastest of ``repeats`` runs of every ``(draft, k)`` config (``("none", 0)``: plain;
+            adaptive: dict[str, AdaptiveK] | None = None) -> dict[tuple[str, int | str], list[RolloutStats]]:
+    """``repeats`` runs of every ``(draft, k)`` config (``("none", 0)``: plain;
     ``k = "adaptive"``: the draft's tuner in ``adaptive`` chooses, and learns from, every
     call, and its choices are listed there), the configs interleaved within each repeat so
     that a load spike on a shared machine hits them alike rather than one config in full,
     in a fresh random order every repeat."""
-    best: dict[tuple[str, int | str], RolloutStats] = {}
+    runs: dict[tuple[str, int | str], list[RolloutStats]] = {}
     order = random.Random(seed)
     for _ in range(repeats):
         # A fresh order every repeat: no config always follows the same one.
@@ -188,10 +189,14 @@ def measure(engine: RolloutEngine, prompts, params: SamplingParams, policy_state
             # Every call follows a weight load, as a rollout phase follows the engine's refresh
             # (plain decoding reloads the untrained draft, which it does not read).
             engine.load_weights(policy_state, drafts["untrained" if name == "none" else name])
-            stats = _generate(engine, prompts, params, name, k, seed, adaptive)
-            if (name, k) not in best or stats.total_s < best[name, k].total_s:
-                best[name, k] = stats
-    return best
+            runs.setdefault((name, k), []).append(_generate(engine, prompts, params, name, k, seed, adaptive))
+    return runs
+
+
+def median_run(runs: list[RolloutStats]) -> RolloutStats:
+    """The run of median wall time. Not the fastest: identical calls here range over 1.5x,
+    and the fast end is a rare quiet spell of the machine that one config or another catches."""
+    return sorted(runs, key=lambda stats: stats.total_s)[len(runs) // 2]
 
 
 def _generate(engine, prompts, params, name, k, seed, adaptive) -> RolloutStats:
@@ -248,14 +253,14 @@ def mixed_lengths(target: Transformer, draft: Draft, language: PhraseLanguage, a
                                     draft_tokens=0)
     params = SamplingParams(temperature=0, max_new_tokens=args.new_tokens,
                             eos_token_id=spread_eos(probe.tokens, probe.response_lens))
-    best, failures, outputs = {}, [], {}
+    runs, failures, outputs = {}, [], {}
     for _ in range(repeats):
         for k in (0, 4):
             for paged, engine in engines.items():
                 out = engine.generate(prompts, params, samples_per_prompt=MIXED_GROUP, draft_tokens=k)
                 outputs[paged, k] = out
-                if (paged, k) not in best or out.stats.total_s < best[paged, k].total_s:
-                    best[paged, k] = out.stats
+                runs.setdefault((paged, k), []).append(out.stats)
+    best = {config: median_run(config_runs) for config, config_runs in runs.items()}
     reference = outputs[False, 0]
     for (paged, k), out in outputs.items():
         if not (torch.equal(out.tokens, reference.tokens) and torch.equal(out.response_lens, reference.response_lens)):
@@ -270,7 +275,8 @@ def mixed_lengths(target: Transformer, draft: Draft, language: PhraseLanguage, a
                             kv_pool_bytes=sum(t.numel() * t.element_size() for t in engine.cache_tensors()),
                             rows=engine.max_batch_size, rounds=stats.target_forwards,
                             mean_decoding=decoding / max(stats.target_forwards, 1),
-                            acceptance_length=stats.acceptance_length, total_s=stats.total_s))
+                            acceptance_length=stats.acceptance_length, total_s=stats.total_s,
+                            call_s=[run.total_s for run in runs[paged, k]]))
         print(f"mixed  {records[-1]['engine']:6s} k={k}  {stats.tokens_per_s:8.0f} tok/s  KV peak "
               f"{stats.kv_peak_bytes / 2**20:.1f} MiB of {records[-1]['kv_pool_bytes'] / 2**20:.1f}  "
               f"{stats.target_forwards} rounds, {records[-1]['mean_decoding']:.1f} decoding", flush=True)
@@ -288,7 +294,7 @@ def mixed_lengths(target: Transformer, draft: Draft, language: PhraseLanguage, a
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--new-tokens", type=int, default=96, help="response tokens per prompt")
-    parser.add_argument("--repeats", type=int, default=7, help="runs per point; the fastest counts")
+    parser.add_argument("--repeats", type=int, default=7, help="runs per point; the median counts")
     parser.add_argument("--target-steps", type=int, default=120, help="steps fitting the target to the language")
     parser.add_argument("--draft-steps", type=int, default=150, help="TTT steps fitting the trained draft")
     parser.add_argument("--model", default="llama3/debugmodel", help="architecture/flavor of the target, e.g. qwen3/1.7B")
@@ -365,13 +371,15 @@ def main() -> int:
     for batch in BATCHES:
         prompts = language.prompts(batch, g)
         tuners = warm_tuners(engine, prompts, greedy, policy_state, drafts, args.adaptive_warmup, batch)
-        best = measure(engine, prompts, greedy, policy_state, drafts, configs, args.repeats, batch, tuners)
+        runs = measure(engine, prompts, greedy, policy_state, drafts, configs, args.repeats, batch, tuners)
+        best = {config: median_run(config_runs) for config, config_runs in runs.items()}
         chosen = {name: a.chosen for name, a in tuners.items()}
         plain = best["none", 0]
         step_s = plain.verify_s / plain.target_forwards
         print(f"batch {batch:2d}  plain             {plain.tokens_per_s:8.0f} tok/s  step {step_s * 1e3:.2f} ms")
         for (name, k), s in best.items():
-            record(batch, name, k, s, plain, 0.0, **({"chosen_k": chosen[name]} if k == "adaptive" else {}))
+            record(batch, name, k, s, plain, 0.0, call_s=[run.total_s for run in runs[name, k]],
+                   **({"chosen_k": chosen[name]} if k == "adaptive" else {}))
             if name == "none":
                 continue
             if k == "adaptive":
@@ -394,10 +402,11 @@ def main() -> int:
     # RL samples at temperature 1: plain vs the trained draft at k = 4.
     sampled = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)
     for batch in BATCHES:
-        best = measure(engine, language.prompts(batch, g), sampled, policy_state, drafts,
+        runs = measure(engine, language.prompts(batch, g), sampled, policy_state, drafts,
                        [("none", 0), ("trained", 4)], args.repeats, batch)
+        best = {config: median_run(config_runs) for config, config_runs in runs.items()}
         for (name, k), s in best.items():
-            record(batch, name, k, s, best["none", 0], 1.0)
+            record(batch, name, k, s, best["none", 0], 1.0, call_s=[run.total_s for run in runs[name, k]])
         spec = best["trained", 4]
         print(f"batch {batch:2d}  T=1 trained k=4  {spec.tokens_per_s:8.0f} tok/s  "
               f"x{spec.tokens_per_s / best['none', 0].tokens_per_s:.2f}  tau {spec.acceptance_length:.2f}", flush=True)

@@ -14,6 +14,33 @@ from titan_cotrain.rl.tasks import get_task, score
 BONUS = 0.25
 
 
+def test_a_dataset_task_goes_through_its_training_split_in_epochs():
+    records = [PromptRecord(f"q{i}", str(i)) for i in range(7)]
+    task = get_task("gsm8k", PromptSplits(records, [], "test"), order_seed=3)
+    rng = random.Random(0)
+    drawn = [task.sample(rng, position).answer for position in range(21)]
+    epochs = [drawn[i:i + 7] for i in (0, 7, 14)]
+    for epoch in epochs:  # each problem once per epoch
+        assert sorted(epoch, key=int) == [str(i) for i in range(7)], epoch
+    assert epochs[0] != epochs[1] != epochs[2]  # a fresh order every epoch
+    again = get_task("gsm8k", PromptSplits(records, [], "test"), order_seed=3)
+    assert [again.sample(rng, position).answer for position in (20, 3, 9)] == [drawn[20], drawn[3], drawn[9]]
+    other = get_task("gsm8k", PromptSplits(records, [], "test"), order_seed=4)
+    assert [other.sample(rng, position).answer for position in range(7)] != epochs[0]
+    with pytest.raises(ValueError, match="position"):
+        task.sample(rng, -1)
+
+
+def test_the_ranks_take_consecutive_parts_of_each_steps_slice_of_the_stream():
+    from types import SimpleNamespace
+
+    from titan_cotrain.rl.trainer import Trainer
+
+    positions = [p for index in range(3) for rank in range(2)
+                 for p in Trainer.stream_positions(SimpleNamespace(dp_degree=2, dp_rank=rank), index, 4)]
+    assert positions == list(range(24))
+
+
 def _task(name: str, answer: str, solution: str = ""):
     task = get_task(name, PromptSplits([PromptRecord("q", answer, solution)], [], "test"), format_reward=BONUS)
     return task, task.train[0]

@@ -114,6 +114,20 @@ def test_drafting_must_beat_plain_decoding_by_the_margin():
     assert SpeculationTuner(k_max=1, min_gain=0.0).best(8) == 1
 
 
+def test_a_noisy_neighbouring_depth_does_not_move_the_choice():
+    # A cheap draft that is always right: k = 6 commits 7 tokens in 1.6 s, k = 5 6 in 1.5 s.
+    costs = dict(draft_step_s=0.1, verify_s=1.0, verify_per_position_s=0.0)
+    for luck, switches in ((0.89, False), (0.84, True)):  # k = 5 then looks 1.03x, 1.09x as fast
+        tuner = SpeculationTuner(k_max=6, explore_every=4, smoothing=1.0)
+        chosen = _measure(tuner, 64, acceptance=[1.0] * 6, calls=6, **costs)
+        assert chosen == [6, 0, 6, 6, 6, 5], chosen  # the 4th call after the first two explores 5
+        # Another call at k = 5 catches a quiet spell: ``luck`` x its seconds per round.
+        tuner.observe(64, 5, luck * _round_s(5, **costs), 64 * 6.0, [1.0] * 5)
+        estimate = tuner.estimate(tuner.bucket(64))
+        assert estimate[5] > estimate[6] and (estimate[5] >= 1.05 * estimate[6]) == switches, estimate
+        assert tuner.choose(64) == (5 if switches else 6)
+
+
 def test_no_draft_means_plain_decoding_and_bad_settings_are_refused():
     assert SpeculationTuner(k_max=0).choose(8) == 0
     with pytest.raises(ValueError, match="explore_every"):

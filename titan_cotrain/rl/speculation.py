@@ -29,8 +29,9 @@ tokens/s, rescaled only by how acceptance has moved since. An unmeasured ``k`` t
 and ``n`` on the line between its measured neighbours: an optimistic guess when drafting
 has a fixed cost (catch-up, the draft's prefill), so the tuner tries it once and from then
 on uses what it measured. Drafting is chosen only where it is estimated ``min_gain`` (5%)
-faster than plain decoding: measurements are noisy, and plain decoding is the choice that
-cannot make a rollout slower. For a bucket it has not seen it runs ``k_max`` (which measures
+faster than plain decoding (measurements are noisy, and plain decoding is the choice that
+cannot make a rollout slower), and a depth it drafts with is replaced by another only when
+that is estimated ``min_gain`` faster. For a bucket it has not seen it runs ``k_max`` (which measures
 every ``a_d``), then ``k = 0``, then the best estimate; every ``explore_every``-th call it
 runs a neighbour of the best instead (one token more and one less, in turn), so a draft
 that catches up is noticed and a stale measurement is refreshed. Exploration is the only
@@ -79,6 +80,7 @@ class SpeculationTuner:
         self.k_max, self.explore_every, self.smoothing, self.min_gain = k_max, explore_every, smoothing, min_gain
         self.acceptance: list[float | None] = [None] * k_max
         self.measured: dict[int, dict[int, Measured]] = {}  # bucket -> k -> what its calls measured
+        self.drafting: dict[int, int] = {}  # bucket -> the k >= 1 it last chose to draft with
         self.calls: dict[int, int] = {}
 
     @staticmethod
@@ -109,11 +111,17 @@ class SpeculationTuner:
 
     def best(self, batch_size: int) -> int:
         """The ``k`` with the highest estimated throughput (``k_max`` while nothing is known),
-        or 0 where that is less than ``1 + min_gain`` times plain decoding's."""
-        estimates = self.estimate(self.bucket(batch_size))
+        with two margins of ``min_gain``: a ``k >= 1`` replaces the depth it drafted with last
+        only when that much faster, and drafting replaces plain decoding only when that much
+        faster (one noisy call at a neighbouring depth does not move the choice)."""
+        bucket = self.bucket(batch_size)
+        estimates = self.estimate(bucket)
         if not estimates:
             return self.k_max
         best = max(estimates, key=estimates.get)
+        current = self.drafting.get(bucket)
+        if best and current in estimates and estimates[best] < (1 + self.min_gain) * estimates[current]:
+            best = current
         if 0 in estimates and estimates[best] < (1 + self.min_gain) * estimates[0]:
             return 0
         return best
@@ -132,6 +140,8 @@ class SpeculationTuner:
         best = self.best(batch_size)
         exploration, due = divmod(self.calls[bucket], self.explore_every)
         if due:
+            if best:
+                self.drafting[bucket] = best
             return best
         up, down = min(best + 1, self.k_max), max(best - 1, 0)
         if up == best or (exploration % 2 == 0 and down != best):

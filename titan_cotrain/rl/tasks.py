@@ -53,7 +53,10 @@ class Problem:
 class Task(Protocol):
     name: str
 
-    def sample(self, rng: random.Random) -> Problem: ...
+    def sample(self, rng: random.Random, position: int | None = None) -> Problem:
+        """A problem. ``position``: its place in the job's stream of draws (a dataset task goes
+        through its training split in epochs by it); a synthetic task draws with ``rng`` alone."""
+        ...
 
     def demonstration(self, problem: Problem, rng: random.Random) -> str: ...
 
@@ -82,7 +85,7 @@ class Arithmetic:
         self.min_terms, self.max_terms, self.max_value = min_terms, max_terms, max_value
         self.filler_rate = filler_rate
 
-    def sample(self, rng: random.Random) -> Problem:
+    def sample(self, rng: random.Random, position: int | None = None) -> Problem:
         numbers = tuple(rng.randint(1, self.max_value) for _ in range(rng.randint(self.min_terms, self.max_terms)))
         return Problem(prompt="+".join(map(str, numbers)) + "=", answer=str(sum(numbers)), numbers=numbers)
 
@@ -137,7 +140,7 @@ class Sort:
     def __init__(self, min_len: int = 3, max_len: int = 6, max_value: int = 20) -> None:
         self.min_len, self.max_len, self.max_value = min_len, max_len, max_value
 
-    def sample(self, rng: random.Random) -> Problem:
+    def sample(self, rng: random.Random, position: int | None = None) -> Problem:
         numbers = tuple(rng.randint(0, self.max_value) for _ in range(rng.randint(self.min_len, self.max_len)))
         return Problem(prompt="sort:" + ",".join(map(str, numbers)) + "=",
                        answer=",".join(map(str, sorted(numbers))), numbers=numbers)
@@ -157,26 +160,38 @@ class Sort:
 
 
 class _DatasetTask:
-    """Problems from a ``PromptSplits``: ``sample`` draws one of the training split
-    uniformly with the caller's seeded ``rng`` (so a step's prompts, like everything else,
-    derive from the step: a resumed run draws the same ones); ``held_out`` is the
-    evaluation split. The reward is ``correct + format_reward x format``, where ``format``
-    is 1 when the final answer is written in the task's ``form``."""
+    """Problems from a ``PromptSplits``; ``held_out`` is the evaluation split. ``sample`` at a
+    ``position`` goes through the training split in epochs: positions ``e N .. e N + N - 1``
+    are epoch ``e``, a permutation of the ``N`` problems seeded by ``order_seed`` and ``e``,
+    so every problem is drawn once per epoch and a resumed run (whose positions derive from
+    the step) draws the same ones. Without a position it draws uniformly with ``rng``. The
+    reward is ``correct + format_reward x format``, where ``format`` is 1 when the final
+    answer is written in the task's ``form``."""
 
     name: str
     form: str
 
-    def __init__(self, prompts: PromptSplits, format_reward: float = 0.0) -> None:
-        self.format_reward = format_reward
+    def __init__(self, prompts: PromptSplits, format_reward: float = 0.0, order_seed: int = 0) -> None:
+        self.format_reward, self.order_seed = format_reward, order_seed
         self.train = [self.problem(r) for r in prompts.train]
         self.held_out = [self.problem(r) for r in prompts.held_out]
+        self._epoch: tuple[int, list[int]] | None = None  # the last epoch's order
 
     def problem(self, record: PromptRecord) -> Problem:
         """The record as this task's problem: its reference answer and demonstration."""
         raise NotImplementedError
 
-    def sample(self, rng: random.Random) -> Problem:
-        return self.train[rng.randrange(len(self.train))]
+    def sample(self, rng: random.Random, position: int | None = None) -> Problem:
+        if position is None:
+            return self.train[rng.randrange(len(self.train))]
+        if position < 0:
+            raise ValueError(f"task {self.name!r}: position {position} must be >= 0")
+        epoch, index = divmod(position, len(self.train))
+        if self._epoch is None or self._epoch[0] != epoch:
+            order = list(range(len(self.train)))
+            random.Random(f"{self.order_seed}/epoch/{epoch}").shuffle(order)
+            self._epoch = (epoch, order)
+        return self.train[self._epoch[1][index]]
 
     def demonstration(self, problem: Problem, rng: random.Random) -> str:
         return problem.solution
@@ -235,14 +250,15 @@ TASKS: dict[str, type] = {"arithmetic": Arithmetic, "sort": Sort, "math": Math, 
 DATASET_TASKS = ("gsm8k", "math")
 
 
-def get_task(name: str, prompts: PromptSplits | None = None, format_reward: float = 0.0) -> Task:
-    """The task ``name``; a dataset task (``DATASET_TASKS``) needs its ``prompts``."""
+def get_task(name: str, prompts: PromptSplits | None = None, format_reward: float = 0.0, order_seed: int = 0) -> Task:
+    """The task ``name``; a dataset task (``DATASET_TASKS``) needs its ``prompts`` (and shuffles
+    each epoch by ``order_seed``)."""
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; known: {', '.join(sorted(TASKS))}")
     if name in DATASET_TASKS:
         if prompts is None:
             raise ValueError(f"task {name!r} reads its prompts from a dataset: set task.dataset_path")
-        return TASKS[name](prompts, format_reward)
+        return TASKS[name](prompts, format_reward, order_seed)
     return TASKS[name]()
 
 

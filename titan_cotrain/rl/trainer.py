@@ -87,7 +87,8 @@ class Trainer:
         ro = config.rollout
         # The engine's positions per sequence; what a prompt may take of them.
         max_seq_len = ro.max_prompt_tokens + ro.max_new_tokens if ro.max_prompt_tokens else config.training.seq_len
-        self.task, prompts = build_task(config, self.encode_prompt, max_seq_len - ro.max_new_tokens, simulation)
+        self.task, prompts = build_task(config, self.encode_prompt, max_seq_len - ro.max_new_tokens, self.seed,
+                                        simulation)
         self.total_steps = config.task.sft_steps + config.training.steps
         self.prompts_per_rank = config.rl.prompts_per_step // self.dp_degree
 
@@ -174,9 +175,18 @@ class Trainer:
     def rng(self, step: int, salt: str) -> random.Random:
         return random.Random(f"{self.seed}/{step}/{self.dp_rank}/{salt}")
 
-    def demonstration(self, rng: random.Random) -> tuple[list[int], list[int]]:
-        """A task sample's prompt and demonstration response, as token ids."""
-        problem = self.task.sample(rng)
+    def stream_positions(self, index: int, per_rank: int) -> range:
+        """This data-parallel rank's places in the job's stream of problems at the ``index``-th
+        step of a phase (warm start or RL): the phase's steps take consecutive slices of the
+        stream, the DP ranks consecutive parts of each (so a dataset task's epoch goes to
+        the ranks without repeats; CP and PP peers share theirs)."""
+        first = (index * self.dp_degree + self.dp_rank) * per_rank
+        return range(first, first + per_rank)
+
+    def demonstration(self, rng: random.Random, position: int | None = None) -> tuple[list[int], list[int]]:
+        """A task sample's prompt and demonstration response, as token ids (``position``: as
+        in ``Task.sample``)."""
+        problem = self.task.sample(rng, position)
         response = self.tokenizer.encode(self.task.demonstration(problem, rng), add_bos=False, add_eos=True)
         return self.encode_prompt(problem.prompt), response
 
@@ -284,8 +294,8 @@ class Trainer:
         """Warm start: next-token training of the policy on demonstrations, draft co-trained."""
         rng = self.rng(step, "sft")
         samples = []
-        for _ in range(self.config.task.sft_batch_size):
-            prompt, response = self.demonstration(rng)
+        for position in self.stream_positions(step - 1, self.config.task.sft_batch_size):
+            prompt, response = self.demonstration(rng, position)
             samples.append(Sample(prompt, response, [0.0] * len(response), 0.0))
         batch = self._pack(samples)
         batch.advantages = batch.old_logprobs = None
@@ -306,7 +316,8 @@ class Trainer:
     def _prompts(self, step: int):
         cfg = self.config
         rng = self.rng(step, "prompts")
-        problems = [self.task.sample(rng) for _ in range(self.prompts_per_rank)]
+        positions = self.stream_positions(step - cfg.task.sft_steps - 1, self.prompts_per_rank)
+        problems = [self.task.sample(rng, position) for position in positions]
         encoded = [self.encode_prompt(p.prompt) for p in problems]
         prompts = [ids for ids in encoded for _ in range(cfg.rl.group_size)]
         longest = max(map(len, prompts))

@@ -63,12 +63,13 @@ def tokenizer_folder(config, simulation=None) -> str:
     return path
 
 
-def build_task(config, encode: PromptEncoder, max_prompt_tokens: int, simulation=None):
+def build_task(config, encode: PromptEncoder, max_prompt_tokens: int, seed: int, simulation=None):
     """The ``[task]``; a dataset task's prompts from its file, or synthetic ones of
-    ``[simulate] prompt_tokens`` under the simulator (which never reads the file)."""
+    ``[simulate] prompt_tokens`` under the simulator (which never reads the file), its epochs
+    shuffled by the job's ``seed``."""
     t = config.task
     prompts = None
     if t.name in DATASET_TASKS:
         prompts = (synthetic_prompt_splits(encode, min(simulation.prompt_tokens, max_prompt_tokens))
                    if simulation is not None else load_prompt_splits(t, encode, max_prompt_tokens))
-    return get_task(t.name, prompts, t.format_reward), prompts
+    return get_task(t.name, prompts, t.format_reward, seed), prompts

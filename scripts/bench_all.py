@@ -185,7 +185,8 @@ def rollout_rows(result: dict, command: str) -> list[Row]:
         rows.append(Row(
             claim, f"batch {a['batch']}, greedy, {a['draft']} draft, adaptive k (chose {a['chosen_k']})",
             f"{a['tokens_per_s']:.0f} tok/s", f"best of plain and fixed k {a['best_other']:.0f} tok/s",
-            f"{a['ratio']:.2f}x",
+            f"{a['ratio']:.2f}x" + (f" (noise: {a['ratio_band_90'][0]:.2f}-{a['ratio_band_90'][1]:.2f})"
+                                    if "ratio_band_90" in a else ""),
             f">= {goal}x", _met(a["ratio"] >= goal), hardware, command))
     return rows
 

@@ -193,6 +193,18 @@ def measure(engine: RolloutEngine, prompts, params: SamplingParams, policy_state
     return runs
 
 
+def ratio_band(mine: list[RolloutStats], rivals: list[list[RolloutStats]], rng: random.Random,
+               resamples: int = 2000) -> tuple[float, float]:
+    """How far the ratio of ``mine``'s median tokens/s to the best rival's moves with the
+    machine's noise alone: its 5th and 95th percentiles over resamples of every config's
+    runs (with replacement, the bootstrap)."""
+    def median_rate(runs: list[RolloutStats]) -> float:
+        return median_run([rng.choice(runs) for _ in runs]).tokens_per_s
+
+    ratios = sorted(median_rate(mine) / max(median_rate(r) for r in rivals) for _ in range(resamples))
+    return ratios[resamples // 20], ratios[resamples - resamples // 20 - 1]
+
+
 def median_run(runs: list[RolloutStats]) -> RolloutStats:
     """The run of median wall time. Not the fastest: identical calls here range over 1.5x,
     and the fast end is a rare quiet spell of the machine that one config or another catches."""
@@ -383,12 +395,14 @@ def main() -> int:
             if name == "none":
                 continue
             if k == "adaptive":
-                rivals = [plain.tokens_per_s, *(best[name, j].tokens_per_s for j in KS)]
+                rival_configs = [("none", 0), *((name, j) for j in KS)]
+                rivals = [best[c].tokens_per_s for c in rival_configs]
+                band = ratio_band(runs[name, k], [runs[c] for c in rival_configs], random.Random(batch))
                 adaptive.append(dict(batch=batch, draft=name, tokens_per_s=s.tokens_per_s, best_other=max(rivals),
-                                     ratio=s.tokens_per_s / max(rivals), chosen_k=chosen[name]))
+                                     ratio=s.tokens_per_s / max(rivals), ratio_band_90=band, chosen_k=chosen[name]))
                 print(f"batch {batch:2d}  {name:9s} adaptive {s.tokens_per_s:8.0f} tok/s  "
-                      f"{adaptive[-1]['ratio']:.2f} x the best of plain and fixed k (chose {chosen[name]})",
-                      flush=True)
+                      f"{adaptive[-1]['ratio']:.2f} x the best of plain and fixed k (90% of resamples "
+                      f"{band[0]:.2f}-{band[1]:.2f}; chose {chosen[name]})", flush=True)
                 continue
             c = s.draft_s / (s.target_forwards * k) / step_s
             v = s.verify_s / s.target_forwards / step_s

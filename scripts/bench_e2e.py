@@ -26,9 +26,9 @@ exit 1 on failure: the warm start's files are unchanged by every run (sha256), e
 all its steps, and the fixed-k arm's drafts are accepted (acceptance length > 1: speculation
 was really on). Whether the goal is met is in the JSON (``summary.goal_met``).
 
-    .venv/bin/python scripts/bench_e2e.py                 # 600 SFT + 2 rounds x 3 arms x 14 RL steps: ~15 min
+    .venv/bin/python scripts/bench_e2e.py                 # 600 SFT + 2 rounds x 3 arms x 14 RL steps: ~12 min
     .venv/bin/python scripts/bench_e2e.py --quick         # 20 SFT, 4 RL steps, to assets/quick/
-    .venv/bin/python scripts/bench_e2e.py --warm-start W  # arms only, from a step-600 folder W: ~8 min
+    .venv/bin/python scripts/bench_e2e.py --warm-start W  # arms only, from a step-600 folder W: ~6 min
 """
 
 from __future__ import annotations

@@ -56,7 +56,8 @@ ARMS = {
 
 def arm_summary(runs: list[list[dict]], skip: int) -> dict:
     """One arm's timed steps: each run's RL steps after the first ``skip``, runs concatenated."""
-    timed = [m for metrics in runs for m in [m for m in metrics if m["phase"] == "rl"][skip:]]
+    kept = [[m for m in metrics if m["phase"] == "rl"][skip:] for metrics in runs]
+    timed = [m for run_steps in kept for m in run_steps]
     step_s = [m["time/step_s"] for m in timed]
     tokens = [m["rollout/tokens_per_s"] for m in timed]
     return {
@@ -65,8 +66,7 @@ def arm_summary(runs: list[list[dict]], skip: int) -> dict:
         "acceptance_length": [m.get("rollout/acceptance_length", 1.0) for m in timed],
         "draft_tokens": [m.get("rollout/draft_tokens", 0.0) for m in timed],
         "median_step_s": statistics.median(step_s), "median_rollout_tokens_per_s": statistics.median(tokens),
-        "median_step_s_per_round": [statistics.median([m["time/step_s"] for m in metrics if m["phase"] == "rl"][skip:])
-                                    for metrics in runs],
+        "median_step_s_per_round": [statistics.median(m["time/step_s"] for m in run_steps) for run_steps in kept],
     }
 
 

@@ -211,6 +211,11 @@ def median_run(runs: list[RolloutStats]) -> RolloutStats:
     return sorted(runs, key=lambda stats: stats.total_s)[len(runs) // 2]
 
 
+def medians(runs: dict) -> dict:
+    """Each config's ``median_run``."""
+    return {config: median_run(config_runs) for config, config_runs in runs.items()}
+
+
 def _generate(engine, prompts, params, name, k, seed, adaptive) -> RolloutStats:
     generator = torch.Generator(engine.device).manual_seed(seed)
     gc.collect()  # a collection inside one timed call and not another is noise
@@ -272,14 +277,14 @@ def mixed_lengths(target: Transformer, draft: Draft, language: PhraseLanguage, a
                 out = engine.generate(prompts, params, samples_per_prompt=MIXED_GROUP, draft_tokens=k)
                 outputs[paged, k] = out
                 runs.setdefault((paged, k), []).append(out.stats)
-    best = {config: median_run(config_runs) for config, config_runs in runs.items()}
+    median = medians(runs)
     reference = outputs[False, 0]
     for (paged, k), out in outputs.items():
         if not (torch.equal(out.tokens, reference.tokens) and torch.equal(out.response_lens, reference.response_lens)):
             failures.append(f"mixed lengths: {'paged' if paged else 'static'} engine at k={k} differs from static "
                             "plain greedy")
     records = []
-    for (paged, k), stats in sorted(best.items(), key=lambda item: (item[0][1], item[0][0])):
+    for (paged, k), stats in sorted(median.items(), key=lambda item: (item[0][1], item[0][0])):
         engine = engines[paged]
         decoding = stats.new_tokens / max(stats.acceptance_length, 1e-9)  # (round, sequence) pairs
         records.append(dict(engine="paged" if paged else "static", k=k, tokens_per_s=stats.tokens_per_s,
@@ -297,8 +302,8 @@ def mixed_lengths(target: Transformer, draft: Draft, language: PhraseLanguage, a
                  response_lengths=dict(min=min(lens), median=sorted(lens)[len(lens) // 2], max=max(lens)),
                  eos_token_id=params.eos_token_id, budget_sequences=MIXED_BUDGET, kv_budget_bytes=budget,
                  block_size=engines[True].block_size, records=records,
-                 paged_over_static={k: {"tokens_per_s": best[True, k].tokens_per_s / best[False, k].tokens_per_s,
-                                        "kv_peak": best[True, k].kv_peak_bytes / best[False, k].kv_peak_bytes}
+                 paged_over_static={k: {"tokens_per_s": median[True, k].tokens_per_s / median[False, k].tokens_per_s,
+                                        "kv_peak": median[True, k].kv_peak_bytes / median[False, k].kv_peak_bytes}
                                     for k in (0, 4)})
     return mixed, failures
 
@@ -373,30 +378,31 @@ def main() -> int:
     configs = [("none", 0)] + [(name, k) for name in drafts for k in (*KS, "adaptive")]
     records, bounds, adaptive = [], [], []
 
-    def record(batch: int, name: str, k: int | str, stats: RolloutStats, plain: RolloutStats, temperature: float,
-               **extra) -> None:
+    def record(batch: int, name: str, k: int | str, runs: list[RolloutStats], plain: RolloutStats,
+               temperature: float, **extra) -> None:
+        stats = median_run(runs)
         records.append(dict(device=device_name, model=args.model, batch=batch, k=k, draft=name,
                             tokens_per_s=stats.tokens_per_s, acceptance_length=stats.acceptance_length,
                             temperature=temperature, speedup=stats.tokens_per_s / plain.tokens_per_s,
-                            acceptance_rate=[round(r, 4) for r in stats.acceptance_rate], **extra))
+                            acceptance_rate=[round(r, 4) for r in stats.acceptance_rate],
+                            call_s=[run.total_s for run in runs], **extra))
 
     for batch in BATCHES:
         prompts = language.prompts(batch, g)
         tuners = warm_tuners(engine, prompts, greedy, policy_state, drafts, args.adaptive_warmup, batch)
         runs = measure(engine, prompts, greedy, policy_state, drafts, configs, args.repeats, batch, tuners)
-        best = {config: median_run(config_runs) for config, config_runs in runs.items()}
+        median = medians(runs)
         chosen = {name: a.chosen for name, a in tuners.items()}
-        plain = best["none", 0]
+        plain = median["none", 0]
         step_s = plain.verify_s / plain.target_forwards
         print(f"batch {batch:2d}  plain             {plain.tokens_per_s:8.0f} tok/s  step {step_s * 1e3:.2f} ms")
-        for (name, k), s in best.items():
-            record(batch, name, k, s, plain, 0.0, call_s=[run.total_s for run in runs[name, k]],
-                   **({"chosen_k": chosen[name]} if k == "adaptive" else {}))
+        for (name, k), s in median.items():
+            record(batch, name, k, runs[name, k], plain, 0.0, **({"chosen_k": chosen[name]} if k == "adaptive" else {}))
             if name == "none":
                 continue
             if k == "adaptive":
                 rival_configs = [("none", 0), *((name, j) for j in KS)]
-                rivals = [best[c].tokens_per_s for c in rival_configs]
+                rivals = [median[c].tokens_per_s for c in rival_configs]
                 band = ratio_band(runs[name, k], [runs[c] for c in rival_configs], random.Random(batch))
                 adaptive.append(dict(batch=batch, draft=name, tokens_per_s=s.tokens_per_s, best_other=max(rivals),
                                      ratio=s.tokens_per_s / max(rivals), ratio_band_90=band, chosen_k=chosen[name]))
@@ -418,12 +424,12 @@ def main() -> int:
     for batch in BATCHES:
         runs = measure(engine, language.prompts(batch, g), sampled, policy_state, drafts,
                        [("none", 0), ("trained", 4)], args.repeats, batch)
-        best = {config: median_run(config_runs) for config, config_runs in runs.items()}
-        for (name, k), s in best.items():
-            record(batch, name, k, s, best["none", 0], 1.0, call_s=[run.total_s for run in runs[name, k]])
-        spec = best["trained", 4]
+        median = medians(runs)
+        for (name, k), config_runs in runs.items():
+            record(batch, name, k, config_runs, median["none", 0], 1.0)
+        spec = median["trained", 4]
         print(f"batch {batch:2d}  T=1 trained k=4  {spec.tokens_per_s:8.0f} tok/s  "
-              f"x{spec.tokens_per_s / best['none', 0].tokens_per_s:.2f}  tau {spec.acceptance_length:.2f}", flush=True)
+              f"x{spec.tokens_per_s / median['none', 0].tokens_per_s:.2f}  tau {spec.acceptance_length:.2f}", flush=True)
 
     best_b1 = max(b["speedup"] for b in bounds if b["batch"] == 1 and b["draft"] == "trained")
     summary = dict(

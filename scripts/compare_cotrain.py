@@ -104,8 +104,12 @@ def summarize(result: dict) -> dict:
     ratios = [c / f for c, f in zip(last["cotrain"], last["frozen"])]
     reward = {arm: [statistics.fmean(result["runs"][str(s)][arm]["reward"][-tail:]) for s in result["seeds"]]
               for arm in ARMS}
+    # Measured over predicted: how much of the training code's acceptance the engine realises.
+    realised = [statistics.fmean(result["runs"][str(s)]["cotrain"]["acceptance_length"])
+                / statistics.fmean(result["runs"][str(s)]["cotrain"]["draft_tau"]) for s in result["seeds"]]
     return {
         "last_steps_averaged": tail,
+        "cotrain_acceptance_over_draft_tau": spread(realised),
         "acceptance_length_last_quarter": {arm: spread(last[arm]) for arm in ARMS},
         "acceptance_ratio_cotrain_over_frozen": spread(ratios),
         "reward_last_quarter": {arm: spread(reward[arm]) for arm in ARMS},
@@ -233,6 +237,8 @@ def main() -> int:
             metrics = runs[(seed, arm)]
             curves = {"acceptance_length": rl_curve(metrics, "rollout/acceptance_length"),
                       "reward": rl_curve(metrics, "reward/mean")}
+            if arm == "cotrain":  # the draft's training metric, on the batches it trained on
+                curves["draft_tau"] = rl_curve(metrics, "draft/tau")
             curves |= {key.split("/", 1)[1]: rl_curve(metrics, key) for key in sorted(metrics[-1])
                        if key.startswith("task/") or key.startswith("rollout/acceptance_rate_")}
             result["runs"][str(seed)][arm] = curves

@@ -395,11 +395,11 @@ class RolloutEngine:
         logits = processed_logits((out.logits if k else out)[:, 0], params)[group]
         token = draw(logits, params, generator)
         logprob = logits.log_softmax(-1).gather(-1, token.unsqueeze(-1))
-        src, dst = scheduler.fork(admitted)
-        if src:
-            for pool in (self.target_pool, self.draft_pool):
-                if pool is not None:
-                    pool.copy_blocks(torch.tensor(src, device=device), torch.tensor(dst, device=device))
+        # Copy-on-write of each prompt's last block for samples 1..G-1: the target's keys are
+        # written now; the draft's only after its pass over the prompt below.
+        src, dst = (torch.tensor(blocks, dtype=torch.int64, device=device) for blocks in scheduler.fork(admitted))
+        if src.numel():
+            self.target_pool.copy_blocks(src, dst)
         slots = [s for group_slots in admitted.slots for s in group_slots]
         rows = torch.tensor(slots, device=device)
         seqs.admit(rows, torch.tensor(scheduler.output_rows(slots), device=device), lens[group])
@@ -410,6 +410,8 @@ class RolloutEngine:
         chain = (self.chain_k[:n], self.chain_v[:n])
         self.draft.extend(taps, self._draft_embed(torch.roll(tokens, -1, dims=1)), torch.zeros_like(lens),
                           DraftKVCache(trunk_view, *chain))
+        if src.numel():
+            self.draft_pool.copy_blocks(src, dst)
         taps_last = taps[group, last[group]].unsqueeze(1)
         if self.paged:
             table = scheduler.table()

@@ -436,8 +436,10 @@ class RolloutEngine:
 
     def _speculative_round(self, seqs: Sequences, k: int, params: SamplingParams, generator,
                            target_cache: PagedKV | RowsKV, draft_cache: DraftKVCache, draft_to_target: torch.Tensor,
-                           counters: StepCounters) -> None:
-        """Draft ``k`` tokens, verify them in one target forward, commit ``a + 1``, catch up."""
+                           counters: StepCounters) -> torch.Tensor:
+        """Draft ``k`` tokens, verify them in one target forward, commit ``a + 1``, catch up.
+        Returns ``a [B]``, the drafted tokens each row accepted (before an EOS or the length
+        limit cut them)."""
         b = seqs.length.shape[0]
         rows = torch.arange(b, device=seqs.length.device)
         anchor = seqs.length - 2
@@ -474,6 +476,7 @@ class RolloutEngine:
         with counters.timed("draft"):
             hidden = self._draft_extend(torch.cat(out.taps, -1), self._draft_embed(candidates), start, draft_cache)
             seqs.draft_hidden = hidden[rows, n_accepted]
+        return n_accepted
 
     def _draft_embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The draft's input embeddings of target ids: the current policy's table."""

@@ -1,0 +1,204 @@
+"""Drafting reads what training wrote: the engine's acceptance, round by round, is the
+training code's own accuracy on the same sequences.
+
+Under greedy decoding an accepted draft token is the true next token, so a drafting round
+at anchor ``i`` of a sequence sees exactly the inputs of the TTT unroll at anchor ``i`` on
+the finished sequence (``Draft.forward``, the passes ``ttt_unroll`` scores): the engine
+accepts ``a`` drafted tokens iff the unroll's first ``a`` passes at ``i`` predict the next
+tokens and pass ``a + 1`` does not (``a`` capped at ``k``). On CPU in fp32 the counts agree
+exactly, round for round, on every engine path. Losslessness and greedy equality
+(``test_rollout.py``) hold whatever the draft computes; this is the test that notices a
+draft fed the wrong keys (e.g. samples of a shared prompt reading a stale block).
+
+The pair is the rollout benchmark's (``scripts/bench_rollout.py``): a target fitted to a
+phrase language and a draft fitted to it by TTT, so that acceptance is high and any wrong
+key shows.
+"""
+
+import functools
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.multiprocess import run_on_ranks
+from titan_cotrain.data.packing import layout_from_cu_seqlens
+from titan_cotrain.models.args import model_args_for
+from titan_cotrain.models.draft import Draft, DraftArgs
+from titan_cotrain.models.transformer import Transformer
+from titan_cotrain.rl.rollout import RolloutEngine, kv_bytes_per_sequence
+from titan_cotrain.rl.sampling import SamplingParams
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+VOCAB, K_MAX, NEW_TOKENS, SEQ_LEN = 128, 6, 40, 64
+PARAMS = SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS)
+
+
+def _bench_rollout():
+    sys.path.insert(0, str(SCRIPTS))
+    spec = importlib.util.spec_from_file_location("bench_rollout", SCRIPTS / "bench_rollout.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_rollout"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+class TracingEngine(RolloutEngine):
+    """Records every drafting round: ``(output row, anchor, accepted)`` of each active row."""
+
+    rounds: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+    def generate(self, *args, **kwargs):
+        self.rounds = []
+        return super().generate(*args, **kwargs)
+
+    def _speculative_round(self, seqs, *args, **kwargs):
+        active = seqs.active.clone()
+        out_row, anchor = seqs.out_row[active].clone(), (seqs.length - 2)[active].clone()
+        accepted = super()._speculative_round(seqs, *args, **kwargs)
+        self.rounds.append((out_row, anchor, accepted[active].clone()))
+        return accepted
+
+
+@pytest.fixture(scope="module")
+def pair(one_intra_op_thread):
+    """``(target, draft, prompts)``: the fitted pair and 8 prompts of 5-14 tokens (ending
+    inside blocks of 4 and 16)."""
+    bench = _bench_rollout()
+    g = torch.Generator().manual_seed(0)
+    language = bench.PhraseLanguage(VOCAB, 16, seed=0)
+    target = Transformer(model_args_for("llama3", "debugmodel").replace(vocab_size=VOCAB))
+    target.init_weights(generator=torch.Generator().manual_seed(0))
+    bench.fit_target(target, language, 40, g)
+    draft = Draft(DraftArgs.from_target(target.args, n_taps=3))
+    draft.init_weights(generator=torch.Generator().manual_seed(1))
+    engine = RolloutEngine(target, draft, max_batch_size=64, max_seq_len=bench.TRAIN_NEW_TOKENS + 16,
+                           max_draft_tokens=K_MAX)
+    bench.fit_draft(draft, target, engine, language, 40, K_MAX, g)
+    return target.eval(), draft.eval(), language.prompts(8, g, lengths=(5, 14))
+
+
+def unroll_correct(target: Transformer, draft: Draft, sequences: list[torch.Tensor], depth: int) -> list[torch.Tensor]:
+    """Per sequence, ``bool [depth, n]``: TTT pass ``d`` at anchor ``i`` predicts ``x_{i+d+1}``
+    (False where that token is past the end), from one packed forward of the target and the
+    draft's unroll over all the sequences, as the trainer runs them."""
+    lengths = [s.numel() for s in sequences]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    tokens = torch.cat(sequences).unsqueeze(0)
+    positions = layout_from_cu_seqlens(cu, 1, cu[-1].item()).positions
+    with torch.no_grad():
+        out = target(tokens, cu_seqlens=cu.tolist(), positions=positions, return_taps=True)
+        taps = torch.cat(out.taps, -1)[0]
+        select = torch.ones(depth, tokens.shape[1], dtype=torch.bool)
+        logits = draft(taps, out.embeddings[0], tokens[0], positions[0], cu.tolist(), select)
+    predicted = torch.stack([draft.d2t[lg.argmax(-1)] + lg.argmax(-1) for lg in logits])  # [depth, T] target ids
+    result = []
+    for seq, start in zip(sequences, cu[:-1].tolist()):
+        n = seq.numel()
+        correct = torch.zeros(depth, n, dtype=torch.bool)
+        for d in range(1, depth + 1):
+            if n - d - 1 > 0:
+                correct[d - 1, : n - d - 1] = predicted[d - 1, start: start + n - d - 1] == seq[d + 1:]
+        result.append(correct)
+    return result
+
+
+def check_rounds(engine: TracingEngine, target, draft, prompts, out, samples: int, k: int) -> float:
+    """Every round's accepted count equals the unroll's leading correct passes at its anchor;
+    returns the mean accepted per round (so a caller can see the pair drafts well)."""
+    sequences = [torch.cat([prompts[b // samples], out.tokens[b, : int(out.response_lens[b])]])
+                 for b in range(out.tokens.shape[0])]
+    correct = unroll_correct(target, draft, sequences, k)
+    mismatches, total, accepted_sum = [], 0, 0
+    for out_row, anchor, accepted in engine.rounds:
+        for b, i, a in zip(out_row.tolist(), anchor.tolist(), accepted.tolist()):
+            n = sequences[b].numel()
+            checkable = min(k, n - (i + 2))  # drafted tokens x_{i+2} .. x_{i+1+k} inside the sequence
+            leading = int(correct[b][:checkable, i].long().cumprod(0).sum())
+            total += 1
+            accepted_sum += a
+            if min(a, checkable) != leading:
+                mismatches.append(f"sequence {b} anchor {i}: engine accepted {a}, TTT passes right {leading}")
+    assert total > 0, "the engine ran no drafting round"
+    assert not mismatches, f"{len(mismatches)} of {total} rounds differ:\n" + "\n".join(mismatches[:10])
+    return accepted_sum / total
+
+
+CASES = {
+    # name: (engine keyword arguments, samples per prompt, k)
+    "paged, G=1": (dict(block_size=16), 1, 3),
+    "paged, G=8, blocks of 16": (dict(block_size=16), 8, 3),
+    "paged, G=8, blocks of 4": (dict(block_size=4), 8, 3),
+    "paged, G=8, blocks of 1": (dict(block_size=1), 8, 3),
+    "static, G=1": (dict(paged=False), 1, 3),
+    "static, G=8": (dict(paged=False), 8, 3),
+    **{f"paged, G=8, k={k}": (dict(block_size=4), 8, k) for k in (1, 2, 4, 5, 6)},
+    # 12 rows for 32 sequences and blocks for 6 at their longest: groups wait, enter as rows
+    # and blocks free up, and a group of 4 can be split.
+    "continuous batching": (dict(block_size=4, max_batch_size=12, kv_blocks_for=6), 4, 3),
+}
+
+
+def _engine(target, draft, engine_kwargs: dict, cls=TracingEngine, **extra) -> RolloutEngine:
+    kwargs = dict(max_batch_size=64, max_seq_len=SEQ_LEN, max_draft_tokens=K_MAX) | engine_kwargs | extra
+    sequences = kwargs.pop("kv_blocks_for", 0)
+    if sequences:
+        kwargs["kv_cache_gib"] = sequences * kv_bytes_per_sequence(target.args, draft.args, SEQ_LEN, K_MAX,
+                                                                   torch.float32) / 2**30
+    return cls.from_models(target, draft, device="cpu", **kwargs)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_engine_acceptance_is_the_ttt_accuracy(pair, case):
+    target, draft, prompts = pair
+    engine_kwargs, samples, k = CASES[case]
+    engine = _engine(target, draft, engine_kwargs)
+    out = engine.generate(prompts, PARAMS, samples_per_prompt=samples, draft_tokens=k)
+    mean_accepted = check_rounds(engine, target, draft, prompts, out, samples, k)
+    # The pair drafts well, so a draft reading wrong keys cannot agree by accident.
+    assert mean_accepted > 0.6 * k, f"the fitted draft accepts only {mean_accepted:.2f} of {k} per round"
+
+
+def test_acceptance_survives_a_dirty_pool(pair):
+    """A second call on the same engine (pools holding the first call's keys) accepts what a
+    fresh engine does: nothing a rollout leaves behind is read by the next."""
+    target, draft, prompts = pair
+    engine = _engine(target, draft, dict(block_size=4))
+    engine.generate(prompts[::-1], PARAMS, samples_per_prompt=8, draft_tokens=3)
+    out = engine.generate(prompts, PARAMS, samples_per_prompt=8, draft_tokens=3)
+    check_rounds(engine, target, draft, prompts, out, 8, 3)
+    fresh = _engine(target, draft, dict(block_size=4))
+    again = fresh.generate(prompts, PARAMS, samples_per_prompt=8, draft_tokens=3)
+    assert torch.equal(out.tokens, again.tokens)
+    assert out.stats.acceptance_length == again.stats.acceptance_length
+
+
+def test_compiled_engine_acceptance_is_the_ttt_accuracy(pair, monkeypatch):
+    """The compiled engine's own schedule (every row decoded, whole-sequence block tables,
+    free rows riding along) under dynamo. Its ``eager`` backend keeps this to seconds on CPU;
+    inductor's kernels are ``tests/parallel/test_compile.py``'s subject."""
+    target, draft, prompts = pair
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    engine = _engine(target, draft, dict(block_size=4, max_batch_size=16), compile=True)
+    out = engine.generate(prompts[:4], PARAMS, samples_per_prompt=4, draft_tokens=2)
+    check_rounds(engine, target, draft, prompts[:4], out, 4, 2)
+
+
+def _tp_acceptance(rank: int, world_size: int, states, prompts) -> None:
+    from titan_cotrain.parallel.engine_tp import engine_tp_mesh
+
+    target = Transformer(model_args_for("llama3", "debugmodel").replace(vocab_size=VOCAB))
+    target.load_state_dict(states[0])
+    draft = Draft(DraftArgs.from_target(target.args, n_taps=3))
+    draft.load_state_dict(states[1])
+    mesh = engine_tp_mesh("cpu", [list(range(world_size))])
+    engine = _engine(target, draft, dict(block_size=4), tp_mesh=mesh)
+    out = engine.generate(prompts, PARAMS, samples_per_prompt=8, draft_tokens=3)
+    check_rounds(engine, target, draft, prompts, out, 8, 3)
+
+
+def test_tensor_parallel_engine_acceptance_is_the_ttt_accuracy(pair):
+    target, draft, prompts = pair
+    run_on_ranks(_tp_acceptance, 2, (target.state_dict(), draft.state_dict()), prompts[:4])

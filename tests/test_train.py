@@ -1,5 +1,6 @@
 """The main job end to end on 2 CPU processes: warm start, RL with co-training, metrics,
-checkpoints, and a resume that continues bit-identically. A bad config stops it cleanly.
+checkpoints, and resumes that continue bit-identically (from the phase boundary and from an RL
+step). A bad config stops it cleanly.
 Context- and pipeline-parallel runs of the same job, and PP combined with CP, match a
 one-process run; PP combined with data parallelism matches the FSDP run of the same job."""
 
@@ -36,6 +37,16 @@ def _metrics(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
+def _assert_repeated_exactly(uninterrupted: list[dict], resumed: list[dict]) -> None:
+    """A resumed run's steps log what the uninterrupted run's did, bit for bit (but timings)."""
+    volatile = ("time/", "memory/", "rollout/tokens_per_s")
+    assert [m["step"] for m in resumed] == [m["step"] for m in uninterrupted]
+    for a, b in zip(uninterrupted, resumed, strict=True):
+        for key, value in a.items():
+            if not key.startswith(volatile):
+                assert b[key] == value, (a["step"], key, value, b[key])
+
+
 def test_main_job_trains_logs_checkpoints_and_resumes_exactly(tmp_path):
     full = tmp_path / "full"
     result = _run(*SHORT, "--job.dump_folder", str(full))
@@ -63,13 +74,30 @@ def test_main_job_trains_logs_checkpoints_and_resumes_exactly(tmp_path):
     result = _run(*SHORT, "--job.dump_folder", str(resumed))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "resumed from step 2" in result.stdout
-    again = _metrics(resumed)
-    assert [m["step"] for m in again] == [3, 4]
-    volatile = ("time/", "memory/", "rollout/tokens_per_s")
-    for a, b in zip(metrics[2:], again):
-        for key, value in a.items():
-            if not key.startswith(volatile):
-                assert b[key] == value, (key, value, b[key])
+    _assert_repeated_exactly(metrics[2:], _metrics(resumed))
+
+
+def test_a_resume_inside_the_rl_phase_repeats_the_run_exactly(tmp_path):
+    """The run stops after the checkpoint of an RL step and a new process resumes from it
+    (a kill -9 leaves it no more): the next RL steps repeat the uninterrupted run's bit for
+    bit. Their ``G = 4`` samples per prompt share the prompt's KV blocks; the new process's
+    engine starts with zeroed pools, the uninterrupted one's hold the last rollout's keys,
+    which nothing may read."""
+    args = (*SHORT, "--task.sft_steps", "1", "--training.steps", "3", "--rl.group_size", "4",
+            "--metrics.no-enable_tensorboard")
+    full = tmp_path / "full"
+    result = _run(*args, "--job.dump_folder", str(full))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    metrics = _metrics(full)
+    assert [m["phase"] for m in metrics] == ["sft", "rl", "rl", "rl"]
+    assert all(m["rollout/draft_tokens"] > 0 for m in metrics[1:])  # speculative rollouts
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(full / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
+    result = _run(*args, "--job.dump_folder", str(resumed))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "resumed from step 2" in result.stdout
+    _assert_repeated_exactly(metrics[2:], _metrics(resumed))
 
 
 def test_bad_config_fails_with_one_message(tmp_path):
@@ -149,11 +177,7 @@ def test_pipeline_parallel_job_matches_one_process_and_resumes_exactly(tmp_path)
     again = _run(*args, *pp_args, "--job.dump_folder", str(resumed))
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "resumed from step 2" in again.stdout
-    volatile = ("time/", "memory/", "rollout/tokens_per_s")
-    for a, b in zip(metrics[2:], _metrics(resumed), strict=True):
-        for key, value in a.items():
-            if not key.startswith(volatile):
-                assert b[key] == value, (key, value, b[key])
+    _assert_repeated_exactly(metrics[2:], _metrics(resumed))
 
 
 # One warm-start and one RL step: a 4-process job on 2 shared cores is slow.
@@ -202,11 +226,7 @@ def test_pipeline_with_data_parallelism_matches_fsdp_and_resumes_exactly(tmp_pat
     again = _run(*args, *pp_args, "--job.dump_folder", str(resumed), nproc=4)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "resumed from step 1" in again.stdout
-    volatile = ("time/", "memory/", "rollout/tokens_per_s")
-    for a, b in zip(_metrics(tmp_path / "pp_dp")[1:], _metrics(resumed), strict=True):
-        for key, value in a.items():
-            if not key.startswith(volatile):
-                assert b[key] == value, (key, value, b[key])
+    _assert_repeated_exactly(_metrics(tmp_path / "pp_dp")[1:], _metrics(resumed))
 
 
 def test_a_step_a_rank_cannot_run_stops_every_rank_with_one_message(tmp_path):

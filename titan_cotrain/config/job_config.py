@@ -239,6 +239,20 @@ class Rollout:
     chosen k follows timings, so sampled rollouts are not reproducible run to run; false
     always drafts ``draft_tokens`` (bit-exact resumes)."""
 
+    acceptance_warning_fraction: float = 0.8
+    """Warn when speculative rollouts accept less than this fraction of what the draft's
+    training metric predicts, for ``acceptance_warning_steps`` RL steps in a row. Both measure
+    the same draft on the same rollouts: the update scores the draft on what it drafted,
+    before its own step (``draft/tau`` over the step's ``k`` passes). A lasting gap means the
+    engine feeds the draft other inputs than training does, which no other check sees
+    (speculative sampling stays lossless whatever the draft computes). Each RL step logs
+    ``rollout/acceptance_over_tau``, measured over predicted; the console line shows the two
+    side by side. 0 disables the warning."""
+
+    acceptance_warning_steps: int = 3
+    """Consecutive speculative RL steps below ``acceptance_warning_fraction`` before the
+    warning (steps that decode plainly do not count, nor end the run)."""
+
     tensor_parallel_degree: int = 1
     """Split the engine's policy copy over this many ranks (Megatron's colwise / rowwise
     layout, ``titan_cotrain.parallel.engine_tp``), for a policy whose bf16 copy does not fit

@@ -16,12 +16,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 def export_job(trainer) -> None:
     """Every rank gathers the whole models into the rollout engine's copies (FSDP shards, PP
     stages; a tensor-parallel engine's slices are gathered once more, one tensor at a time),
-    the logging rank writes them. Weights that are not finite are not written."""
+    the logging rank writes them. Weights that are not finite, or whose forward on a probe is
+    not, are not written."""
     trainer.refresh_engine()
     # Every rank holds the same whole copies (or, tensor-parallel, its slices: then all
     # ranks vote): each checks its own, so all stop alike.
     tp = trainer.engine.tensor_parallel > 1
     trainer._check_finite("the export", trainer.engine.policy, trainer.engine.draft, collective=tp)
+    trainer._check_probe("the export")
     policy, draft = trainer.engine.policy, trainer.engine.draft
     state = whole_host_state(policy, keep=trainer.rank == trainer.log_rank) if tp else None
     if trainer.rank != trainer.log_rank:

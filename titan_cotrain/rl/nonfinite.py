@@ -1,11 +1,16 @@
 """Nothing lost to a NaN: detect a non-finite update on every rank alike, skip it, and never
-save weights that are not finite.
+save weights that are not finite, or that are finite but give a non-finite forward.
 
 An update is *non-finite* for the policy when its loss or its gradient norm is NaN or inf,
 and likewise for the draft; the two are judged separately (a draft that diverges does not
 stop the policy from training, and the reverse). The verdict is maxed over every rank, so
 all ranks skip the same optimizer steps and stay in lockstep: one small all-reduce per
 update, read on the host together with the update's metrics.
+
+Finite weights can still be unusable: one update at a huge learning rate leaves every weight
+finite and every activation inf. So before a checkpoint or an export the trainer also runs
+``forward_is_finite``: one forward of a short probe through the policy and the draft, the
+first thing a user of the export would do.
 """
 
 from collections.abc import Iterable
@@ -14,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["NonfiniteStop", "NonfiniteWeights", "all_finite", "nonfinite_flags"]
+__all__ = ["NonfiniteStop", "NonfiniteWeights", "all_finite", "forward_is_finite", "nonfinite_flags"]
 
 
 class NonfiniteStop(RuntimeError):
@@ -22,7 +27,8 @@ class NonfiniteStop(RuntimeError):
 
 
 class NonfiniteWeights(NonfiniteStop):
-    """Raised instead of writing a checkpoint or an export with non-finite weights."""
+    """Raised instead of writing a checkpoint or an export with non-finite weights, or weights
+    whose forward on a probe is not finite."""
 
 
 def nonfinite_flags(metrics: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -55,6 +61,28 @@ def all_finite(modules: Iterable[nn.Module | None], device: torch.device, *, col
             local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
             if local.is_floating_point() and local.numel():
                 ok = torch.minimum(ok, torch.isfinite(local).all().float())
+    if collective and dist.is_initialized():
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
+
+
+@torch.no_grad()
+def forward_is_finite(policy: nn.Module, draft: nn.Module | None, tokens: torch.Tensor, *,
+                      collective: bool = True) -> bool:
+    """Whether one forward of ``tokens: int64 [1, S]`` (one document, on the models' device)
+    through ``policy`` (a ``Transformer``) gives finite logits and, with a ``draft``, so does
+    the draft's first TTT pass over the policy's taps of it. The models are whole copies, or a
+    tensor-parallel policy copy whose ranks all call this; the verdict is min-reduced over
+    every rank when ``collective``, so all stop alike. One host read."""
+    s = tokens.shape[1]
+    out = policy(tokens, return_taps=draft is not None)
+    ok = torch.isfinite(out if draft is None else out.logits).all()
+    if draft is not None:
+        positions = torch.arange(s, device=tokens.device)
+        select = torch.ones(1, s, dtype=torch.bool, device=tokens.device)
+        (logits,) = draft(torch.cat(out.taps, -1)[0], out.embeddings[0], tokens[0], positions, [0, s], select)
+        ok &= torch.isfinite(logits).all()
+    ok = ok.float()
     if collective and dist.is_initialized():
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     return bool(ok.item())

@@ -39,16 +39,18 @@ from titan_cotrain.rl.draft_vocab import draft_vocab_from_generations, task_toke
 from titan_cotrain.rl.export import export_job
 from titan_cotrain.rl.generation_group import GenerationGroup
 from titan_cotrain.rl.grpo import group_advantages, ppo_loss
-from titan_cotrain.rl.nonfinite import NonfiniteStop, NonfiniteWeights, all_finite, nonfinite_flags
+from titan_cotrain.rl.nonfinite import NonfiniteStop, NonfiniteWeights, all_finite, forward_is_finite, nonfinite_flags
 from titan_cotrain.rl.progress import RolloutProgress, step_line
 from titan_cotrain.rl.rollout import RolloutEngine
-from titan_cotrain.rl.rollout_metrics import rollout_metrics
+from titan_cotrain.rl.rollout_metrics import AcceptanceWatch, acceptance_over_tau, rollout_metrics
 from titan_cotrain.rl.sampling import SamplingParams
 from titan_cotrain.rl.speculation import SpeculationTuner
 from titan_cotrain.rl.tasks import score
 from titan_cotrain.rl.trainer_setup import TrainerState, build_task, lr_phases, tokenizer_folder, training_device
 
 __all__ = ["Trainer", "next_token_loss"]
+
+PROBE_TOKENS = 32  # the probe forward before a checkpoint or an export: a task demonstration's first tokens
 
 
 def next_token_loss(logits: torch.Tensor, rows: LabelRows) -> PolicyLoss:
@@ -129,6 +131,7 @@ class Trainer:
             compile=config.rollout.compile,
         )
         self.speculation = SpeculationTuner(self.draft_tokens)
+        self.acceptance_watch = AcceptanceWatch(ro.acceptance_warning_fraction, ro.acceptance_warning_steps)
         if config.rollout.speculative and not config.draft.enable and rank == self.log_rank:
             print("note: [draft] enable = false: rollouts decode plainly ([rollout] speculative ignored)", flush=True)
         if config.draft.vocab_generations and simulation is None:
@@ -310,6 +313,7 @@ class Trainer:
         t_refresh = time.perf_counter() - t0
         samples, metrics = self.rollout_phase(step)
         metrics |= self.update_phase(step, samples)
+        metrics |= acceptance_over_tau(metrics)
         metrics["time/refresh_s"] = t_refresh
         return metrics
 
@@ -510,17 +514,25 @@ class Trainer:
             metrics |= titan.device_memory_stats()
             self.state.step = step
             self._log(step, "sft" if sft else "rl ", metrics)
+            self._warn_of_acceptance(step, metrics)
             self._count_nonfinite(step, metrics)
             if titan.checkpoint_due(self.checkpointer, step, last_step=step == self.total_steps):
-                self._check_finite(f"the checkpoint of step {step}", self.policy, self.draft, self.reference)
+                self._check_usable(f"the checkpoint of step {step}")
             self.checkpointer.save(step, last_step=step == self.total_steps)
         self.checkpointer.close()
         self.export()
         if self.tb is not None:
             self.tb.close()
 
+    def _warn_of_acceptance(self, step: int, metrics: dict[str, float]) -> None:
+        """Print the ``AcceptanceWatch``'s warning (the logging rank; every rank keeps the count)."""
+        warning = self.acceptance_watch.observe(step, metrics)
+        if warning and self.rank == self.log_rank:
+            print(f"warning: {warning}", flush=True)
+
     def _count_nonfinite(self, step: int, metrics: dict[str, float]) -> None:
-        """Count consecutive steps with a skipped update; stop at ``training.max_nonfinite_steps``
+        """Count consecutive steps with a skipped update; stop at ``training.max_nonfinite_steps``,
+        or at once when the job's last step had one: nothing is checkpointed or exported then
         (every rank alike: the verdicts are the same on every rank)."""
         skipped = [part for part in ("policy", "draft") if metrics.get(f"nonfinite/{part}", 0.0) > 0]
         if not skipped:
@@ -537,10 +549,44 @@ class Trainer:
                 f"(training.max_nonfinite_steps = {limit}); the weights are those of the last finite update, the "
                 "last checkpoint is before it. Lower the learning rates (optimizer.lr, draft.lr, task.sft_lr, draft.sft_lr) or the "
                 "gradient clips (training.max_norm, draft.grad_clip).")
+        if step == self.total_steps:
+            raise NonfiniteStop(
+                f"at step {step}, the job's last: the update of the {' and the '.join(skipped)} was skipped (non-finite "
+                f"loss or gradient norm, {self.state.nonfinite_steps} step(s) in a row), so the weights are not "
+                "trained to the end: nothing is exported and this step is not checkpointed. Resume from the last "
+                "checkpoint with lower learning rates (optimizer.lr, draft.lr) or gradient clips (training.max_norm, "
+                "draft.grad_clip).")
 
     def _check_finite(self, what: str, *modules, collective: bool = True) -> None:
         if self.simulation is None and not all_finite(modules, self.device, collective=collective):
             raise NonfiniteWeights(f"{what} is not written: the weights are not finite")
+
+    def _check_usable(self, what: str) -> None:
+        """Refuse to write ``what`` (a checkpoint) unless every rank's training shards are finite
+        and the probe forward through the models is (``_check_probe``, on the rollout engine's
+        whole copies, refreshed for it: the next step refreshes them anyway)."""
+        self._check_finite(what, self.policy, self.draft, self.reference)
+        if self.simulation is None:
+            self.refresh_engine()
+            self._check_probe(what)
+            if self.config.rollout.release_between_rollouts:
+                self.engine.release()
+
+    def _check_probe(self, what: str) -> None:
+        """Refuse to write ``what`` unless one forward of a probe (the first ``PROBE_TOKENS``
+        tokens of a fixed task demonstration) through the engine's policy and draft is finite,
+        on every rank (a collective). The weights must be finite already."""
+        if self.simulation is not None:
+            return
+        prompt, response = self.demonstration(random.Random(f"{self.seed}/probe"), 0)
+        tokens = torch.tensor([(prompt + response)[:PROBE_TOKENS]], device=self.device)
+        if not forward_is_finite(self.engine.policy, self.engine.draft, tokens):
+            models = "the policy and the draft" if self.engine.draft is not None else "the policy"
+            raise NonfiniteWeights(
+                f"{what} is not written: the weights are finite, but a forward of {models} on a probe of "
+                f"{tokens.shape[1]} tokens is not (the last updates made them unusable). Lower the learning rates "
+                "(optimizer.lr, draft.lr, task.sft_lr, draft.sft_lr) or the gradient clips (training.max_norm, "
+                "draft.grad_clip).")
 
     def export(self) -> None:
         """Write the final policy and draft to ``<dump_folder>/export`` (``rl.export``)."""

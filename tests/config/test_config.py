@@ -158,6 +158,9 @@ def test_missing_hf_folder(tmp_path):
 def test_ranges_are_checked():
     _expect(DEFAULT, "draft.pass_decay must be in (0, 1]", "rl.group_size must be >= 2",
             overrides=("--draft.pass_decay", "1.5", "--rl.group_size", "1"))
+    _expect(DEFAULT, "rollout.acceptance_warning_fraction must be in [0, 1]",
+            "rollout.acceptance_warning_steps must be >= 1",
+            overrides=("--rollout.acceptance_warning_fraction", "1.5", "--rollout.acceptance_warning_steps", "0"))
 
 
 def test_tensor_parallel_is_refused():

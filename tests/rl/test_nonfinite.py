@@ -1,6 +1,7 @@
 """Nothing lost to a NaN: a non-finite loss (on one rank) or gradient skips that model's
 update on every rank, the job stops after ``training.max_nonfinite_steps`` such steps in a
-row, and weights that are not finite are never checkpointed or exported."""
+row or when its last step was skipped, and weights that are not finite, or whose forward on
+a probe is not, are never checkpointed or exported."""
 
 import json
 
@@ -16,11 +17,11 @@ ARGS = ("--task.sft_steps", "3", "--training.steps", "1", "--task.sft_batch_size
         "--training.max_nonfinite_steps", "2", "--metrics.no-enable_tensorboard")
 
 
-def _trainer(world_size: int, rank: int, folder: str):
+def _trainer(world_size: int, rank: int, folder: str, *overrides: str):
     from titan_cotrain.config import load_job_config
     from titan_cotrain.rl.trainer import Trainer
 
-    config = load_job_config([*ARGS, "--job.dump_folder", folder], world_size=world_size)
+    config = load_job_config([*ARGS, *overrides, "--job.dump_folder", folder], world_size=world_size)
     return Trainer(config, world_size, rank)
 
 
@@ -118,3 +119,52 @@ def test_nonfinite_weights_are_never_checkpointed_or_exported_and_their_metrics_
     assert step1["nonfinite/policy"] == 1.0 and step1["nonfinite/draft"] == 1.0
     # NaN logits: argmaxes of NaN rows agree, but they must not count as correct.
     assert step1["draft/acc_pass1"] == 0.0 and step1["draft/tau"] == 1.0
+
+
+def _last_update_skipped(rank: int, world_size: int, folder: str) -> None:
+    """Step 1 warm-starts normally; the gradient of the last step's (RL) update is NaN."""
+    import titan_cotrain.rl.trainer as trainer_module
+
+    trainer = _trainer(world_size, rank, folder, "--task.sft_steps", "1")
+    real = trainer_module.clip_grad_norms
+
+    def poisoned(policy, draft, *args):
+        if trainer.state.step == trainer.total_steps - 1:
+            grad = next(p.grad for p in policy.parameters() if p.grad is not None)
+            (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("nan")
+        return real(policy, draft, *args)
+
+    trainer_module.clip_grad_norms = poisoned
+    with pytest.raises(RuntimeError, match="at step 2, the job's last: the update of the policy was skipped") as err:
+        trainer.run()
+    assert "nothing is exported" in str(err.value)
+
+
+def test_a_job_whose_last_update_was_skipped_stops_without_exporting(tmp_path):
+    """One skipped step, under ``max_nonfinite_steps``, but the last: the job must not end as
+    if it had trained (``train.py`` exits 1 with the message)."""
+    run_on_ranks(_last_update_skipped, 1, str(tmp_path))
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["nonfinite/policy"] for m in metrics] == [0.0, 1.0]
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-1"]
+    assert not (tmp_path / "export").exists()
+
+
+def _useless_weights(rank: int, world_size: int, folder: str) -> None:
+    from titan_cotrain.rl.nonfinite import NonfiniteWeights
+
+    trainer = _trainer(world_size, rank, folder)
+    head = dict(trainer.policy.named_parameters())["lm_head.weight"]
+    with torch.no_grad():  # finite, but every logit overflows
+        (head.to_local() if hasattr(head, "to_local") else head).fill_(3e38)
+    probe = "the weights are finite, but a forward of the policy and the draft on a probe of"
+    with pytest.raises(NonfiniteWeights, match=f"the checkpoint of step 1 is not written: {probe}"):
+        trainer.run()
+    with pytest.raises(NonfiniteWeights, match=f"the export is not written: {probe}"):
+        trainer.export()
+
+
+def test_finite_weights_whose_forward_is_not_are_never_checkpointed_or_exported(tmp_path):
+    run_on_ranks(_useless_weights, 1, str(tmp_path))
+    assert not any((tmp_path / "checkpoint").glob("step-*"))
+    assert not (tmp_path / "export").exists()

@@ -553,8 +553,8 @@ class Trainer:
             raise NonfiniteStop(
                 f"at step {step}, the job's last: the update of the {' and the '.join(skipped)} was skipped (non-finite "
                 f"loss or gradient norm, {self.state.nonfinite_steps} step(s) in a row), so the weights are not "
-                "trained to the end: nothing is exported and this step is not checkpointed. Resume from the last "
-                "checkpoint with lower learning rates (optimizer.lr, draft.lr) or gradient clips (training.max_norm, "
+                "trained to the end: nothing is exported and this step is not checkpointed. Resume from an earlier "
+                "checkpoint, if there is one, with lower learning rates (optimizer.lr, draft.lr) or gradient clips (training.max_norm, "
                 "draft.grad_clip).")
 
     def _check_finite(self, what: str, *modules, collective: bool = True) -> None:

@@ -14,7 +14,7 @@ from titan_cotrain.rl.rollout import RolloutEngine
 from titan_cotrain.rl.sampling import SamplingParams
 
 VOCAB, SAMPLES = 128, 4
-PARAMS = SamplingParams(temperature=1.0, max_new_tokens=20)
+PARAMS = SamplingParams(temperature=1.0, max_new_tokens=12)
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def models(one_intra_op_thread):
 def _rollouts(models, paged: bool, junk: bool):
     """Sampled rollouts (G = 4, k = 3) of prompts ending inside blocks of 4, from a fresh
     engine whose caches hold zeros or, with ``junk``, large random values."""
-    engine = RolloutEngine.from_models(*models, device="cpu", max_batch_size=16, max_seq_len=40,
+    engine = RolloutEngine.from_models(*models, device="cpu", max_batch_size=16, max_seq_len=28,
                                        max_draft_tokens=3, block_size=4, paged=paged)
     if junk:
         g = torch.Generator().manual_seed(3)

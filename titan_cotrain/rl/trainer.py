@@ -551,11 +551,11 @@ class Trainer:
                 "gradient clips (training.max_norm, draft.grad_clip).")
         if step == self.total_steps:
             raise NonfiniteStop(
-                f"at step {step}, the job's last: the update of the {' and the '.join(skipped)} was skipped (non-finite "
-                f"loss or gradient norm, {self.state.nonfinite_steps} step(s) in a row), so the weights are not "
-                "trained to the end: nothing is exported and this step is not checkpointed. Resume from an earlier "
-                "checkpoint, if there is one, with lower learning rates (optimizer.lr, draft.lr) or gradient clips (training.max_norm, "
-                "draft.grad_clip).")
+                f"at step {step}, the job's last: the update of the {' and the '.join(skipped)} was skipped "
+                f"(non-finite loss or gradient norm, {self.state.nonfinite_steps} step(s) in a row), so the weights "
+                "are not trained to the end: nothing is exported and this step is not checkpointed. Resume from an "
+                "earlier checkpoint, if there is one, with lower learning rates (optimizer.lr, draft.lr) or gradient "
+                "clips (training.max_norm, draft.grad_clip).")
 
     def _check_finite(self, what: str, *modules, collective: bool = True) -> None:
         if self.simulation is None and not all_finite(modules, self.device, collective=collective):

@@ -50,3 +50,17 @@ def test_rollouts_do_not_depend_on_what_the_caches_held(models, paged):
     assert torch.equal(clean.logprobs, dirty.logprobs)
     assert clean.stats.acceptance_length == dirty.stats.acceptance_length
     assert clean.stats.acceptance_rate == dirty.stats.acceptance_rate
+
+
+def test_a_rollout_leaves_its_caches_zeroed(models):
+    """What a rollout wrote, even a non-finite key, is gone when it returns: masked slots are
+    never read, but 0 * inf in a masked product would poison the next rollout."""
+    engine = RolloutEngine.from_models(*models, device="cpu", max_batch_size=16, max_seq_len=28,
+                                       max_draft_tokens=3, block_size=4)
+    for cache in engine.cache_tensors():
+        cache.fill_(float("inf"))
+    prompts = [torch.arange(1, n + 1) for n in (5, 9)]
+    engine.generate(prompts, PARAMS, samples_per_prompt=SAMPLES, generator=torch.Generator().manual_seed(5))
+    assert all(not cache.any() for cache in engine.cache_tensors())
+    out = engine.generate(prompts, PARAMS, samples_per_prompt=SAMPLES, generator=torch.Generator().manual_seed(5))
+    assert torch.isfinite(out.logprobs).all()

@@ -295,7 +295,8 @@ class RolloutEngine:
         ``max_rounds``: admit what fits the empty batch, run exactly that many decoding rounds
         and return None, reading nothing back from the device (the scale simulator's bounded
         rollout, whose device values are unknown): the rows are taken to be at their last
-        round, holding every block they can and reading the widest tables.
+        round, holding every block they can and reading the widest tables. A finished call
+        leaves its caches zeroed.
         """
         if self._released is not None:
             raise RuntimeError("the engine's weights and caches were released: load_weights first")
@@ -352,7 +353,12 @@ class RolloutEngine:
             if progress is not None:
                 progress(scheduler.retired, total)
         stats = counters.stats(int(seqs.out_len.sum()), k, kv_peak_bytes=allocator.peak * self.kv_block_bytes)
-        return seqs.result(prompt_lens.repeat_interleave(samples).to(self.device), params.max_new_tokens, stats)
+        result = seqs.result(prompt_lens.repeat_interleave(samples).to(self.device), params.max_new_tokens, stats)
+        # Nothing a rollout leaves in the caches reaches the next: stale slots are masked, but
+        # a non-finite one would still poison the masked products (0 * inf). One memset.
+        for cache in self.cache_tensors():
+            cache.zero_()
+        return result
 
     def _caches(self, scheduler: Scheduler, k: int, rows: int) -> tuple[PagedKV | RowsKV, DraftKVCache | None]:
         """The views of the pools for one round over the first ``rows`` rows: their block

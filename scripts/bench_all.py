@@ -243,7 +243,14 @@ def cotrain_rows(result: dict, command: str) -> list[Row]:
 
     acc, ratio, reward = s["acceptance_length_last_quarter"], s["acceptance_ratio_cotrain_over_frozen"], s["reward_last_quarter"]
     steps = f"last {s['last_steps_averaged']} of {config['rl_steps']} RL steps, {n} seeds, {config['sft_steps']} SFT steps"
-    return [
+    realised = []
+    if "cotrain_acceptance_over_draft_tau" in s:  # runs before the engine's stale-key fix lack it
+        r = s["cotrain_acceptance_over_draft_tau"]
+        realised = [Row(claim, f"co-trained arm: measured rollout acceptance / the draft's training tau, all "
+                               f"{config['rl_steps']} RL steps, {n} seeds", arm(r), "draft/tau (its TTT accuracy, same steps)",
+                        f"{r['mean']:.2f}", "0.9-1.1", _met(all(0.9 <= v <= 1.1 for v in r["values"])), hardware,
+                        command)]
+    return realised + [
         Row(claim, f"rollout acceptance length, {steps}", f"co-trained {arm(acc['cotrain'])}",
             f"frozen {arm(acc['frozen'])}", f"{ratio['mean']:.2f}x +- {ratio['std']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f})",
             f">= {s['goal_acceptance_ratio']}x", _met(s["goal_met"]), hardware, command),

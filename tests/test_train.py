@@ -69,12 +69,17 @@ def test_main_job_trains_logs_checkpoints_and_resumes_exactly(tmp_path):
     assert load_eagle3(full / "export" / "draft")[1] == (1, 3, 4)
 
     # A second run that finds only the step-2 checkpoint resumes there and repeats steps 3-4.
-    resumed = tmp_path / "resumed"
-    shutil.copytree(full / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
-    result = _run(*SHORT, "--job.dump_folder", str(resumed))
+    _assert_repeated_exactly(metrics[2:], _resume(full, 2, SHORT, tmp_path / "resumed"))
+
+
+def _resume(full: Path, step: int, args, dump: Path) -> list[dict]:
+    """Run ``args`` in a new ``dump`` folder holding only ``full``'s step-``step``
+    checkpoint; the resumed run's metrics."""
+    shutil.copytree(full / "checkpoint" / f"step-{step}", dump / "checkpoint" / f"step-{step}")
+    result = _run(*args, "--job.dump_folder", str(dump))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "resumed from step 2" in result.stdout
-    _assert_repeated_exactly(metrics[2:], _metrics(resumed))
+    assert f"resumed from step {step}" in result.stdout
+    return _metrics(dump)
 
 
 def test_a_resume_inside_the_rl_phase_repeats_the_run_exactly(tmp_path):
@@ -92,12 +97,7 @@ def test_a_resume_inside_the_rl_phase_repeats_the_run_exactly(tmp_path):
     assert [m["phase"] for m in metrics] == ["sft", "rl", "rl", "rl"]
     assert all(m["rollout/draft_tokens"] > 0 for m in metrics[1:])  # speculative rollouts
 
-    resumed = tmp_path / "resumed"
-    shutil.copytree(full / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
-    result = _run(*args, "--job.dump_folder", str(resumed))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "resumed from step 2" in result.stdout
-    _assert_repeated_exactly(metrics[2:], _metrics(resumed))
+    _assert_repeated_exactly(metrics[2:], _resume(full, 2, args, tmp_path / "resumed"))
 
 
 def test_bad_config_fails_with_one_message(tmp_path):

@@ -61,9 +61,7 @@ def all_finite(modules: Iterable[nn.Module | None], device: torch.device, *, col
             local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
             if local.is_floating_point() and local.numel():
                 ok = torch.minimum(ok, torch.isfinite(local).all().float())
-    if collective and dist.is_initialized():
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return bool(ok.item())
+    return _on_every_rank(ok, collective)
 
 
 @torch.no_grad()
@@ -82,7 +80,12 @@ def forward_is_finite(policy: nn.Module, draft: nn.Module | None, tokens: torch.
         select = torch.ones(1, s, dtype=torch.bool, device=tokens.device)
         (logits,) = draft(torch.cat(out.taps, -1)[0], out.embeddings[0], tokens[0], positions, [0, s], select)
         ok &= torch.isfinite(logits).all()
-    ok = ok.float()
+    return _on_every_rank(ok.float(), collective)
+
+
+def _on_every_rank(ok: torch.Tensor, collective: bool) -> bool:
+    """A rank's verdict ``ok`` (fp32 scalar, 1 or 0), min-reduced over every rank when
+    ``collective``: the one host read of a check."""
     if collective and dist.is_initialized():
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     return bool(ok.item())

@@ -5,6 +5,7 @@ from collections.abc import Callable
 
 import torch
 
+from titan_cotrain.cotrain.ttt import tau
 from titan_cotrain.rl.batching import Sample
 from titan_cotrain.rl.rollout import RolloutStats
 
@@ -56,14 +57,9 @@ def tau_at(metrics: dict[str, float], k: int) -> float | None:
     without them (no draft trained this step)."""
     if "draft/acc_pass1" not in metrics:
         return None
-    total = product = 1.0
-    for d in range(1, k + 1):
-        accuracy = metrics.get(f"draft/acc_pass{d}")
-        if accuracy is None:  # past draft.ttt_steps
-            break
-        product *= accuracy
-        total += product
-    return total
+    passes = [f"draft/acc_pass{d}" for d in range(1, k + 1)]
+    accuracy = [metrics[key] for key in passes if key in metrics]  # none past draft.ttt_steps
+    return float(tau(torch.tensor(accuracy, dtype=torch.float64)))
 
 
 def acceptance_over_tau(metrics: dict[str, float]) -> dict[str, float]:

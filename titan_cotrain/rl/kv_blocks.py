@@ -248,6 +248,11 @@ class Scheduler:
             self.rows[b], self.rows[a] = self.rows[a], None
         return src, dst
 
+    def live(self) -> int:
+        """Sequences in the running batch (every busy row decodes: finished ones retire after
+        each round)."""
+        return sum(row is not None for row in self.rows)
+
     def running_rows(self) -> int:
         """How many leading rows the next round decodes: a power of two (a few shapes for
         compiled steps) that covers every busy row. Rows are filled lowest first, so the busy

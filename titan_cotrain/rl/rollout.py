@@ -1,4 +1,4 @@
-"""The rollout engine: batched generation from static KV caches, plain or speculative.
+"""The rollout engine: batched generation from paged KV caches, plain or speculative.
 
 ``RolloutEngine.generate`` takes ragged prompts and returns responses with the behaviour
 log-probabilities of every token. Plain decoding is ``prefill`` then one
@@ -35,6 +35,7 @@ there is no Python loop over sequences on the device.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -47,7 +48,7 @@ from titan_cotrain.models.kv_cache import PagedKV, RowsKV
 from titan_cotrain.models.transformer import Transformer
 from titan_cotrain.rl.engine_copy import copy_state, empty_copy
 from titan_cotrain.rl.kv_blocks import Admitted, BlockAllocator, Scheduler
-from titan_cotrain.rl.rollout_state import RolloutStats, Rollouts, Sequences, StepCounters
+from titan_cotrain.rl.rollout_state import RolloutStats, Rollouts, Sequences, StepCounters, live_bucket
 from titan_cotrain.rl.sampling import (
     SamplingParams,
     draw,
@@ -280,7 +281,7 @@ class RolloutEngine:
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[torch.Tensor | Sequence[int]], params: SamplingParams, *,
-                 samples_per_prompt: int = 1, draft_tokens: int | None = None,
+                 samples_per_prompt: int = 1, draft_tokens: int | Callable[[int], int] | None = None,
                  generator: torch.Generator | None = None, progress: Callable[[int, int], None] | None = None,
                  max_rounds: int | None = None) -> Rollouts | None:
         """Sample ``samples_per_prompt`` (``G``) responses per prompt.
@@ -288,19 +289,26 @@ class RolloutEngine:
         ``prompts``: token ids, ragged, any number. Row ``i * G + g`` of the result is sample
         ``g`` of prompt ``i``; a prompt is prefilled once for its ``G`` samples (they share its
         KV blocks; the static layout prefills each). ``draft_tokens`` is ``k`` (default: the
-        engine's ``max_draft_tokens``; 0 decodes without the draft). ``generator`` (on the
-        engine's device) seeds every draw; greedy results do not depend on the schedule,
-        sampled ones do (same distribution, other draws). ``progress(finished, total)``, if
-        given, is called after every decoding round with the number of finished responses.
-        ``max_rounds``: admit what fits the empty batch, run exactly that many decoding rounds
-        and return None, reading nothing back from the device (the scale simulator's bounded
-        rollout, whose device values are unknown): the rows are taken to be at their last
-        round, holding every block they can and reading the widest tables. A finished call
-        leaves its caches zeroed.
+        engine's ``max_draft_tokens``; 0 decodes without the draft), or a function that picks
+        ``k`` in ``0..max_draft_tokens`` before every decoding round from the number of
+        sequences that round decodes (``SpeculationTuner.choose_round``): the draft then
+        follows the whole call (reads every prompt, and catches up over the token of a round
+        that drafts nothing) so that any round can draft. ``generator`` (on the engine's
+        device) seeds every draw; greedy results do not depend on the schedule, sampled ones
+        do (same distribution, other draws). ``progress(finished, total)``, if given, is called
+        after every decoding round with the number of finished responses. ``max_rounds``:
+        admit what fits the empty batch, run exactly that many decoding rounds and return
+        None, reading nothing back from the device (the scale simulator's bounded rollout,
+        whose device values are unknown): the rows are taken to be at their last round,
+        holding every block they can and reading the widest tables. A finished call leaves
+        its caches zeroed.
         """
         if self._released is not None:
             raise RuntimeError("the engine's weights and caches were released: load_weights first")
-        k = self.max_draft_tokens if draft_tokens is None else draft_tokens
+        choose = draft_tokens if callable(draft_tokens) else None
+        if choose is not None and self.draft is None:
+            raise ValueError("a per-round choice of draft_tokens needs an engine with a draft")
+        k = self.max_draft_tokens if draft_tokens is None or choose is not None else draft_tokens
         if not 0 <= k <= self.max_draft_tokens:
             raise ValueError(f"draft_tokens must be in 0..{self.max_draft_tokens} for this engine, got {k}")
         if samples_per_prompt < 1:
@@ -316,28 +324,37 @@ class RolloutEngine:
         allocator = BlockAllocator(self.target_pool.n_blocks, scratch=self.paged)
         scheduler = Scheduler(allocator, self.block_size, self.max_batch_size, prompt_lens.tolist(), samples,
                               params.max_new_tokens, k, waves=not self.paged)
-        draft_to_target = self.draft.d2t + torch.arange(self.draft.args.draft_vocab_size, device=self.device) if k else None
-        counters = StepCounters(synchronize=torch.get_device_module(self.device).synchronize)
+        drafting = bool(k)  # the draft follows the call (k is the most a round drafts)
+        draft_to_target = self.draft.d2t + torch.arange(self.draft.args.draft_vocab_size, device=self.device) \
+            if drafting else None
+        counters = StepCounters(synchronize=torch.get_device_module(self.device).synchronize,
+                                k_max=self.max_draft_tokens, buckets=live_bucket(self.max_batch_size) + 1,
+                                width=min(self.max_batch_size, total))
         seqs = Sequences.start(self.max_batch_size, total, params.max_new_tokens, k,
-                               self.draft.args.dim if k else 0, self.device, self.policy.embed_tokens.weight.dtype)
+                               self.draft.args.dim if drafting else 0, self.device, self.policy.embed_tokens.weight.dtype)
         rounds = 0
         while not scheduler.done():
             admitted = scheduler.admit()
             if admitted:
                 with counters.timed("prefill"):
-                    self._prefill(seqs, scheduler, admitted, prompt, params, generator, k)
+                    self._prefill(seqs, scheduler, admitted, prompt, params, generator, drafting)
+            round_start = time.perf_counter()
             if max_rounds is not None:
                 scheduler.assume_longest()
             scheduler.grow()
             if self.paged:
                 seqs.move(*scheduler.compact(), self.device)
+            live = scheduler.live()
+            round_k = choose(live) if choose is not None else k
+            if not 0 <= round_k <= k:
+                raise ValueError(f"the per-round choice of draft_tokens must be in 0..{k}, got {round_k}")
             # Compiled steps see one shape per k: every row, the widest table.
             rows = self.max_batch_size if self.compiled else scheduler.running_rows()
-            target_cache, draft_cache = self._caches(scheduler, k, rows)
+            target_cache, draft_cache = self._caches(scheduler, drafting, rows)
             running = seqs.head(rows)
-            if k:
-                self._speculative_round(running, k, params, generator, target_cache, draft_cache, draft_to_target,
-                                        counters)
+            if drafting:
+                self._speculative_round(running, round_k, params, generator, target_cache, draft_cache,
+                                        draft_to_target, counters)
             else:
                 with counters.timed("verify"):
                     self._decode_one_token(running, params, generator, target_cache, counters)
@@ -350,9 +367,11 @@ class RolloutEngine:
             # The one host sync per round.
             length, active = torch.stack([seqs.length, seqs.active.long()]).tolist()
             seqs.retire(scheduler.retire(length, [bool(a) for a in active]), self.device)
+            counters.round_done(1 + round_k if drafting else 0, live, time.perf_counter() - round_start)
             if progress is not None:
                 progress(scheduler.retired, total)
-        stats = counters.stats(int(seqs.out_len.sum()), k, kv_peak_bytes=allocator.peak * self.kv_block_bytes)
+        stats = counters.stats(int(seqs.out_len.sum()), params.max_new_tokens, prompts=len(prompt_lens),
+                               drafting=drafting, kv_peak_bytes=allocator.peak * self.kv_block_bytes)
         result = seqs.result(prompt_lens.repeat_interleave(samples).to(self.device), params.max_new_tokens, stats)
         # Nothing a rollout leaves in the caches reaches the next: stale slots are masked, but
         # a non-finite one would still poison the masked products (0 * inf). One memset.
@@ -360,7 +379,7 @@ class RolloutEngine:
             cache.zero_()
         return result
 
-    def _caches(self, scheduler: Scheduler, k: int, rows: int) -> tuple[PagedKV | RowsKV, DraftKVCache | None]:
+    def _caches(self, scheduler: Scheduler, drafting: bool, rows: int) -> tuple[PagedKV | RowsKV, DraftKVCache | None]:
         """The views of the pools for one round over the first ``rows`` rows: their block
         tables, or the static layout's rows."""
         if self.paged:
@@ -370,10 +389,10 @@ class RolloutEngine:
         else:
             views = [pool.rows(0, rows) if pool is not None else None for pool in (self.target_pool, self.draft_pool)]
         target, trunk = views
-        return target, DraftKVCache(trunk, self.chain_k[:rows], self.chain_v[:rows]) if k else None
+        return target, DraftKVCache(trunk, self.chain_k[:rows], self.chain_v[:rows]) if drafting else None
 
     def _prefill(self, seqs: Sequences, scheduler: Scheduler, admitted: Admitted, prompt: torch.Tensor,
-                 params: SamplingParams, generator, k: int) -> None:
+                 params: SamplingParams, generator, drafting: bool) -> None:
         """Bring the ``admitted`` groups into their rows: one target forward over their
         (right-padded) prompts, ``G`` first tokens drawn from each prompt's last logits, the
         rows' block tables (copy-on-write of each prompt's last block) and, when drafting,
@@ -391,14 +410,14 @@ class RolloutEngine:
         if self.paged:
             table = torch.tensor(scheduler.prefill_table(admitted, width), dtype=torch.int64, device=device)
             target_view = self.target_pool.view(table)
-            trunk_view = self.draft_pool.view(table) if k else None
+            trunk_view = self.draft_pool.view(table) if drafting else None
         else:  # waves fill rows 0 .. n - 1, which are blocks 0 .. n - 1
             target_view = self.target_pool.rows(admitted.prompt_blocks[0][0], n, width)
-            trunk_view = self.draft_pool.rows(admitted.prompt_blocks[0][0], n, width) if k else None
+            trunk_view = self.draft_pool.rows(admitted.prompt_blocks[0][0], n, width) if drafting else None
         last = lens - 1
-        out = self.policy.forward_cached(tokens, target_view, torch.zeros_like(lens), return_taps=bool(k),
+        out = self.policy.forward_cached(tokens, target_view, torch.zeros_like(lens), return_taps=drafting,
                                          logits_at=last)
-        logits = processed_logits((out.logits if k else out)[:, 0], params)[group]
+        logits = processed_logits((out.logits if drafting else out)[:, 0], params)[group]
         token = draw(logits, params, generator)
         logprob = logits.log_softmax(-1).gather(-1, token.unsqueeze(-1))
         # Copy-on-write of each prompt's last block for samples 1..G-1: the target's keys are
@@ -410,7 +429,7 @@ class RolloutEngine:
         rows = torch.tensor(slots, device=device)
         seqs.admit(rows, torch.tensor(scheduler.output_rows(slots), device=device), lens[group])
         self._commit(seqs, *seqs.new_tokens(rows, token, logprob.squeeze(-1)), params)
-        if not k:
+        if not drafting:
             return
         taps = torch.cat(out.taps, -1)
         chain = (self.chain_k[:n], self.chain_v[:n])
@@ -437,14 +456,14 @@ class RolloutEngine:
         logits = processed_logits(logits[:, 0], params)
         token = draw(logits, params, generator)
         logprob = logits.log_softmax(-1).gather(-1, token.unsqueeze(-1))
-        counters.record(torch.zeros_like(token), seqs.active)
+        counters.record(torch.zeros_like(token), seqs.active, seqs.response_len)
         self._commit(seqs, token.unsqueeze(-1), logprob, torch.ones_like(token), params)
 
     def _speculative_round(self, seqs: Sequences, k: int, params: SamplingParams, generator,
                            target_cache: PagedKV | RowsKV, draft_cache: DraftKVCache, draft_to_target: torch.Tensor,
                            counters: StepCounters) -> torch.Tensor:
-        """Draft ``k`` tokens, verify them in one target forward, commit ``a + 1``, catch up.
-        Returns ``a [B]``, the drafted tokens each row accepted (before an EOS or the length
+        """Draft ``k`` tokens, verify them in one target forward, commit ``a + 1``, catch up
+        (``k = 0``: a plain decoding step whose taps the draft catches up over). Returns ``a [B]``, the drafted tokens each row accepted (before an EOS or the length
         limit cut them)."""
         b = seqs.length.shape[0]
         rows = torch.arange(b, device=seqs.length.device)
@@ -461,13 +480,15 @@ class RolloutEngine:
                 else:
                     draft_probs.append(logits.softmax(-1))
                     drafted.append(sample(draft_probs[-1], generator))
-            drafted = torch.stack(drafted, 1)  # [B, k] draft-vocabulary ids
+            drafted = torch.stack(drafted, 1) if k else seqs.last_token.new_zeros(b, 0)  # [B, k] draft ids
         with counters.timed("verify"):
             verify_tokens = torch.cat([seqs.last_token.unsqueeze(1), draft_to_target[drafted]], dim=1)
             start = seqs.length - 1
             out = self._target_step(verify_tokens, target_cache, start, return_taps=True)
             logits = processed_logits(out.logits, params)
-            if params.greedy:
+            if not k:  # a plain decoding step, its taps kept for the draft's catch-up
+                n_accepted, next_token = torch.zeros_like(start), draw(logits[:, 0], params, generator)
+            elif params.greedy:
                 n_accepted, next_token = greedy_accept(verify_tokens[:, 1:], logits)
             else:
                 n_accepted, next_token = speculative_accept(
@@ -477,7 +498,7 @@ class RolloutEngine:
             candidates = torch.cat([verify_tokens[:, 1:], verify_tokens.new_zeros(b, 1)], dim=1)
             candidates[rows, n_accepted] = next_token
             logprobs = logits.log_softmax(-1).gather(-1, candidates.unsqueeze(-1)).squeeze(-1)
-            counters.record(n_accepted, seqs.active)
+            counters.record(n_accepted, seqs.active, seqs.response_len)
             self._commit(seqs, candidates, logprobs, n_accepted + 1, params)
         with counters.timed("draft"):
             hidden = self._draft_extend(torch.cat(out.taps, -1), self._draft_embed(candidates), start, draft_cache)

@@ -1,4 +1,4 @@
-"""Adaptive speculation: how many tokens the draft proposes, chosen from measurements.
+"""Adaptive speculation: how many tokens the draft proposes, chosen every decoding round.
 
 Speculation pays when the tokens a round commits outweigh what the round costs. With
 per-position acceptance rates ``a_d`` (the chance that drafted token ``d`` is accepted, given
@@ -6,44 +6,50 @@ that tokens ``1..d-1`` were), a round that drafts ``k`` tokens commits on averag
 
     E(k) = 1 + sum_{j=1..k} prod_{d<=j} a_d        (E(0) = 1: plain decoding)
 
-tokens per running sequence. A call at ``k`` runs some number of rounds, each costing ``c(k)``
-seconds of wall time (``k`` draft steps, one verify forward over ``k + 1`` positions, the
-draft's catch-up, and the round's share of the prefill, which with a draft also runs the draft
-over every prompt), and commits ``n(k) E(k)`` tokens per round, where ``n(k)`` is the number
-of sequences a round effectively serves: fewer than the batch while the batch drains, and
-fewer at ``k >= 1`` than at 0 when the longest response's acceptance is unlucky (the call
-lasts as long as its slowest sequence). Its tokens per second are
+tokens per live sequence. What a round costs, ``c``, depends on how many sequences it decodes:
+a verify forward over ``k + 1`` positions costs about one decode step while the batch is small
+(memory- and launch-bound), and ``k + 1`` steps once it is large (compute-bound). An RL
+rollout moves through both: its batch is full while GRPO groups wait, then drains, and its
+last few long responses decode at a concurrency of a handful of rows, which is where
+speculation pays most (and where, with long-tailed response lengths, much of the rollout's
+wall time goes). So ``k`` is chosen every round, from the live rows of that round.
 
-    T(k) = n(k) E(k) / c(k),
+``SpeculationTuner`` measures, per live-rows bucket ``b`` (``rollout_state.live_bucket``:
+powers of two) and per mode ``m`` (``RoundTable``: 0 plain decoding without the draft, ``1 + k``
+a round drafting ``k`` with the draft following the call), the wall seconds of a round
+``c_b(m)``; per bucket the acceptance rates ``a_{b,d}`` (long responses reach the small buckets
+late, and a draft accepts less deep into a response) and the live sequences of a round
+``n_b``; and per bucket ``V_b``, the tokens a call commits there. A round at ``k`` serves its
+sequences at ``E_b(k) / c_b(1 + k)`` tokens per second each:
 
-and ``k = 0`` is best whenever the draft costs more than it saves: on a compute-bound batch,
-where a verify forward of ``k + 1`` positions costs ``k + 1`` decode steps, or with a draft the
-policy has left behind. ``c`` moves with the batch size (compute-bound at large batches,
-memory-bound at small ones), ``a_d`` as the policy and the draft train.
+* ``choose_round(live)``: during a call the draft follows, the ``k`` in ``0..k_max`` (0: a
+  target decode plus the draft's catch-up) of the highest ``E_b(k) / c_b(1 + k)``. A ``k`` not
+  yet measured in the bucket is run in turn first (``k_max``, which measures every ``a_d``,
+  then ``0, 1, ...``); a new best replaces the bucket's current one only when ``min_gain``
+  faster; every ``explore_every``-th round of a bucket runs a neighbour of the best instead
+  (one token more and one less, in turn), so a draft that catches up or falls behind is seen.
+* ``start_call()``: whether the draft follows the next call at all. Following costs the
+  draft's pass over every prompt and its catch-up in rounds that draft nothing; plain
+  decoding costs neither. The expected call times are ``sum_b V_b c_b(m_b) / (n_b E_b)`` plus
+  the call's prefill, with each bucket at its best mode either way; the draft follows only
+  where that is ``min_gain`` (5%) faster than plain decoding (measurements are noisy, and plain
+  decoding is the choice that cannot make a rollout slower). The first call drafts (and
+  measures), the second decodes plainly, and every ``explore_every``-th call after runs the
+  other choice.
+* ``choose_call(batch)``: one ``k`` for a whole call (``[rollout] speculation_granularity =
+  "call"``), from the bucket of its first wave: plain decoding against ``E_b(k) / c_b(1 + k)``,
+  with the margins and exploration above counted in calls. Its tail runs at the bulk's ``k``.
 
-``SpeculationTuner`` keeps, per batch-size bucket (powers of two) and per ``k`` it ran, the
-measured ``c(k)`` and ``n(k)`` (the call's committed tokens per round over ``E(k)`` at the
-call's own acceptance), and one set of acceptance rates (a property of the policy and the
-draft, not of the batch). At a measured ``k`` the estimate is therefore the measured wall
-tokens/s, rescaled only by how acceptance has moved since. An unmeasured ``k`` takes ``c``
-and ``n`` on the line between its measured neighbours: an optimistic guess when drafting
-has a fixed cost (catch-up, the draft's prefill), so the tuner tries it once and from then
-on uses what it measured. Drafting is chosen only where it is estimated ``min_gain`` (5%)
-faster than plain decoding (measurements are noisy, and plain decoding is the choice that
-cannot make a rollout slower), and a depth it drafts with is replaced by another only when
-that is estimated ``min_gain`` faster. For a bucket it has not seen it runs ``k_max`` (which measures
-every ``a_d``), then ``k = 0``, then the best estimate; every ``explore_every``-th call it
-runs a neighbour of the best instead (one token more and one less, in turn), so a draft
-that catches up is noticed and a stale measurement is refreshed. Exploration is the only
-time it runs a ``k`` it does not expect to be best: at most one call in ``explore_every``.
-
-Chosen ``k`` depend on timings, so sampled rollouts are not reproducible run to run (they
-have the same distribution: speculative sampling is lossless at every ``k``).
+Measurements are running averages (``smoothing``), learnt from whole calls (``observe``, a
+``RoundTable``): within a call the state is frozen, so every rank of a tensor-parallel engine
+group, which sees the same live rows, makes the same choices. Chosen ``k`` depend on timings,
+so sampled rollouts are not reproducible run to run (they have the same distribution:
+speculative sampling is lossless at every ``k``, and in every round).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from titan_cotrain.rl.rollout_state import RoundTable, live_bucket
 
 __all__ = ["SpeculationTuner", "expected_tokens"]
 
@@ -57,110 +63,178 @@ def expected_tokens(acceptance: list[float], k: int) -> float:
     return total
 
 
-@dataclass
-class Measured:
-    """What the calls at one ``(bucket, k)`` measured (running averages): ``round_s``, the wall
-    seconds per round ``c(k)``; ``served``, the sequences a round effectively served ``n(k)``."""
-
-    round_s: float
-    served: float
-
-
 class SpeculationTuner:
-    """Picks ``k`` in ``0..k_max`` for each ``generate`` call (``choose``) and learns from the
-    call's statistics (``observe``). ``smoothing``: weight of a new measurement in the
-    running averages. ``min_gain``: drafting is chosen only where its estimate beats plain
-    decoding's by this fraction (one call's timing is noisy; a wrong switch-on makes rollouts
-    slower, a missed gain below the margin costs at most that much)."""
+    """Picks ``k`` in ``0..k_max`` for each decoding round (``start_call``, ``choose_round``) or
+    each call (``choose_call``) and learns from the calls' ``RoundTable`` (``observe``).
+    ``smoothing``: weight of a new measurement in the running averages. ``min_gain``: the
+    margin a new choice must beat the current one by (and drafting, plain decoding)."""
 
     def __init__(self, k_max: int, explore_every: int = 8, smoothing: float = 0.5, min_gain: float = 0.05) -> None:
         if k_max < 0 or explore_every < 2 or not 0 < smoothing <= 1 or min_gain < 0:
             raise ValueError(f"k_max {k_max} must be >= 0, explore_every {explore_every} >= 2, smoothing "
                              f"{smoothing} in (0, 1], min_gain {min_gain} >= 0")
         self.k_max, self.explore_every, self.smoothing, self.min_gain = k_max, explore_every, smoothing, min_gain
-        self.acceptance: list[float | None] = [None] * k_max
-        self.measured: dict[int, dict[int, Measured]] = {}  # bucket -> k -> what its calls measured
-        self.drafting: dict[int, int] = {}  # bucket -> the k >= 1 it last chose to draft with
-        self.calls: dict[int, int] = {}
+        self.round_s: dict[tuple[int, int], float] = {}  # (bucket, mode) -> c_b(m)
+        self.live: dict[int, float] = {}  # bucket -> n_b
+        self.volume: dict[int, float] = {}  # bucket -> V_b
+        self.acceptance: dict[int, list[float | None]] = {}  # bucket -> a_{b,d}
+        self.pooled: list[float | None] = [None] * k_max  # a_d over every bucket
+        self.prefill_s: dict[bool, float] = {}  # draft follows -> a call's prefill seconds
+        self.current: dict[int, int] = {}  # bucket -> the k its rounds run (the margin's reference)
+        self.current_call: dict[int, int] = {}  # bucket -> the k its calls run
+        self.follows = True  # whether the draft follows calls (the margin's reference)
+        self.calls = 0
+        self._rounds: dict[int, int] = {}  # bucket -> rounds of the current call
 
-    @staticmethod
-    def bucket(batch_size: int) -> int:
-        return 1 << max(batch_size - 1, 0).bit_length()
+    # The estimates.
 
-    def _at(self, bucket: int, k: int) -> Measured | None:
-        """``c(k)`` and ``n(k)``: measured, or on the line between the nearest measured ``k``."""
-        measured = self.measured.get(bucket, {})
-        if k in measured:
-            return measured[k]
-        below = [j for j in measured if j < k]
-        above = [j for j in measured if j > k]
-        if not below or not above:
+    def rates(self, bucket: int) -> list[float | None]:
+        """``a_{b,d}``: the bucket's own where measured, else the pooled rate."""
+        own = self.acceptance.get(bucket, [None] * self.k_max)
+        return [a if a is not None else p for a, p in zip(own, self.pooled)]
+
+    def speed(self, bucket: int, k: int, follows: bool = True) -> float | None:
+        """Tokens per second per live sequence of a round at ``k`` in ``bucket``:
+        ``E_b(k) / c_b(m)``, ``m = 1 + k`` with the draft following, ``0`` plain (``k = 0``);
+        None where not measured."""
+        mode = 1 + k if follows else 0
+        rates = self.rates(bucket)[:k]
+        if (bucket, mode) not in self.round_s or any(a is None for a in rates):
             return None
-        lo, hi = measured[max(below)], measured[min(above)]
-        t = (k - max(below)) / (min(above) - max(below))
-        return Measured(lo.round_s + t * (hi.round_s - lo.round_s), lo.served + t * (hi.served - lo.served))
+        return expected_tokens(rates, k) / max(self.round_s[bucket, mode], 1e-12)
 
-    def estimate(self, bucket: int) -> dict[int, float]:
-        """Expected tokens per second, ``n(k) E(k) / c(k)``, for every ``k`` it can estimate."""
-        out = {}
-        for k in range(self.k_max + 1):
-            at = self._at(bucket, k)
-            if at is not None and all(a is not None for a in self.acceptance[:k]):
-                out[k] = at.served * expected_tokens(self.acceptance, k) / max(at.round_s, 1e-12)
-        return out
-
-    def best(self, batch_size: int) -> int:
-        """The ``k`` with the highest estimated throughput (``k_max`` while nothing is known),
-        with two margins of ``min_gain``: a ``k >= 1`` replaces the depth it drafted with last
-        only when that much faster, and drafting replaces plain decoding only when that much
-        faster (one noisy call at a neighbouring depth does not move the choice)."""
-        bucket = self.bucket(batch_size)
-        estimates = self.estimate(bucket)
-        if not estimates:
-            return self.k_max
-        best = max(estimates, key=estimates.get)
-        current = self.drafting.get(bucket)
-        if best and current in estimates and estimates[best] < (1 + self.min_gain) * estimates[current]:
-            best = current
-        if 0 in estimates and estimates[best] < (1 + self.min_gain) * estimates[0]:
-            return 0
+    def _best(self, speeds: dict[int, float], current: int | None) -> int:
+        """The fastest ``k`` of ``speeds``, unless it beats ``current`` by less than ``min_gain``."""
+        best = max(speeds, key=speeds.get)
+        if current in speeds and speeds[best] < (1 + self.min_gain) * speeds[current]:
+            return current
         return best
 
-    def choose(self, batch_size: int) -> int:
-        """``k`` for the next call with ``batch_size`` sequences in its first wave."""
+    def best_round(self, bucket: int) -> int | None:
+        """The ``k`` a round in ``bucket`` runs outside exploration, None before it is measured."""
+        speeds = {k: self.speed(bucket, k) for k in range(self.k_max + 1)}
+        if any(v is None for v in speeds.values()):
+            return None
+        return self._best(speeds, self.current.get(bucket))
+
+    def call_seconds(self, follows: bool) -> float | None:
+        """Expected wall seconds of a call, its prefill and every bucket ``V_b`` at its best
+        ``k`` (with the draft following) or plainly; None where a bucket is unmeasured."""
+        if follows not in self.prefill_s:
+            return None
+        total = self.prefill_s[follows]
+        for bucket, volume in self.volume.items():
+            if not volume:
+                continue
+            if follows:
+                k = self.best_round(bucket)
+                speed = self.speed(bucket, k) if k is not None else None
+            else:
+                speed = self.speed(bucket, 0, follows=False)
+            if speed is None:
+                return None
+            total += volume / (self.live[bucket] * speed)
+        return total
+
+    # The choices.
+
+    def start_call(self) -> bool:
+        """Whether the draft follows the next call (``choose_round`` then picks each round's
+        ``k``); False: it decodes plainly. Resets the call's round counts."""
+        self._rounds = {}
+        if self.k_max == 0:
+            return False
+        self.calls += 1
+        if True not in self.prefill_s:
+            return True
+        if False not in self.prefill_s:
+            return False
+        drafting, plain = self.call_seconds(True), self.call_seconds(False)
+        if drafting is None or plain is None:
+            best = drafting is None  # measure what is missing
+        elif self.follows:
+            best = drafting * (1 + self.min_gain) < plain * (1 + 2 * self.min_gain)  # stay unless worse
+        else:
+            best = drafting * (1 + self.min_gain) < plain
+        if self.calls % self.explore_every == 0:
+            return not best
+        self.follows = best
+        return best
+
+    def choose_round(self, live: int) -> int:
+        """``k`` for the next round of a call the draft follows, with ``live`` sequences."""
+        bucket = live_bucket(live)
+        r = self._rounds[bucket] = self._rounds.get(bucket, 0) + 1
+        order = [self.k_max, *range(self.k_max)]
+        unmeasured = [k for k in order if self.speed(bucket, k) is None]
+        if unmeasured:
+            return unmeasured[(r - 1) % len(unmeasured)]
+        best = self.best_round(bucket)
+        exploration, due = divmod(r + self.calls, self.explore_every)
+        if due:
+            return best
+        return self._neighbour(best, exploration)
+
+    def choose_call(self, batch_size: int) -> int:
+        """One ``k`` for the next call, whose first wave has ``batch_size`` sequences."""
+        self._rounds = {}
         if self.k_max == 0:
             return 0
-        bucket = self.bucket(batch_size)
-        measured = self.measured.get(bucket, {})
-        if self.k_max not in measured:
+        bucket = live_bucket(batch_size)
+        if self.speed(bucket, self.k_max) is None:
             return self.k_max
-        if 0 not in measured:
+        plain = self.speed(bucket, 0, follows=False)
+        if plain is None:
             return 0
-        self.calls[bucket] = self.calls.get(bucket, 0) + 1
-        best = self.best(batch_size)
-        exploration, due = divmod(self.calls[bucket], self.explore_every)
+        self.calls += 1
+        speeds = {0: plain} | {k: s for k in range(1, self.k_max + 1) if (s := self.speed(bucket, k)) is not None}
+        drafting = {k: s for k, s in speeds.items() if k}
+        best = self._best(drafting, self.current_call.get(bucket))
+        if speeds[best] < (1 + self.min_gain) * plain:
+            best = 0
+        exploration, due = divmod(self.calls, self.explore_every)
         if due:
             if best:
-                self.drafting[bucket] = best
+                self.current_call[bucket] = best
             return best
+        return self._neighbour(best, exploration)
+
+    def _neighbour(self, best: int, exploration: int) -> int:
+        """One more or one fewer than ``best``, in turn (the one that exists at an end)."""
         up, down = min(best + 1, self.k_max), max(best - 1, 0)
         if up == best or (exploration % 2 == 0 and down != best):
             return down
         return up
 
-    def observe(self, batch_size: int, k: int, seconds_per_round: float, tokens_per_round: float,
-                acceptance_rate: list[float]) -> None:
-        """What a call at ``k`` measured (``RolloutStats``): its wall seconds per round, prefill
-        included (``seconds_per_round``), the tokens it committed per round over the batch
-        (``tokens_per_round``), and the acceptance rate of each drafted position (``k`` values)."""
-        served = tokens_per_round / expected_tokens(acceptance_rate, k)
-        bucket = self.measured.setdefault(self.bucket(batch_size), {})
-        old = bucket.get(k)
-        if old is None:
-            bucket[k] = Measured(seconds_per_round, served)
-        else:
-            old.round_s += self.smoothing * (seconds_per_round - old.round_s)
-            old.served += self.smoothing * (served - old.served)
-        for d, rate in enumerate(acceptance_rate[:k]):
-            old_rate = self.acceptance[d]
-            self.acceptance[d] = rate if old_rate is None else old_rate + self.smoothing * (rate - old_rate)
+    # Learning.
+
+    def observe(self, table: RoundTable, prefill_s: float, follows: bool) -> None:
+        """What a call measured (or several: the sums of every rank's, ``RoundTable``): its
+        rounds, and its prefill seconds ``prefill_s``; ``follows``: the draft followed it."""
+        def average(store, key, value):
+            old = store.get(key)
+            store[key] = value if old is None else old + self.smoothing * (value - old)
+
+        average(self.prefill_s, follows, prefill_s)
+        rounds = table.rounds.sum(1)
+        for bucket in range(table.rounds.shape[0]):
+            average(self.volume, bucket, float(table.tokens[bucket].sum()))
+            if rounds[bucket]:
+                average(self.live, bucket, float(table.live[bucket].sum() / rounds[bucket]))
+            for mode in range(table.rounds.shape[1]):
+                if table.rounds[bucket, mode]:
+                    average(self.round_s, (bucket, mode),
+                            float(table.seconds[bucket, mode] / table.rounds[bucket, mode]))
+            own = self.acceptance.setdefault(bucket, [None] * self.k_max)
+            self._average_rates(own, table.judged[bucket], table.accepted[bucket])
+        self._average_rates(self.pooled, table.judged.sum(0), table.accepted.sum(0))
+        for bucket in range(table.rounds.shape[0]):
+            best = self.best_round(bucket)
+            if best is not None:
+                self.current[bucket] = best
+
+    def _average_rates(self, rates: list[float | None], judged, accepted) -> None:
+        for d in range(self.k_max):
+            if judged[d]:
+                rate = float(accepted[d] / judged[d])
+                rates[d] = rate if rates[d] is None else rates[d] + self.smoothing * (rate - rates[d])

@@ -10,9 +10,11 @@ shared (identical calls range over 1.5x), and interleaving makes a slow spell hi
 config alike.
 
 ``k = adaptive`` is the RL loop's choice (``titan_cotrain.rl.speculation.SpeculationTuner``,
-``k`` in 0..6): a tuner per draft and batch size first learns from ``--adaptive-warmup``
-calls (it runs ``k = 6``, then 0, then its best, exploring a neighbour of it every 8th call), then
-chooses ``k`` afresh at every timed call, still learning. Its goal: at least 0.95 x the best of
+``k`` in 0..6 chosen every decoding round from the live rows): a tuner per draft and batch size
+first learns from ``--adaptive-warmup`` calls (the first drafts, measuring every ``k`` in turn,
+the second decodes plainly; then each round runs its bucket's best, exploring a neighbour every
+8th round), then chooses afresh at every timed call and round, still learning; the mean ``k``
+of each timed call's rounds is listed. Its goal: at least 0.95 x the best of
 plain and every fixed ``k`` with the same draft, at every batch size (``adaptive_met``).
 
 The target is the llama3 debug model, first fit for a few seconds to a small synthetic
@@ -167,10 +169,10 @@ def check_greedy(engine: RolloutEngine, prompts: list[torch.Tensor], new_tokens:
 
 @dataclass
 class AdaptiveK:
-    """A draft's ``SpeculationTuner`` and the ``k`` it chose at the timed calls."""
+    """A draft's ``SpeculationTuner`` and the mean ``k`` its rounds drafted at each timed call."""
 
     tuner: SpeculationTuner
-    chosen: list[int] = field(default_factory=list)
+    chosen: list[float] = field(default_factory=list)
 
 
 def measure(engine: RolloutEngine, prompts, params: SamplingParams, policy_state: dict, drafts: dict,
@@ -219,12 +221,15 @@ def medians(runs: dict) -> dict:
 def _generate(engine, prompts, params, name, k, seed, adaptive) -> RolloutStats:
     generator = torch.Generator(engine.device).manual_seed(seed)
     gc.collect()  # a collection inside one timed call and not another is noise
-    chosen = adaptive[name].tuner.choose(len(prompts)) if k == "adaptive" else k
-    stats = engine.generate(prompts, params, draft_tokens=chosen, generator=generator).stats
-    if k == "adaptive":
-        adaptive[name].tuner.observe(len(prompts), chosen, stats.seconds_per_round, stats.tokens_per_round,
-                                     stats.acceptance_rate)
-        adaptive[name].chosen.append(chosen)
+    if k != "adaptive":
+        return engine.generate(prompts, params, draft_tokens=k, generator=generator).stats
+    tuner = adaptive[name].tuner
+    follows = tuner.start_call()
+    stats = engine.generate(prompts, params, draft_tokens=tuner.choose_round if follows else 0,
+                            generator=generator).stats
+    tuner.observe(stats.rounds, stats.prefill_s, follows)
+    pairs = stats.rounds.live.sum(0)  # (sequence, round) pairs per mode: plain, then k = 0..k_max
+    adaptive[name].chosen.append(round(float((pairs[1:] * torch.arange(len(pairs) - 1)).sum() / pairs.sum()), 2))
     return stats
 
 

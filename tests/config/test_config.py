@@ -161,6 +161,8 @@ def test_ranges_are_checked():
     _expect(DEFAULT, "rollout.acceptance_warning_fraction must be in [0, 1]",
             "rollout.acceptance_warning_steps must be >= 1",
             overrides=("--rollout.acceptance_warning_fraction", "1.5", "--rollout.acceptance_warning_steps", "0"))
+    _expect(DEFAULT, "rollout.speculation_granularity must be 'round' or 'call'",
+            overrides=("--rollout.speculation_granularity", "token"))
 
 
 def test_tensor_parallel_is_refused():

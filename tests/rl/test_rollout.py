@@ -140,6 +140,12 @@ def test_greedy_speculative_equals_greedy_plain(vocab, draft_vocab, k):
     assert torch.equal(spec.response_lens, plain.response_lens)
     assert torch.equal(spec.finished, plain.finished)
     torch.testing.assert_close(spec.logprobs, plain.logprobs, rtol=1e-4, atol=1e-4)
+    # k chosen every round (the adaptive tuner's way), from the live rows and a turn: 0 included.
+    turn = iter(range(10**6))
+    per_round = engine.generate(prompts, params, draft_tokens=lambda live: (next(turn) + live) % (k + 1))
+    assert torch.equal(per_round.tokens, plain.tokens) and torch.equal(per_round.finished, plain.finished)
+    torch.testing.assert_close(per_round.logprobs, plain.logprobs, rtol=1e-4, atol=1e-4)
+    assert per_round.stats.drafting and per_round.stats.rounds.rounds[:, 1:].sum(0).count_nonzero() == k + 1
     if vocab == 6:
         assert spec.stats.acceptance_length > 1.2
         assert spec.stats.acceptance_rate[1] > 0  # some rounds accepted two drafted tokens or more
@@ -173,10 +179,11 @@ def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
-def _first_tokens_test(params: SamplingParams, k: int, n_samples: int) -> float:
+def _first_tokens_test(params: SamplingParams, k: int, n_samples: int, per_round=None) -> float:
     """P-value of "the first ``1 + (k + 1)`` response tokens of speculative sampling follow the
     target's exact joint distribution", on a 5-token vocabulary with a 4-token draft
-    vocabulary (token 0 can only come from a residual or a bonus draw)."""
+    vocabulary (token 0 can only come from a residual or a bonus draw). ``per_round``: the
+    engine's per-round choice of ``k`` (``draft_tokens``), else ``k`` every round."""
     vocab, m = 5, k + 2
     target, draft = _models(vocab, draft_vocab=4, seed=4)
     prompt = torch.tensor([3, 1, 4])
@@ -195,7 +202,7 @@ def _first_tokens_test(params: SamplingParams, k: int, n_samples: int) -> float:
                            max_draft_tokens=k, block_size=2)
     params = SamplingParams(params.temperature, params.top_k, params.top_p, max_new_tokens=m)
     out = engine.generate([prompt] * (n_samples // 100), params, samples_per_prompt=100,
-                          generator=torch.Generator().manual_seed(0))
+                          generator=torch.Generator().manual_seed(0), draft_tokens=per_round)
     assert min(out.stats.acceptance_rate) > 0.1  # drafts are accepted and rejected: the rule matters
     cell = (out.tokens * vocab ** torch.arange(m - 1, -1, -1)).sum(-1)
     return _chi_square_p_value(torch.bincount(cell, minlength=vocab**m), exact)
@@ -205,6 +212,18 @@ def _first_tokens_test(params: SamplingParams, k: int, n_samples: int) -> float:
                          ids=["t1", "t0.8-top_p0.9"])
 def test_speculative_sampling_is_lossless(params):
     assert _first_tokens_test(params, k=2, n_samples=N_SAMPLES) > 1e-3
+
+
+def _every_k_in_turn(k: int):
+    """A per-round choice of ``k`` that changes every round: ``k, 0, 1, .., k - 1``, again."""
+    turn = iter(range(10**6))
+    return lambda live: [k, *range(k)][next(turn) % (k + 1)]
+
+
+def test_speculative_sampling_keeps_its_law_when_k_changes_between_rounds():
+    # Each sequence's first 4 tokens span rounds at k = 2, then 0, then 1 (or another turn).
+    assert _first_tokens_test(SamplingParams(temperature=1.0), k=2, n_samples=N_SAMPLES,
+                              per_round=_every_k_in_turn(2)) > 1e-3
 
 
 def _always_accept(draft_tokens, draft_probs, draft_to_target, target_probs, generator):
@@ -218,10 +237,13 @@ def _resample_from_p(draft_tokens, draft_probs, draft_to_target, target_probs, g
     return n_accepted, rollout.sample(target_probs[torch.arange(len(n_accepted)), n_accepted], generator)
 
 
-@pytest.mark.parametrize("broken_rule", [_always_accept, _resample_from_p], ids=["always_accept", "resample_from_p"])
-def test_a_broken_acceptance_rule_fails_the_lossless_test(monkeypatch, broken_rule):
+@pytest.mark.parametrize("broken_rule, per_round", [(_always_accept, False), (_resample_from_p, False),
+                                                     (_resample_from_p, True)],
+                         ids=["always_accept", "resample_from_p", "resample_from_p-k_per_round"])
+def test_a_broken_acceptance_rule_fails_the_lossless_test(monkeypatch, broken_rule, per_round):
     monkeypatch.setattr(rollout, "speculative_accept", broken_rule)
-    assert _first_tokens_test(SamplingParams(temperature=1.0), k=2, n_samples=N_SAMPLES) < 1e-6
+    assert _first_tokens_test(SamplingParams(temperature=1.0), k=2, n_samples=N_SAMPLES,
+                              per_round=_every_k_in_turn(2) if per_round else None) < 1e-6
 
 
 def test_greedy_accept_is_the_one_hot_limit_of_speculative_accept():

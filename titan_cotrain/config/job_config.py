@@ -231,13 +231,21 @@ class Rollout:
     otherwise."""
 
     adaptive_speculation: bool = True
-    """Choose k in ``0..draft_tokens`` for each rollout phase from what earlier phases measured
-    at the batch's size (wall seconds per round, tokens per round, per-position acceptance;
-    averaged over every rank, so all ranks choose alike), for the highest expected tokens/s.
-    Drafting is chosen only where it is estimated at least 5% faster than plain decoding, and
-    re-estimated as the policy and the draft move (``titan_cotrain.rl.speculation``). The
-    chosen k follows timings, so sampled rollouts are not reproducible run to run; false
-    always drafts ``draft_tokens`` (bit-exact resumes)."""
+    """Choose k in ``0..draft_tokens`` from what earlier rollout phases measured, for the
+    highest expected tokens/s: per live-rows bucket (powers of two), the wall seconds of a
+    round at each k and the per-position acceptance, summed over every rank so all ranks
+    choose alike. With ``speculation_granularity = "round"`` k is chosen before every decoding
+    round from the sequences still live, so a rollout's long tail (a few long responses at low
+    concurrency, where speculation pays most) gets its own k; the draft follows a call only
+    where that is estimated at least 5% faster than plain decoding. Re-estimated as the policy
+    and the draft move (``titan_cotrain.rl.speculation``). The chosen k follows timings, so
+    sampled rollouts are not reproducible run to run (their law is: speculative sampling is
+    lossless at every k); false always drafts ``draft_tokens`` (bit-exact resumes)."""
+
+    speculation_granularity: str = "round"
+    """How often ``adaptive_speculation`` chooses k: ``"round"`` (every decoding round, from
+    the live rows) or ``"call"`` (once per rollout phase, from the size of its first wave:
+    the tail then runs at the bulk's k)."""
 
     acceptance_warning_fraction: float = 0.8
     """Warn when speculative rollouts accept less than this fraction of what the draft's

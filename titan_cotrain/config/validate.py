@@ -112,6 +112,8 @@ def _range_errors(config) -> list[str]:
         ("rollout.top_p", ro.top_p, 0 < ro.top_p <= 1, "in (0, 1]"),
         ("rollout.top_k", ro.top_k, ro.top_k >= 0, ">= 0 (0 = off)"),
         ("rollout.draft_tokens", ro.draft_tokens, ro.draft_tokens >= 0, ">= 0"),
+        ("rollout.speculation_granularity", ro.speculation_granularity,
+         ro.speculation_granularity in ("round", "call"), "'round' or 'call'"),
         ("rollout.kv_block_size", ro.kv_block_size, ro.kv_block_size >= 1, ">= 1"),
         ("rollout.kv_cache_gib", ro.kv_cache_gib, ro.kv_cache_gib >= 0, ">= 0 (0 = the whole batch)"),
         ("rollout.acceptance_warning_fraction", ro.acceptance_warning_fraction,

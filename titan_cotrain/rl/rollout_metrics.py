@@ -8,45 +8,75 @@ import torch
 from titan_cotrain.cotrain.ttt import tau
 from titan_cotrain.rl.batching import Sample
 from titan_cotrain.rl.rollout import RolloutStats
+from titan_cotrain.rl.rollout_state import RoundTable
 
-__all__ = ["AcceptanceWatch", "acceptance_over_tau", "rollout_metrics", "tau_at"]
+__all__ = ["AcceptanceWatch", "acceptance_over_tau", "predicted_acceptance", "rollout_metrics", "tau_at"]
 
 
 def rollout_metrics(all_reduce: Callable[[list[float]], list[float]], samples: list[Sample], details: list[dict],
-                    stats: RolloutStats | None, k: int, k_max: int, *, counted: bool) -> dict[str, float]:
+                    stats: RolloutStats | None, k_max: int, *, buckets: int, counted: bool) -> dict[str, float]:
     """Rewards, response lengths and the task's details of ``samples`` (this rank's batch)
     where ``counted`` (one rank of those that hold the same batch), and the generation's
     ``stats`` (None where this rank's do not count: it generated nothing, or a rank of its
     tensor-parallel engine group reports them), summed over every rank by ``all_reduce``
-    (one call). ``k``: the tokens drafted per round this step, ``k_max`` the most."""
+    (one call). ``k_max``: the most a round drafts; ``buckets``: the engine's live-rows
+    buckets (``RoundTable``).
+
+    From the rounds (``RolloutStats.rounds``, summed over the engines): ``acceptance_length``
+    over the rounds that drafted (1 where none did), ``acceptance_rate_<d>``, ``draft_tokens``
+    (the mean k over every (sequence, round) pair, plain rounds 0) and ``draft_share_k<k>``
+    (the share of pairs at each k, so a step whose rounds chose several k is predicted right);
+    per live-rows bucket ``live_le<n>``: its wall seconds (mean over the engines), tokens (sum)
+    and mean k; ``tail_share`` (the wall time with at most a quarter of the rows live, over
+    the rollouts' wall time); ``acceptance_length_q<q>``: tokens per drafting round of the
+    sequences in quarter ``q`` of ``max_new_tokens`` (mean over the engines that drafted there)."""
     weight = float(counted)
     rewards = torch.tensor([s.reward for s in samples]) * weight
     keys = sorted(details[0]) if details else []
     generated = stats is not None
+    table = stats.rounds if generated and stats.rounds is not None else RoundTable.empty(buckets, k_max)
+    by_position = torch.tensor(stats.acceptance_by_position if generated and stats.acceptance_by_position
+                               else [float("nan")] * 4, dtype=torch.float64)
+    seen = ~by_position.isnan()
     totals = all_reduce([
         float(rewards.sum()), float((rewards ** 2).sum()), len(samples) * weight,
         float(sum(len(s.response) for s in samples)) * weight,
-        stats.acceptance_length if generated else 0.0, stats.tokens_per_s if generated else 0.0, float(generated),
-        float(k) if generated else 0.0, stats.kv_peak_bytes / 2**30 if generated else 0.0,
-        # Positions a rank did not draft this step count as not judged (rate 0, weight 0).
-        *((stats.acceptance_rate if generated else []) + [0.0] * k_max)[:k_max],
-        *(float(generated and d < k) for d in range(k_max)),
+        stats.tokens_per_s if generated else 0.0, float(generated), stats.kv_peak_bytes / 2**30 if generated else 0.0,
+        stats.tail_s if generated else 0.0, stats.total_s if generated else 0.0,
+        *by_position.nan_to_num(0.0).tolist(), *seen.double().tolist(), *table.flat(),
         *(sum(d[key] for d in details) * weight for key in keys)])
-    count, ranks = totals[2], totals[6]
+    count, ranks = totals[2], max(totals[5], 1.0)
     mean = totals[0] / count
+    flat_at = 9 + 8
+    table = RoundTable.from_flat(totals[flat_at:flat_at + len(table.flat())], buckets, k_max)
+    pairs = table.live.sum(0)  # [M] (sequence, round) pairs per mode
+    k_of_mode = torch.tensor([0.0, *range(k_max + 1)], dtype=torch.float64)
+    drafted = pairs[2:].sum()
     metrics = {
         "reward/mean": mean,
         "reward/std": max(totals[1] / count - mean ** 2, 0.0) ** 0.5,
         "rollout/response_len": totals[3] / count,
-        "rollout/acceptance_length": totals[4] / ranks,
-        "rollout/tokens_per_s": totals[5],  # every rollout is generated once, by one engine
-        "rollout/draft_tokens": totals[7] / ranks,
-        "rollout/kv_peak_gib": totals[8] / ranks,  # KV blocks held at once, per generating rank
+        "rollout/acceptance_length": float(table.tokens.sum(0)[2:].sum() / drafted) if drafted else 1.0,
+        "rollout/tokens_per_s": totals[4],  # every rollout is generated once, by one engine
+        "rollout/draft_tokens": float((pairs * k_of_mode).sum() / pairs.sum()) if pairs.sum() else 0.0,
+        "rollout/kv_peak_gib": totals[6] / ranks,  # KV blocks held at once, per generating rank
+        "rollout/tail_share": totals[7] / totals[8] if totals[8] else 0.0,
     }
-    rates, judged = totals[9:9 + k_max], totals[9 + k_max:9 + 2 * k_max]
-    metrics |= {f"rollout/acceptance_rate_{d}": rate / n for d, (rate, n) in enumerate(zip(rates, judged), start=1)
-                if n}
-    metrics |= {f"task/{key}": total / count for key, total in zip(keys, totals[9 + 2 * k_max:])}
+    if drafted:
+        metrics |= {f"rollout/draft_share_k{k}": float(pairs[1 + k] / pairs.sum()) for k in range(k_max + 1)}
+    judged, accepted = table.judged.sum(0), table.accepted.sum(0)
+    metrics |= {f"rollout/acceptance_rate_{d}": float(accepted[d - 1] / judged[d - 1])
+                for d in range(1, k_max + 1) if judged[d - 1]}
+    q_sum, q_seen = totals[9:13], totals[13:17]
+    metrics |= {f"rollout/acceptance_length_q{q}": q_sum[q - 1] / q_seen[q - 1] for q in range(1, 5) if q_seen[q - 1]}
+    for b in range(buckets):
+        rows = table.live[b]
+        if table.rounds[b].sum():
+            name = f"rollout/live_le{2 ** b}"
+            metrics[f"{name}_s"] = float(table.seconds[b].sum()) / ranks
+            metrics[f"{name}_tokens"] = float(table.tokens[b].sum())
+            metrics[f"{name}_k"] = float((rows * k_of_mode).sum() / rows.sum()) if rows.sum() else 0.0
+    metrics |= {f"task/{key}": total / count for key, total in zip(keys, totals[flat_at + len(table.flat()):])}
     return metrics
 
 
@@ -62,14 +92,31 @@ def tau_at(metrics: dict[str, float], k: int) -> float | None:
     return float(tau(torch.tensor(accuracy, dtype=torch.float64)))
 
 
+def predicted_acceptance(metrics: dict[str, float]) -> float | None:
+    """What the draft's training metric predicts for the step's drafting rounds: ``tau_at``
+    each ``k`` weighted by the share of rounds that drafted it (``rollout/draft_share_k<k>``;
+    a step without them drafted ``rollout/draft_tokens`` every round). None for a step that
+    decoded plainly or trained no draft."""
+    prefix = "rollout/draft_share_k"
+    shares = {k: v for key, v in metrics.items() if key.startswith(prefix) and v
+              and (k := int(key[len(prefix):])) > 0}
+    if not shares:
+        k = round(metrics.get("rollout/draft_tokens", 0.0))
+        shares = {k: 1.0} if k > 0 else {}
+    predicted = {k: tau_at(metrics, k) for k in shares}
+    if not shares or None in predicted.values():
+        return None
+    return sum(shares[k] * predicted[k] for k in shares) / sum(shares.values())
+
+
 def acceptance_over_tau(metrics: dict[str, float]) -> dict[str, float]:
     """``{"rollout/acceptance_over_tau": measured / predicted}`` for an RL step's ``metrics``:
-    the rollouts' acceptance length over ``tau_at`` their ``k``. The two measure the same draft
-    on the same sequences (the update scores the draft on the rollouts it drafted, before its
-    own step), so a ratio well below 1 means the engine feeds the draft other inputs than
-    training does. Empty for a step that decoded plainly or trained no draft."""
-    k = round(metrics.get("rollout/draft_tokens", 0.0))
-    predicted = tau_at(metrics, k) if k > 0 else None
+    the rollouts' acceptance length over ``predicted_acceptance`` (``tau_at`` their ``k``). The
+    two measure the same draft on the same sequences (the update scores the draft on the
+    rollouts it drafted, before its own step), so a ratio well below 1 means the engine feeds
+    the draft other inputs than training does. Empty for a step that decoded plainly or
+    trained no draft."""
+    predicted = predicted_acceptance(metrics)
     if predicted is None:
         return {}
     return {"rollout/acceptance_over_tau": metrics["rollout/acceptance_length"] / predicted}
@@ -98,10 +145,10 @@ class AcceptanceWatch:
         self.low_steps += 1
         if self.low_steps != self.patience:
             return None
-        k = round(metrics["rollout/draft_tokens"])
         return (f"step {step}: for {self.patience} speculative RL steps in a row the rollouts accepted less than "
                 f"{self.fraction:g} x what the draft's training metric predicts on the same rollouts (now "
-                f"{metrics['rollout/acceptance_length']:.2f} tokens per round against {tau_at(metrics, k):.2f}, "
-                f"draft/tau over {k} passes): the engine's draft may read other inputs than training gives it "
+                f"{metrics['rollout/acceptance_length']:.2f} tokens per round against "
+                f"{predicted_acceptance(metrics):.2f}, draft/tau over the passes the rounds drafted): the engine's "
+                "draft may read other inputs than training gives it "
                 "(stale KV blocks, a missed weight refresh). rollout/acceptance_over_tau in TensorBoard shows the "
                 "gap; [rollout] acceptance_warning_fraction sets the threshold.")

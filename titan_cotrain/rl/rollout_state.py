@@ -75,7 +75,8 @@ class RolloutStats:
     """What one ``generate`` call did and how long it took.
 
     ``acceptance_length``: tokens committed per target forward, averaged over the (sequence,
-    round) pairs of unfinished sequences (1 for plain decoding, at most ``k + 1``).
+    round) pairs of unfinished sequences in the rounds that drafted (1 for plain decoding, at
+    most ``k + 1``).
     ``acceptance_rate[d - 1]``: how often drafted token ``d`` was accepted when tokens
     ``1..d-1`` were. Times in seconds: ``prefill_s`` (target prefill and the draft's pass 1
     over the prompt), ``draft_s`` (drafting and catching up), ``verify_s`` (target decode or
@@ -335,7 +336,10 @@ class StepCounters:
             table.accepted.view(-1).copy_(host[2 * m + buckets * k_max:2 * m + 2 * buckets * k_max])
             q_tokens, q_rows = host[-8:-4], host[-4:]
             by_position = [float(t / r) if r else float("nan") for t, r in zip(q_tokens, q_rows)]
-            length = float(table.tokens.sum() / table.live.sum().clamp(min=1))
+            # Over the rounds that drafted (a round at k = 0 commits one token either way).
+            drafted_any = bool(table.live[:, 2:].sum() > 0)
+            tokens, pairs = (table.tokens[:, 2:], table.live[:, 2:]) if drafted_any else (table.tokens, table.live)
+            length = float(tokens.sum() / pairs.sum().clamp(min=1))
             rates = (table.accepted.sum(0) / table.judged.sum(0).clamp(min=1)).tolist()
         tail_s = 0.0
         for mode, live, seconds in zip(self.modes, self.lives, self.round_s):

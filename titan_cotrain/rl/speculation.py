@@ -89,19 +89,33 @@ class SpeculationTuner:
     # The estimates.
 
     def rates(self, bucket: int) -> list[float | None]:
-        """``a_{b,d}``: the bucket's own where measured, else the pooled rate."""
+        """``a_{b,d}``: the bucket's own where measured, else the pooled rate, else (a depth
+        never judged: its predecessors are rarely accepted, so it weighs little) the rate of
+        the depth before it; None before any drafted token was judged."""
         own = self.acceptance.get(bucket, [None] * self.k_max)
-        return [a if a is not None else p for a, p in zip(own, self.pooled)]
+        rates = [a if a is not None else p for a, p in zip(own, self.pooled)]
+        for d in range(1, self.k_max):
+            if rates[d] is None:
+                rates[d] = rates[d - 1]
+        return rates
 
     def speed(self, bucket: int, k: int, follows: bool = True) -> float | None:
         """Tokens per second per live sequence of a round at ``k`` in ``bucket``:
         ``E_b(k) / c_b(m)``, ``m = 1 + k`` with the draft following, ``0`` plain (``k = 0``);
         None where not measured."""
-        mode = 1 + k if follows else 0
+        cost = self.cost(bucket, 1 + k if follows else 0)
         rates = self.rates(bucket)[:k]
-        if (bucket, mode) not in self.round_s or any(a is None for a in rates):
+        if cost is None or any(a is None for a in rates):
             return None
-        return expected_tokens(rates, k) / max(self.round_s[bucket, mode], 1e-12)
+        return expected_tokens(rates, k) / max(cost, 1e-12)
+
+    def cost(self, bucket: int, mode: int) -> float | None:
+        """``c_b(m)``: the bucket's own where measured, else the nearest bucket's that is (a
+        bucket the calls rarely reach), None where no bucket ran ``mode``."""
+        measured = [b for b, m in self.round_s if m == mode]
+        if not measured:
+            return None
+        return self.round_s[min(measured, key=lambda b: (abs(b - bucket), b)), mode]
 
     def _best(self, speeds: dict[int, float], current: int | None) -> int:
         """The fastest ``k`` of ``speeds``, unless it beats ``current`` by less than ``min_gain``."""
@@ -145,10 +159,9 @@ class SpeculationTuner:
         if self.k_max == 0:
             return False
         self.calls += 1
-        if True not in self.prefill_s:
-            return True
-        if False not in self.prefill_s:
-            return False
+        if True not in self.prefill_s or False not in self.prefill_s:
+            self.follows = True not in self.prefill_s  # measure drafting, then plain decoding
+            return self.follows
         drafting, plain = self.call_seconds(True), self.call_seconds(False)
         if drafting is None or plain is None:
             best = drafting is None  # measure what is missing
@@ -166,10 +179,10 @@ class SpeculationTuner:
         bucket = live_bucket(live)
         r = self._rounds[bucket] = self._rounds.get(bucket, 0) + 1
         order = [self.k_max, *range(self.k_max)]
-        unmeasured = [k for k in order if self.speed(bucket, k) is None]
-        if unmeasured:
-            return unmeasured[(r - 1) % len(unmeasured)]
+        unmeasured = [k for k in order if (bucket, 1 + k) not in self.round_s]
         best = self.best_round(bucket)
+        if unmeasured or best is None:
+            return (unmeasured or order)[(r - 1) % len(unmeasured or order)]
         exploration, due = divmod(r + self.calls, self.explore_every)
         if due:
             return best

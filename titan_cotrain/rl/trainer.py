@@ -43,6 +43,7 @@ from titan_cotrain.rl.nonfinite import NonfiniteStop, NonfiniteWeights, all_fini
 from titan_cotrain.rl.progress import RolloutProgress, step_line
 from titan_cotrain.rl.rollout import RolloutEngine
 from titan_cotrain.rl.rollout_metrics import AcceptanceWatch, acceptance_over_tau, rollout_metrics
+from titan_cotrain.rl.rollout_state import RoundTable, live_bucket
 from titan_cotrain.rl.sampling import SamplingParams
 from titan_cotrain.rl.speculation import SpeculationTuner
 from titan_cotrain.rl.tasks import score
@@ -363,18 +364,28 @@ class Trainer:
         t0 = time.perf_counter()
         progress = RolloutProgress() if self.rank == self.log_rank and self.simulation is None else None
         k_max = self.speculation.k_max
-        # The job-wide first wave (the largest share), so every rank's tuner sees one bucket.
-        wave = min(self.generation.max_share(len(problems)) * group_size, self.engine.max_batch_size)
-        k = self.speculation.choose(wave) if cfg.rollout.adaptive_speculation else k_max
-        if self.engine_mesh is not None and self.simulation is None:
-            k = self._engine_group_choice(k)
+        adaptive = cfg.rollout.adaptive_speculation and self.simulation is None and k_max > 0
+        follows = True
+        # The tuner's state is the same on every rank (what it learns is summed over the job),
+        # and so are the live rows an engine group's ranks see: its choices agree without a
+        # collective, per call and per round.
+        if not adaptive:
+            k = k_max
+        elif cfg.rollout.speculation_granularity == "call":
+            # The job-wide first wave (the largest share), so every rank's tuner sees one bucket.
+            wave = min(self.generation.max_share(len(problems)) * group_size, self.engine.max_batch_size)
+            k = self.speculation.choose_call(wave)
+            follows = k > 0
+        else:
+            follows = self.speculation.start_call()
+            k = self.speculation.choose_round if follows else 0
         rollouts = None
         if own_prompts:
             rollouts = self.engine.generate(unique_prompts, params, samples_per_prompt=group_size,
                                             generator=generator, progress=progress, draft_tokens=k,
                                             max_rounds=self.simulation.decode_rounds if self.simulation else None)
-        if cfg.rollout.adaptive_speculation and self.simulation is None:
-            self._observe_speculation(wave, k, rollouts)
+        if adaptive:
+            self._observe_speculation(rollouts, follows)
         if progress is not None:
             progress.close()
         if cfg.rollout.release_between_rollouts:
@@ -394,7 +405,8 @@ class Trainer:
         # Each problem's rollouts are counted once in the sums (by the group's first member),
         # and each generation's statistics once (by its engine group's first rank).
         generated = rollouts.stats if rollouts is not None and self.generation.sends() else None
-        metrics = rollout_metrics(self._all_reduce, samples, details, generated, k, k_max,
+        metrics = rollout_metrics(self._all_reduce, samples, details, generated, k_max,
+                                  buckets=live_bucket(self.engine.max_batch_size) + 1,
                                   counted=self.generation.member == 0)
         metrics["time/rollout_s"] = t_rollout
         return samples, metrics
@@ -448,24 +460,18 @@ class Trainer:
             out[row, 1:] = logp[:-1].to("cpu", torch.float32)
         return out
 
-    def _observe_speculation(self, wave: int, k: int, rollouts) -> None:
-        """Teach the tuner what this step's generations measured, averaged over the job's
-        engine groups (a collective): one call's timing is noisy, and every rank's tuner then
-        holds the same numbers and makes the same choice."""
+    def _observe_speculation(self, rollouts, follows: bool) -> None:
+        """Teach the tuner what this step's generations measured (``RoundTable``), summed over
+        the job's engine groups (a collective): one call's timing is noisy, and every rank's
+        tuner then holds the same numbers and makes the same choices."""
         stats = rollouts.stats if rollouts is not None and rollouts.stats.target_forwards else None
-        values = [0.0] * (3 + self.speculation.k_max)
-        if stats is not None and self.generation.sends():
-            values[:3 + k] = [1.0, stats.seconds_per_round, stats.tokens_per_round, *stats.acceptance_rate[:k]]
-        count, round_s, tokens, *acceptance = self._all_reduce(values)
+        buckets, k_max = live_bucket(self.engine.max_batch_size) + 1, self.speculation.k_max
+        empty = RoundTable.empty(buckets, k_max)
+        sends = stats is not None and self.generation.sends()
+        table = stats.rounds if sends else empty
+        count, prefill_s, *flat = self._all_reduce([float(sends), stats.prefill_s if sends else 0.0, *table.flat()])
         if count:
-            self.speculation.observe(wave, k, round_s / count, tokens / count, [a / count for a in acceptance[:k]])
-
-    def _engine_group_choice(self, k: int) -> int:
-        """The ``k`` of this rank's engine group's first rank: the ranks of a tensor-parallel
-        engine generate together, and their own timings may choose differently."""
-        choice = torch.tensor([k], device=self.device)
-        dist.broadcast(choice, group=self.engine_mesh.get_group(), group_src=0)
-        return int(choice.item())
+            self.speculation.observe(RoundTable.from_flat(flat, buckets, k_max), prefill_s / count, follows)
 
     def refresh_engine(self) -> None:
         """The rollout engine's models <- the trained weights (a collective: every rank

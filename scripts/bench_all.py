@@ -192,23 +192,41 @@ def rollout_rows(result: dict, command: str) -> list[Row]:
 
 
 def e2e_rows(result: dict, command: str) -> list[Row]:
+    """Per config, each arm against plain decoding (``records``), and the co-trained vs
+    frozen draft on the long-tailed job."""
     claim = "End to end: RL step with speculative rollouts"
     cfg, summary = result["config"], result["summary"]
-    n = len(result["plain"]["step_s"])
-    hardware = cfg["job"]
+    labels = {"per_call": "k per call", "per_round": "k per round", "fixed_k3": "k = 3 every round"}
+    by = {(r["config"], r["arm"]): r for r in result["records"]}
     rows = []
-    for arm, label in (("speculative", "adaptive k"), ("fixed_k", "k = 3 every step")):
-        ratio = result[arm]["median_step_s"] / result["plain"]["median_step_s"]
-        goal = arm == "speculative"
+    for config in cfg["jobs"]:
+        plain = by[config, "plain"]
+        for arm, label in labels.items():
+            r = by[config, arm]
+            goal = summary[config]["goal"] if arm == "per_round" else None
+            goal_text = "-"
+            if goal:
+                goal_text = f"step <= {goal['step']}x" + (f", rollout <= {goal['rollout']:.2f}x" if "rollout" in goal else "")
+            rows.append(Row(
+                claim, f"{config}: median of {r['steps']} RL steps ({cfg['rounds']} runs per arm, orders alternated) "
+                       f"after a {cfg['sft_steps']}-step warm start, {label} (mean k {r['mean_k']:.2f})",
+                f"{r['step_s_median']:.3f} s/step, rollout {r['rollout_s_median']:.3f} s (tail share "
+                f"{r['tail_share']:.2f}, accept {r['acceptance_length']:.2f})",
+                f"plain {plain['step_s_median']:.3f} s/step, rollout {plain['rollout_s_median']:.3f} s "
+                f"(tail share {plain['tail_share']:.2f})",
+                f"step {r['step_over_plain']:.2f}x (noise {r['noise_band'][0]:.2f}-{r['noise_band'][1]:.2f}), "
+                f"rollout {r['rollout_over_plain']:.2f}x",
+                goal_text, _met(summary[config]["goal_met"]) if goal else "-", cfg["jobs"][config], command))
+    seeds = summary.get("cotrained_vs_frozen")
+    if seeds:
+        co, fr = by["longtail", "per_round_cotrained"], by["longtail", "per_round_frozen"]
+        ratios = ", ".join(f"{s['frozen_over_cotrained_step']:.2f}" for s in seeds)
         rows.append(Row(
-            claim, f"median of {n} RL steps ({cfg.get('rounds', 1)} runs per arm, orders alternated) after a "
-                   f"{cfg['sft_steps']}-step warm start, {label} "
-                   f"(drafted k: {sorted(set(result[arm]['draft_tokens']))})",
-            f"{result[arm]['median_step_s']:.3f} s/step, {result[arm]['median_rollout_tokens_per_s']:.0f} rollout tok/s",
-            f"plain {result['plain']['median_step_s']:.3f} s/step, "
-            f"{result['plain']['median_rollout_tokens_per_s']:.0f} tok/s",
-            f"{ratio:.2f}x", f"<= {summary['goal']}x" if goal else "-", _met(ratio <= summary["goal"]) if goal else "-",
-            hardware, command))
+            claim, f"longtail: co-trained vs frozen draft (k per round), {len(seeds)} RL seeds, median of "
+                   f"{co['steps']} steps each",
+            f"co-trained {co['step_s_median']:.3f} s/step, accept {co['acceptance_length']:.2f}",
+            f"frozen {fr['step_s_median']:.3f} s/step, accept {fr['acceptance_length']:.2f}",
+            f"frozen / co-trained step per seed: {ratios}", "-", "-", cfg["jobs"]["longtail"], command))
     return rows
 
 

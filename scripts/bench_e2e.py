@@ -1,40 +1,51 @@
-"""End to end: the embedded default's RL step with speculative rollouts against plain ones,
-from one warm start and one seed.
+"""End to end: the RL step with speculative rollouts against plain ones, on the embedded default
+and on the long-tailed embedded job, each from one warm start.
 
-Claim: speculation never makes the RL step slower (the engine picks how many tokens to draft,
-0 included, from what it measures: ``[rollout] adaptive_speculation``). Goal: the speculative
-arm's median step time is at most ``GOAL`` x the plain arm's (the 5% is the noise of a shared
-2-core machine: runs of one arm differ by that much).
+Claims. On the long-tailed job (``train_configs/debug_cpu_longtail.toml``: response lengths
+follow a capped Pareto law, so a few long responses decode at low concurrency, where
+speculation pays most) the RL step with ``k`` chosen every decoding round takes at most
+``GOALS["longtail"]["step"]`` x plain's step time and its rollout phase at most
+``GOALS["longtail"]["rollout"]`` x plain's (1.4x faster), with the 90% noise band of the
+step ratio below 1. On the embedded default (``debug_cpu.toml``, near-equal lengths) the
+per-round choice is never slower than plain decoding: step ratio at most
+``GOALS["default"]["step"]``.
 
-Method. The embedded default (``train_configs/debug_cpu.toml``, 2 processes) runs its warm
-start once and writes a checkpoint at the warm start's last step. Every arm resumes a copy of
-that folder with the same ``--debug.seed`` (so the same prompts at every step) and runs
-``--rl-steps`` RL steps; the first ``--skip`` are dropped (the adaptive choice's first calls
-measure ``k = k_max`` and ``k = 0`` by design). Each arm runs ``--rounds`` times, the arms'
-order reversed every other round, so that the machine's drift (the first run after a warm
-start is slower) does not fall on one arm; the median is over every run's kept steps (at
-least 10). The arms:
+Method. Per config, the warm start runs once (or ``--warm-start-<config>`` gives a step-<sft>
+folder) and every run resumes a copy of it with the same ``--debug.seed`` (so the same prompts
+at every step), for ``--rl-steps`` RL steps, the first ``--skip`` left out (the adaptive
+arms' first calls measure by design: every ``k``, then plain decoding). The arms:
 
-* ``speculative``: the default with ``--rollout.adaptive_speculation``;
 * ``plain``: ``--rollout.no-speculative`` (the draft is still co-trained, decoding ignores it);
-* ``fixed_k``: the default as shipped, ``draft_tokens = 3`` drafted at every step (it keeps
-  ``adaptive_speculation = false`` so acceptance lengths compare step to step).
+* ``per_call``: ``k`` chosen once per rollout phase from its first wave's size;
+* ``per_round``: ``k`` chosen every decoding round from the live rows (the default);
+* ``fixed_k3``: ``k = 3`` every round.
 
-Per step, from ``metrics.jsonl``: ``time/step_s`` (rollout + update + refresh) and
-``rollout/tokens_per_s``; also the acceptance length and the ``k`` drafted. Checked first,
-exit 1 on failure: the warm start's files are unchanged by every run (sha256), every arm ran
-all its steps, and the fixed-k arm's drafts are accepted (acceptance length > 1: speculation
-was really on). Whether the goal is met is in the JSON (``summary.goal_met``).
+Each arm runs ``--rounds`` times, the arms' order reversed every other round so that the
+machine's drift does not fall on one arm; medians are over every run's kept steps. The noise
+band of a ratio is the 5th-95th percentile of the ratio of medians over bootstrap resamples of
+both arms' kept steps. Per step, from ``metrics.jsonl``: ``time/step_s``, ``time/rollout_s``,
+``rollout/tail_share`` (wall time with at most a quarter of the rows live, over the
+rollout's), ``rollout/acceptance_length`` (over the rounds that drafted) and
+``rollout/draft_tokens`` (mean k). Then, on the long-tailed job, the co-trained draft against
+one frozen after the warm start (``--draft.freeze_after_sft``), both ``per_round``, over
+``--seeds`` RL seeds: the step ratio and acceptance, whatever they show.
 
-    .venv/bin/python scripts/bench_e2e.py                 # 600 SFT + 2 rounds x 3 arms x 14 RL steps: ~12 min
-    .venv/bin/python scripts/bench_e2e.py --quick         # 20 SFT, 4 RL steps, to assets/quick/
-    .venv/bin/python scripts/bench_e2e.py --warm-start W  # arms only, from a step-600 folder W: ~6 min
+Checked first, exit 1 on failure: every run's copy of its warm start is unchanged (sha256),
+every run ran all its steps, and the fixed-k arm's drafts are accepted (acceptance length > 1:
+speculation was really on). Whether the goals are met is in the JSON (``summary``).
+``records`` lists ``{config, arm, seeds, step_s_median, rollout_s_median, tail_share,
+acceptance_length, noise_band}``; the README's table is generated from it.
+
+    .venv/bin/python scripts/bench_e2e.py      # 2 warm starts + 2 x 4 arms x 2 rounds + 3 seeds x 2: ~80 min
+    .venv/bin/python scripts/bench_e2e.py --warm-start-default W1 --warm-start-longtail W2   # arms only
+    .venv/bin/python scripts/bench_e2e.py --quick   # 20 SFT, 4 RL steps, 1 seed, to assets/quick/
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import shutil
 import statistics
 import sys
@@ -46,126 +57,216 @@ from benchtools import command_line, pyplot, save_figure  # noqa: E402
 from compare_cotrain import folder_hash, rl_curve, run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-GOAL = 1.05
+CONFIGS = {"default": "debug_cpu.toml", "longtail": "debug_cpu_longtail.toml"}
 ARMS = {
-    "speculative": ["--rollout.adaptive_speculation"],
     "plain": ["--rollout.no-speculative"],
-    "fixed_k": [],
+    "per_call": ["--rollout.adaptive_speculation", "--rollout.speculation_granularity", "call"],
+    "per_round": ["--rollout.adaptive_speculation", "--rollout.speculation_granularity", "round"],
+    "fixed_k3": ["--rollout.no-adaptive_speculation", "--rollout.draft_tokens", "3"],
 }
+FROZEN = ["--draft.freeze_after_sft"]
+# per_round over plain: the most its median step (and rollout) time may take.
+GOALS = {"default": {"step": 1.03}, "longtail": {"step": 0.83, "rollout": 1 / 1.4}}
 
 
-def arm_summary(runs: list[list[dict]], skip: int) -> dict:
-    """One arm's timed steps: each run's RL steps after the first ``skip``, runs concatenated."""
-    kept = [[m for m in metrics if m["phase"] == "rl"][skip:] for metrics in runs]
-    timed = [m for run_steps in kept for m in run_steps]
-    step_s = [m["time/step_s"] for m in timed]
-    tokens = [m["rollout/tokens_per_s"] for m in timed]
+def kept_steps(runs: list[list[dict]], skip: int) -> list[dict]:
+    """Every run's RL steps after its first ``skip``, runs concatenated."""
+    return [m for metrics in runs for m in [m for m in metrics if m["phase"] == "rl"][skip:]]
+
+
+def arm_summary(steps: list[dict]) -> dict:
+    drafting = [m["rollout/acceptance_length"] for m in steps if m.get("rollout/draft_tokens", 0.0) > 0]
     return {
-        "step_s": step_s, "rollout_tokens_per_s": tokens,
-        "rollout_s": [m["time/rollout_s"] for m in timed],
-        "acceptance_length": [m.get("rollout/acceptance_length", 1.0) for m in timed],
-        "draft_tokens": [m.get("rollout/draft_tokens", 0.0) for m in timed],
-        "median_step_s": statistics.median(step_s), "median_rollout_tokens_per_s": statistics.median(tokens),
-        "median_step_s_per_round": [statistics.median(m["time/step_s"] for m in run_steps) for run_steps in kept],
+        "step_s": [m["time/step_s"] for m in steps], "rollout_s": [m["time/rollout_s"] for m in steps],
+        "tail_share": [m.get("rollout/tail_share", 0.0) for m in steps],
+        "acceptance_length": [m.get("rollout/acceptance_length", 1.0) for m in steps],
+        "draft_tokens": [round(m.get("rollout/draft_tokens", 0.0), 3) for m in steps],
+        "rollout_tokens_per_s": [m["rollout/tokens_per_s"] for m in steps],
+        "median_step_s": statistics.median(m["time/step_s"] for m in steps),
+        "median_rollout_s": statistics.median(m["time/rollout_s"] for m in steps),
+        "median_tail_share": statistics.median(m.get("rollout/tail_share", 0.0) for m in steps),
+        # Over the steps that drafted (1.0: none did).
+        "median_acceptance_length": statistics.median(drafting) if drafting else 1.0,
     }
+
+
+def noise_band(mine: list[float], theirs: list[float], seed: int, resamples: int = 2000) -> list[float]:
+    """5th and 95th percentile of median(mine) / median(theirs) over bootstrap resamples."""
+    rng = random.Random(seed)
+    ratios = sorted(statistics.median(rng.choices(mine, k=len(mine))) /
+                    statistics.median(rng.choices(theirs, k=len(theirs))) for _ in range(resamples))
+    return [ratios[resamples // 20], ratios[resamples - resamples // 20 - 1]]
+
+
+def resume(work: Path, warm: Path, step_dir: str, config: str, flags: list[str], failures: list[str],
+           name: str) -> list[dict]:
+    """A run resumed from a copy of ``warm``; a changed copy or a short run is a failure."""
+    shutil.copytree(warm, work / "checkpoint" / step_dir)
+    metrics = run(work, flags, config)
+    if folder_hash(work / "checkpoint" / step_dir) != folder_hash(warm):
+        failures.append(f"{name}: the run changed its copy of the warm start")
+    steps = [m for m in metrics if m["phase"] == "rl"]
+    want = int(flags[flags.index("--training.steps") + 1])
+    if len(steps) != want:
+        failures.append(f"{name}: ran {len(steps)} of {want} RL steps")
+    return metrics
 
 
 def plot(result: dict, path: Path) -> None:
     plt = pyplot()
-    fig, axes = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
-    for arm, color in zip(ARMS, ("tab:blue", "tab:grey", "tab:orange")):
-        runs = result[arm]
-        steps = list(range(1, len(runs["step_s"]) + 1))
-        axes[0].plot(steps, runs["step_s"], "o-", color=color, label=f"{arm} (median {runs['median_step_s']:.2f} s)")
-        axes[1].plot(steps, runs["rollout_tokens_per_s"], "o-", color=color, label=arm)
-    axes[0].set_ylabel("RL step (s)")
-    axes[1].set_ylabel("rollout tokens/s (all ranks)")
-    axes[1].set_xlabel("timed RL step (the rounds one after another)")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend()
-    ratio = result["summary"]["speculative_over_plain"]
-    fig.suptitle(f"embedded default, speculative / plain median step time {ratio:.2f}x (goal <= {GOAL})")
+    fig, axes = plt.subplots(2, len(CONFIGS), figsize=(12, 7), squeeze=False)
+    colors = dict(zip(ARMS, ("tab:grey", "tab:green", "tab:blue", "tab:orange")))
+    for col, config in enumerate(CONFIGS):
+        arms = result["configs"].get(config)
+        if arms is None:
+            continue
+        for arm, summary in arms.items():
+            steps = list(range(1, len(summary["step_s"]) + 1))
+            axes[0][col].plot(steps, summary["step_s"], "o-", ms=3, color=colors[arm],
+                              label=f"{arm} (median {summary['median_step_s']:.2f} s)")
+            axes[1][col].plot(steps, summary["rollout_s"], "o-", ms=3, color=colors[arm], label=arm)
+        axes[0][col].set_title(f"{config} ({CONFIGS[config]})")
+        axes[0][col].set_ylabel("RL step (s)")
+        axes[1][col].set_ylabel("rollout phase (s)")
+        axes[1][col].set_xlabel("timed RL step (the runs one after another)")
+        for ax in axes[:, col]:
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.suptitle("RL step and rollout time per arm: plain, k per call, k per round, k = 3")
     save_figure(fig, path)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--sft-steps", type=int, default=600)
-    parser.add_argument("--rl-steps", type=int, default=14)
-    parser.add_argument("--skip", type=int, default=4, help="first RL steps of each run left out of the medians")
+    parser.add_argument("--rl-steps", type=int, default=9)
+    parser.add_argument("--skip", type=int, default=3, help="first RL steps of each run left out of the medians")
     parser.add_argument("--rounds", type=int, default=2,
                         help="runs per arm, the arms' order reversed every other round (the machine drifts)")
+    parser.add_argument("--seeds", type=int, default=3, help="RL seeds of the co-trained vs frozen comparison")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="20 SFT and 4 RL steps into assets/quick/ (a smoke run)")
-    parser.add_argument("--warm-start", type=Path, default=None,
-                        help="an existing warm-start checkpoint folder (step-<sft-steps>) every arm resumes from, "
-                             "instead of running the warm start")
+    for config in CONFIGS:
+        parser.add_argument(f"--warm-start-{config}", type=Path, default=None,
+                            help=f"an existing step-<sft-steps> checkpoint folder of {CONFIGS[config]} every "
+                                 "run resumes from, instead of running the warm start")
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--png", type=Path, default=None)
     args = parser.parse_args()
     assets = ROOT / "assets" / ("quick" if args.quick else "")
     if args.quick:
-        args.sft_steps, args.rl_steps, args.skip, args.rounds = 20, 4, 1, 1
-    elif args.rl_steps - args.skip < 10:
-        parser.error("the medians need at least 10 timed steps: --rl-steps - --skip >= 10")
+        args.sft_steps, args.rl_steps, args.skip, args.rounds, args.seeds = 20, 4, 1, 1, 1
+    elif args.rounds * (args.rl_steps - args.skip) < 10:
+        parser.error("the medians need at least 10 timed steps per arm: --rounds x (--rl-steps - --skip) >= 10")
     args.work = args.work or ROOT / "outputs" / ("bench_e2e_quick" if args.quick else "bench_e2e")
     args.json = args.json or assets / "bench_e2e.json"
     args.png = args.png or assets / "bench_e2e.png"
     start = time.perf_counter()
-    if args.warm_start is not None and args.warm_start.resolve().is_relative_to(args.work.resolve()):
-        parser.error("--warm-start must lie outside --work, which is cleared first")
+    warm_given = {c: getattr(args, f"warm_start_{c}") for c in CONFIGS}
+    for path in warm_given.values():
+        if path is not None and path.resolve().is_relative_to(args.work.resolve()):
+            parser.error("--warm-start-* must lie outside --work, which is cleared first")
     shutil.rmtree(args.work, ignore_errors=True)
     common = ["--task.sft_steps", str(args.sft_steps), "--checkpoint.interval", str(args.sft_steps),
-              "--checkpoint.keep_latest_k", "0", "--debug.seed", str(args.seed),
-              "--metrics.no-enable_tensorboard"]
+              "--checkpoint.keep_latest_k", "0", "--metrics.no-enable_tensorboard"]
+    steps = ["--training.steps", str(args.rl_steps)]
     step_dir = f"step-{args.sft_steps}"
-    warm = args.work / "warm_start" / "checkpoint" / step_dir
-    if args.warm_start is not None:
-        shutil.copytree(args.warm_start, warm)
-    else:
-        run(args.work / "warm_start", [*common, "--training.steps", "1"])
-    warm_hash = folder_hash(warm)
-    failures, runs = [], {arm: [] for arm in ARMS}
-    for round_ in range(args.rounds):
-        for arm in (list(ARMS) if round_ % 2 == 0 else list(ARMS)[::-1]):
-            folder = args.work / arm / f"round-{round_}"
-            shutil.copytree(warm, folder / "checkpoint" / step_dir)
-            metrics = run(folder, [*common, "--training.steps", str(args.rl_steps), *ARMS[arm]])
-            if folder_hash(folder / "checkpoint" / step_dir) != warm_hash:
-                failures.append(f"{arm}, round {round_}: the run changed its copy of the warm start")
-            if len(rl_curve(metrics, "time/step_s")) != args.rl_steps:
-                failures.append(f"{arm}, round {round_}: ran {len(rl_curve(metrics, 'time/step_s'))} of "
-                                f"{args.rl_steps} RL steps")
-            runs[arm].append(metrics)
-    if not failures and statistics.fmean(m.get("rollout/acceptance_length", 1.0) for metrics in runs["fixed_k"]
-                                         for m in metrics if m["phase"] == "rl") <= 1.0:
-        failures.append("fixed_k: no drafted token was accepted, speculation was not on")
+    failures, result, records = [], {"configs": {}}, []
+    kept_by = {}
+    for config in args.configs:
+        warm = args.work / config / "warm_start" / "checkpoint" / step_dir
+        if warm_given[config] is not None:
+            shutil.copytree(warm_given[config], warm)
+        else:
+            run(args.work / config / "warm_start", [*common, "--debug.seed", str(args.seed), "--training.steps", "1"],
+                CONFIGS[config])
+        runs = {arm: [] for arm in ARMS}
+        for round_ in range(args.rounds):
+            for arm in (list(ARMS) if round_ % 2 == 0 else list(ARMS)[::-1]):
+                runs[arm].append(resume(args.work / config / arm / f"round-{round_}", warm, step_dir, CONFIGS[config],
+                                        [*common, "--debug.seed", str(args.seed), *steps, *ARMS[arm]], failures,
+                                        f"{config} {arm}, round {round_}"))
+        if statistics.fmean(m.get("rollout/acceptance_length", 1.0) for m in kept_steps(runs["fixed_k3"], 0)) <= 1.0:
+            failures.append(f"{config} fixed_k3: no drafted token was accepted, speculation was not on")
+        kept_by[config] = {arm: kept_steps(arm_runs, args.skip) for arm, arm_runs in runs.items()}
+        if config == "longtail":
+            # The co-trained draft against a frozen one, over the RL seeds (per_round both).
+            for seed in range(args.seed, args.seed + args.seeds):
+                for arm, flags in (("per_round_cotrained", []), ("per_round_frozen", FROZEN)):
+                    metrics = resume(args.work / config / arm / f"seed-{seed}", warm, step_dir, CONFIGS[config],
+                                     [*common, "--debug.seed", str(seed), *steps, *ARMS["per_round"], *flags],
+                                     failures, f"{config} {arm}, seed {seed}")
+                    kept_by.setdefault(f"{config}/seeds", {}).setdefault(arm, {})[seed] = kept_steps([metrics], args.skip)
     if failures:
         for failure in failures:
             print(f"FAIL: {failure}", file=sys.stderr)
         return 1
-    result = {arm: arm_summary(arm_runs, args.skip) for arm, arm_runs in runs.items()}
-    for arm, summary in result.items():
-        print(f"{arm:12s} median step {summary['median_step_s']:.3f} s (per round "
-              f"{', '.join(f'{s:.3f}' for s in summary['median_step_s_per_round'])}), rollout "
-              f"{summary['median_rollout_tokens_per_s']:.0f} tok/s, k {summary['draft_tokens']}", flush=True)
-    ratio = result["speculative"]["median_step_s"] / result["plain"]["median_step_s"]
-    result["config"] = {"sft_steps": args.sft_steps, "rl_steps": args.rl_steps, "skip": args.skip, "rounds": args.rounds,
-                        "seed": args.seed, "job": "train_configs/debug_cpu.toml, 2 CPU processes (gloo)",
-                        "arms": {arm: flags for arm, flags in ARMS.items()}}
-    result["summary"] = {
-        "speculative_over_plain": ratio, "goal": GOAL, "goal_met": ratio <= GOAL,
-        "fixed_k_over_plain": result["fixed_k"]["median_step_s"] / result["plain"]["median_step_s"],
-        "runtime_s": time.perf_counter() - start,
-    }
+
+    summary = {}
+    for config in args.configs:
+        arms = result["configs"][config] = {arm: arm_summary(steps_) for arm, steps_ in kept_by[config].items()}
+        plain = arms["plain"]
+        for arm, s in arms.items():
+            band = noise_band(s["step_s"], plain["step_s"], args.seed) if arm != "plain" else None
+            records.append({"config": config, "arm": arm, "seeds": [args.seed], "steps": len(s["step_s"]),
+                            "step_s_median": s["median_step_s"], "rollout_s_median": s["median_rollout_s"],
+                            "tail_share": s["median_tail_share"], "acceptance_length": s["median_acceptance_length"],
+                            "mean_k": statistics.fmean(s["draft_tokens"]),
+                            "step_over_plain": s["median_step_s"] / plain["median_step_s"],
+                            "rollout_over_plain": s["median_rollout_s"] / plain["median_rollout_s"],
+                            "noise_band": band,
+                            "rollout_noise_band": noise_band(s["rollout_s"], plain["rollout_s"], args.seed + 1)
+                            if arm != "plain" else None})
+        mine = next(r for r in records if r["config"] == config and r["arm"] == "per_round")
+        goal = GOALS[config]
+        met = mine["step_over_plain"] <= goal["step"]
+        if "rollout" in goal:
+            met = met and mine["rollout_over_plain"] <= goal["rollout"] and mine["noise_band"][1] < 1.0
+        summary[config] = {"per_round_step_over_plain": mine["step_over_plain"],
+                           "per_round_rollout_over_plain": mine["rollout_over_plain"],
+                           "per_round_noise_band": mine["noise_band"], "goal": goal, "goal_met": met,
+                           "plain_tail_share": arms["plain"]["median_tail_share"],
+                           "plain_rollout_share_of_step": arms["plain"]["median_rollout_s"]
+                           / arms["plain"]["median_step_s"]}
+    seeds = kept_by.get("longtail/seeds")
+    if seeds:
+        per_seed = []
+        for seed in sorted(seeds["per_round_cotrained"]):
+            co, fr = (arm_summary(seeds[arm][seed]) for arm in ("per_round_cotrained", "per_round_frozen"))
+            per_seed.append({"seed": seed, "cotrained_step_s": co["median_step_s"], "frozen_step_s": fr["median_step_s"],
+                             "frozen_over_cotrained_step": fr["median_step_s"] / co["median_step_s"],
+                             "cotrained_acceptance_length": co["median_acceptance_length"],
+                             "frozen_acceptance_length": fr["median_acceptance_length"]})
+        for arm in ("per_round_cotrained", "per_round_frozen"):
+            s = arm_summary([m for steps_ in seeds[arm].values() for m in steps_])
+            records.append({"config": "longtail", "arm": arm, "seeds": sorted(seeds[arm]), "steps": len(s["step_s"]),
+                            "step_s_median": s["median_step_s"], "rollout_s_median": s["median_rollout_s"],
+                            "tail_share": s["median_tail_share"], "acceptance_length": s["median_acceptance_length"],
+                            "mean_k": statistics.fmean(s["draft_tokens"]), "noise_band": None})
+        summary["cotrained_vs_frozen"] = per_seed
+    result["records"] = records
+    result["config"] = {"sft_steps": args.sft_steps, "rl_steps": args.rl_steps, "skip": args.skip,
+                        "rounds": args.rounds, "seed": args.seed, "seeds": args.seeds,
+                        "jobs": {c: f"train_configs/{CONFIGS[c]}, 2 CPU processes (gloo)" for c in args.configs},
+                        "arms": ARMS, "frozen": FROZEN}
+    result["summary"] = summary | {"runtime_s": time.perf_counter() - start}
     result["command"] = command_line()
+    for r in records:
+        ratio = f", x{r['step_over_plain']:.3f} plain" if "step_over_plain" in r else ""
+        band = f" (noise {r['noise_band'][0]:.2f}-{r['noise_band'][1]:.2f})" if r.get("noise_band") else ""
+        print(f"{r['config']:9s} {r['arm']:20s} step {r['step_s_median']:.3f} s, rollout {r['rollout_s_median']:.3f} s, "
+              f"tail {r['tail_share']:.2f}, accept {r['acceptance_length']:.2f}, k {r['mean_k']:.2f}{ratio}{band}",
+              flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1) + "\n")
     plot(result, args.png)
-    print(f"speculative / plain median step time {ratio:.3f} (goal <= {GOAL}: {'met' if ratio <= GOAL else 'NOT met'}); "
-          f"fixed k / plain {result['summary']['fixed_k_over_plain']:.3f}; wrote {args.json}")
+    for config, s in summary.items():
+        if isinstance(s, dict) and "goal_met" in s:
+            print(f"{config}: per-round / plain step {s['per_round_step_over_plain']:.3f}, rollout "
+                  f"{s['per_round_rollout_over_plain']:.3f} (goal {s['goal']}: {'met' if s['goal_met'] else 'NOT met'})")
+    print(f"wrote {args.json}")
     return 0
 
 

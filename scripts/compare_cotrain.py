@@ -54,10 +54,11 @@ QUICK_SFT_STEPS, QUICK_RL_STEPS = 20, 3
 ARMS = ("cotrain", "frozen")
 
 
-def run(dump: Path, extra: list[str]) -> list[dict]:
-    """One training job on 2 CPU processes; its metrics, one dict per step."""
+def run(dump: Path, extra: list[str], config: str = "debug_cpu.toml") -> list[dict]:
+    """One training job of ``train_configs/<config>`` on 2 CPU processes; its metrics, one dict
+    per step."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "titan_cotrain.train", "--job.config_file", str(ROOT / "train_configs" / "debug_cpu.toml"),
+           "-m", "titan_cotrain.train", "--job.config_file", str(ROOT / "train_configs" / config),
            "--job.dump_folder", str(dump), *extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     print("+", " ".join(cmd[3:]), flush=True)

@@ -72,6 +72,22 @@ def test_sort_reward_gives_partial_credit():
     assert task.reward(problem, "") == 0.0
 
 
+def test_longtail_arithmetic_lengths_follow_the_stated_pareto_law():
+    task, rng = get_task("arithmetic_longtail"), random.Random(0)
+    problems = [task.sample(rng) for _ in range(20000)]
+    steps = torch.tensor([len(p.numbers) - 1 for p in problems], dtype=torch.float64)
+    assert steps.min() == task.min_steps and steps.max() == task.max_steps
+    # P(steps >= s) = (min_steps / s) ** alpha below the cap; the cap holds the rest of the mass.
+    for s in (3, 5, 11, 24):
+        law = (task.min_steps / s) ** task.alpha
+        measured = float((steps >= s).double().mean())
+        assert abs(measured - law) < 4 * (law * (1 - law) / len(problems)) ** 0.5 + 1e-3, (s, measured, law)
+    # A demonstration has one working step per term after the first, and earns the full reward.
+    long = next(p for p in problems if len(p.numbers) == task.max_steps + 1)
+    text = task.demonstration(long, rng)
+    assert text.count(";") == task.max_steps and task.details(long, text)["answer_correct"] == 1.0
+
+
 def test_tasks_are_deterministic_and_unknown_names_fail():
     task = get_task("arithmetic")
     assert [task.sample(random.Random(5)) for _ in range(2)][0] == task.sample(random.Random(5))

@@ -301,8 +301,9 @@ class Rollout:
 @dataclass
 class Task:
     name: str = "arithmetic"
-    """Verifiable task that generates prompts and scores responses: ``arithmetic`` or ``sort``
-    (synthetic), or ``math`` or ``gsm8k`` (prompts and reference answers from ``dataset_path``;
+    """Verifiable task that generates prompts and scores responses: ``arithmetic``,
+    ``arithmetic_longtail`` (heavy-tailed response lengths, ``rl.tasks.LongTailArithmetic``) or
+    ``sort`` (synthetic), or ``math`` or ``gsm8k`` (prompts and reference answers from ``dataset_path``;
     see ``docs/datasets.md``)."""
 
     seed: int = 0

@@ -187,6 +187,12 @@ class RolloutEngine:
         # CUDA graphs on a GPU: a decode step is launch-bound.
         mode = "reduce-overhead" if self.device.type == "cuda" else None
         maybe_compile = (lambda fn: torch.compile(fn, dynamic=False, mode=mode)) if compile else (lambda fn: fn)
+        if compile:
+            # One graph per k for the verify (k + 1 positions, taps or not) and the catch-up:
+            # k chosen per round reaches every k in 0..max_draft_tokens in one call, and past
+            # dynamo's limit of graphs per function the step would fall back to eager silently.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                                       2 * (max_draft_tokens + 2))
         self._target_step = maybe_compile(policy.forward_cached)
         self._draft_chain_step = maybe_compile(draft.chain_step) if draft is not None else None
         self._draft_extend = maybe_compile(draft.extend) if draft is not None else None

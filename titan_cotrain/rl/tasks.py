@@ -134,6 +134,31 @@ class Arithmetic:
                 "fillers": float(response.count(self.filler))}
 
 
+class LongTailArithmetic(Arithmetic):
+    """``arithmetic`` whose response lengths are heavy-tailed, as reasoning rollouts' are: the
+    number of working steps (terms - 1) is ``floor(X)`` for a Pareto ``X`` with scale
+    ``min_steps`` and shape ``alpha``, ``P(steps >= s) = (min_steps / s) ** alpha`` for
+    ``s >= min_steps``, capped at ``max_steps`` (the mass beyond lands there). With the defaults
+    (2, 1.1, 24) the median problem has 3 steps (a response of about 30 tokens), one in six has 11
+    or more (150 tokens and up), and one in 15 the full 24 (about 250 tokens): most of a batch finishes early and a
+    few long responses decode alone, the long tail of RL rollouts."""
+
+    name = "arithmetic_longtail"
+
+    def __init__(self, min_steps: int = 2, alpha: float = 1.1, max_steps: int = 24, max_value: int = 5,
+                 filler_rate: float = 0.3) -> None:
+        super().__init__(min_steps + 1, max_steps + 1, max_value, filler_rate)
+        self.min_steps, self.alpha, self.max_steps = min_steps, alpha, max_steps
+
+    def steps(self, rng: random.Random) -> int:
+        """A draw of the law above (``1 - random()`` lies in (0, 1])."""
+        return min(int(self.min_steps * (1.0 - rng.random()) ** (-1.0 / self.alpha)), self.max_steps)
+
+    def sample(self, rng: random.Random, position: int | None = None) -> Problem:
+        numbers = tuple(rng.randint(1, self.max_value) for _ in range(self.steps(rng) + 1))
+        return Problem(prompt="+".join(map(str, numbers)) + "=", answer=str(sum(numbers)), numbers=numbers)
+
+
 class Sort:
     name = "sort"
 
@@ -246,7 +271,7 @@ class GSM8K(_DatasetTask):
                 "format": float(found is not None and found[1] == self.form)}
 
 
-TASKS: dict[str, type] = {"arithmetic": Arithmetic, "sort": Sort, "math": Math, "gsm8k": GSM8K}
+TASKS: dict[str, type] = {"arithmetic": Arithmetic, "arithmetic_longtail": LongTailArithmetic, "sort": Sort, "math": Math, "gsm8k": GSM8K}
 DATASET_TASKS = ("gsm8k", "math")
 
 

@@ -161,6 +161,10 @@ def test_ranges_are_checked():
     _expect(DEFAULT, "rollout.acceptance_warning_fraction must be in [0, 1]",
             "rollout.acceptance_warning_steps must be >= 1",
             overrides=("--rollout.acceptance_warning_fraction", "1.5", "--rollout.acceptance_warning_steps", "0"))
+    _expect(DEFAULT, "rollout.collapse_fraction must be in [0, 1)", "rollout.collapse_position_rate must be in [0, 1)",
+            "rollout.collapse_steps must be >= 1",
+            overrides=("--rollout.collapse_fraction", "1.0", "--rollout.collapse_position_rate", "-0.1",
+                       "--rollout.collapse_steps", "0"))
     _expect(DEFAULT, "rollout.speculation_granularity must be 'round' or 'call'",
             overrides=("--rollout.speculation_granularity", "token"))
 
@@ -189,7 +193,7 @@ def test_foreign_custom_config_module(tmp_path):
 
 
 def test_unknown_task():
-    _expect(DEFAULT, "task.name", "unknown task 'chess'", "arithmetic, gsm8k, math, sort",
+    _expect(DEFAULT, "task.name", "unknown task 'chess'", "arithmetic, arithmetic_longtail, gsm8k, math, sort",
             overrides=("--task.name", "chess"))
 
 

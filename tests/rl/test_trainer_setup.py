@@ -108,6 +108,13 @@ def test_every_runnable_draft_and_decoding_combination_runs(tmp_path, capsys, ov
     note = "[rollout] speculative ignored" in capsys.readouterr().out
     assert note == (overrides == ("--draft.no-enable",))
     assert (tmp_path / "export" / "draft").exists() == drafted
+    if drafted:
+        # The exported draft places positions as the policy does, as far as the policy reaches.
+        draft_cfg, policy_cfg = (json.loads((tmp_path / "export" / part / "config.json").read_text())
+                                 for part in ("draft", "policy"))
+        assert draft_cfg["rope_theta"] == policy_cfg["rope_theta"]
+        assert draft_cfg.get("rope_scaling") == policy_cfg.get("rope_scaling")
+        assert draft_cfg["max_position_embeddings"] >= policy_cfg["max_position_embeddings"]
 
 
 def _chosen_ids(draft) -> list[int]:

@@ -261,6 +261,22 @@ class Rollout:
     """Consecutive speculative RL steps below ``acceptance_warning_fraction`` before the
     warning (steps that decode plainly do not count, nor end the run)."""
 
+    collapse_fraction: float = 0.5
+    """Draft health (``rl.draft_health.DraftCollapseWatch``): a speculative RL step collapsed
+    when the tokens a drafting round gains (``rollout/acceptance_length - 1``) fall below this
+    fraction of their running mean at the step's k. After ``collapse_steps`` such steps in a
+    row (or with a dead position, ``collapse_position_rate``) the step logs
+    ``draft/collapse = 1`` and a warning is printed once. 0 disables the length test."""
+
+    collapse_position_rate: float = 0.05
+    """A drafted position whose acceptance rate stays below this counts as a collapse (a draft
+    past its ``max_position_embeddings`` or on stale weights accepts nearly nothing there). 0
+    disables the position test."""
+
+    collapse_steps: int = 3
+    """Consecutive collapsed speculative RL steps before ``draft/collapse`` and the warning
+    (plain-decoding steps do not count, nor end the run)."""
+
     tensor_parallel_degree: int = 1
     """Split the engine's policy copy over this many ranks (Megatron's colwise / rowwise
     layout, ``titan_cotrain.parallel.engine_tp``), for a policy whose bf16 copy does not fit

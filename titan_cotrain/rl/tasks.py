@@ -139,13 +139,13 @@ class LongTailArithmetic(Arithmetic):
     number of working steps (terms - 1) is ``floor(X)`` for a Pareto ``X`` with scale
     ``min_steps`` and shape ``alpha``, ``P(steps >= s) = (min_steps / s) ** alpha`` for
     ``s >= min_steps``, capped at ``max_steps`` (the mass beyond lands there). With the defaults
-    (2, 1.1, 24) the median problem has 3 steps (a response of about 30 tokens), one in six has 11
-    or more (150 tokens and up), and one in 15 the full 24 (about 250 tokens): most of a batch finishes early and a
-    few long responses decode alone, the long tail of RL rollouts."""
+    (2, 1.0, 48) half the problems have 3 steps or fewer (responses of about 33 tokens), one in
+    ten has 20 or more (about 220 tokens), and one in 24 the full 48 (about 540): most of a
+    batch finishes early and a few long responses decode alone, the long tail of RL rollouts."""
 
     name = "arithmetic_longtail"
 
-    def __init__(self, min_steps: int = 2, alpha: float = 1.1, max_steps: int = 24, max_value: int = 5,
+    def __init__(self, min_steps: int = 2, alpha: float = 1.0, max_steps: int = 48, max_value: int = 5,
                  filler_rate: float = 0.3) -> None:
         super().__init__(min_steps + 1, max_steps + 1, max_value, filler_rate)
         self.min_steps, self.alpha, self.max_steps = min_steps, alpha, max_steps

@@ -35,6 +35,7 @@ from titan_cotrain.parallel.parallelize import copy_shards, parallelize
 from titan_cotrain.parallel.pipeline import gather_state_dict, pipeline_step
 from titan_cotrain.parallel.pipeline import clip_grad_norms as pipeline_clip_grad_norms
 from titan_cotrain.rl.batching import Sample, pack_samples
+from titan_cotrain.rl.draft_health import DraftCollapseWatch
 from titan_cotrain.rl.draft_vocab import draft_vocab_from_generations, task_token_counts
 from titan_cotrain.rl.export import export_job
 from titan_cotrain.rl.generation_group import GenerationGroup
@@ -133,6 +134,7 @@ class Trainer:
         )
         self.speculation = SpeculationTuner(self.draft_tokens)
         self.acceptance_watch = AcceptanceWatch(ro.acceptance_warning_fraction, ro.acceptance_warning_steps)
+        self.collapse_watch = DraftCollapseWatch(ro.collapse_fraction, ro.collapse_position_rate, ro.collapse_steps)
         if config.rollout.speculative and not config.draft.enable and rank == self.log_rank:
             print("note: [draft] enable = false: rollouts decode plainly ([rollout] speculative ignored)", flush=True)
         if config.draft.vocab_generations and simulation is None:
@@ -315,6 +317,7 @@ class Trainer:
         samples, metrics = self.rollout_phase(step)
         metrics |= self.update_phase(step, samples)
         metrics |= acceptance_over_tau(metrics)
+        metrics |= self.collapse_watch.judge(metrics)
         metrics["time/refresh_s"] = t_refresh
         return metrics
 
@@ -390,7 +393,6 @@ class Trainer:
             progress.close()
         if cfg.rollout.release_between_rollouts:
             self.engine.release()
-        t_rollout = time.perf_counter() - t0
         if self.simulation is not None:
             # Unknown contents: train on the worst case, every response as long as allowed.
             n = cfg.rollout.max_new_tokens
@@ -408,7 +410,9 @@ class Trainer:
         metrics = rollout_metrics(self._all_reduce, samples, details, generated, k_max,
                                   buckets=live_bucket(self.engine.max_batch_size) + 1,
                                   counted=self.generation.member == 0)
-        metrics["time/rollout_s"] = t_rollout
+        # After the metrics' all-reduce, which every rank joins: the phase lasts as long as the
+        # slowest rank's generation (a rank's own would hide the ranks it waits for later).
+        metrics["time/rollout_s"] = time.perf_counter() - t0
         return samples, metrics
 
     def _score(self, problems: list, prompts: list[list[int]], rollouts) -> list[tuple[list[Sample], list[dict]]]:
@@ -531,10 +535,12 @@ class Trainer:
             self.tb.close()
 
     def _warn_of_acceptance(self, step: int, metrics: dict[str, float]) -> None:
-        """Print the ``AcceptanceWatch``'s warning (the logging rank; every rank keeps the count)."""
-        warning = self.acceptance_watch.observe(step, metrics)
-        if warning and self.rank == self.log_rank:
-            print(f"warning: {warning}", flush=True)
+        """Print the ``AcceptanceWatch``'s and the ``DraftCollapseWatch``'s warnings (the logging
+        rank; every rank keeps the counts)."""
+        for watch in (self.acceptance_watch, self.collapse_watch):
+            warning = watch.observe(step, metrics)
+            if warning and self.rank == self.log_rank:
+                print(f"warning: {warning}", flush=True)
 
     def _count_nonfinite(self, step: int, metrics: dict[str, float]) -> None:
         """Count consecutive steps with a skipped update; stop at ``training.max_nonfinite_steps``,

@@ -201,6 +201,11 @@ def e2e_rows(result: dict, command: str) -> list[Row]:
     rows = []
     for config in cfg["jobs"]:
         plain = by[config, "plain"]
+        rows.append(Row(
+            claim, f"{config}: plain decoding, median of {plain['steps']} RL steps: the rollout's share of the step, "
+                   "and the share of the rollout's wall time with at most 25% of the rows live",
+            f"rollout {summary[config]['plain_rollout_share_of_step']:.2f} of the step",
+            f"tail share {plain['tail_share']:.2f}", "-", "-", "-", cfg["jobs"][config], command))
         for arm, label in labels.items():
             r = by[config, arm]
             goal = summary[config]["goal"] if arm == "per_round" else None

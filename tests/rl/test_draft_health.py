@@ -42,8 +42,8 @@ def test_a_sudden_drop_is_reported_once_after_patience_steps_and_a_recovery_rese
 def test_a_position_that_is_never_accepted_is_reported():
     watch = DraftCollapseWatch(fraction=0.5, position_rate=0.05, patience=2)
     dead = _step(2.1, rates=(0.8, 0.9, 0.0))  # the length looks fine, position 3 is dead
-    out = _run(watch, [_step(2.2)] * 3 + [dead, dead])
-    assert [flag for flag, _ in out] == [0.0, 0.0, 0.0, 0.0, 1.0]
+    out = _run(watch, [dead] + [_step(2.2)] * 2 + [dead, dead])
+    assert [flag for flag, _ in out] == [0.0, 0.0, 0.0, 0.0, 1.0]  # a k's first 3 steps are not judged
     assert "drafted position 3 accepted 0.000 of the time" in out[-1][1]
 
 

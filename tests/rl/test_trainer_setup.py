@@ -1,7 +1,8 @@
 """What the trainer sets up from the draft's and the schedule's keys, on tiny one-process jobs
 run in this process: each phase's own LR schedule (read from the optimizers' param groups at
 every update), every combination of ``[draft] enable`` and ``[rollout] speculative`` that
-runs, and the reduced draft vocabulary counted on task samples or the policy's generations."""
+runs, the reduced draft vocabulary counted on task samples or the policy's generations, and
+the exported draft's positions (RoPE and context) read back against the policy's."""
 
 import json
 import math
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from titan_cotrain.config import load_job_config
+from titan_cotrain.models.args import RopeScaling
 from titan_cotrain.rl.rollout import RolloutEngine
 from titan_cotrain.rl.trainer import Trainer
 
@@ -159,3 +161,35 @@ def test_a_reduced_draft_vocabulary_can_count_the_policys_own_generations(tmp_pa
     counts = Counter(t for i, n in enumerate(out.response_lens.tolist()) for t in out.tokens[i, :n].tolist())
     assert _chosen_ids(trainer.draft) == _top(counts, 16, 256) == _chosen_ids(trainer.engine.draft)
     assert trainer.draft.t2d.sum() == 16 and trainer.engine.draft.t2d.sum() == 16
+
+
+@pytest.mark.parametrize("rope", [
+    dict(rope_theta=1e6, rope_scaling=None),
+    dict(rope_theta=5e5, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64)),
+], ids=["plain-rope", "llama3-scaled-rope"])
+def test_the_exported_draft_config_carries_the_policys_rope_and_context(tmp_path, rope):
+    """The EAGLE-3 ``config.json`` the job exports: the policy's ``rope_theta`` and
+    ``rope_scaling`` (both layouts), and a ``max_position_embeddings`` no smaller than the
+    policy's, whatever ``training.seq_len`` the job trains at (64 here)."""
+    from titan_cotrain.models.build import build_target
+    from titan_cotrain.models.hf import save_hf
+    from titan_cotrain.models.transformer import Transformer
+
+    base = build_target(load_job_config([], world_size=1))
+    policy = Transformer(base.args.replace(max_seq_len=4096, **rope), tap_layers=base.tap_layers)
+    policy.load_state_dict(base.state_dict())
+    folder = tmp_path / "policy"
+    save_hf(policy, folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(REPO / "assets" / "tokenizer" / name, folder / name)
+    trainer = _trainer(tmp_path / "run", "--model.hf_path", str(folder))
+    trainer.export()
+    policy_config = json.loads((folder / "config.json").read_text())
+    draft_config = json.loads((tmp_path / "run" / "export" / "draft" / "config.json").read_text())
+    assert draft_config["rope_theta"] == policy_config["rope_theta"] == rope["rope_theta"]
+    assert draft_config["rope_scaling"] == policy_config["rope_scaling"]
+    assert draft_config["rope_parameters"] == policy_config["rope_parameters"]
+    if rope["rope_scaling"] is not None:
+        assert draft_config["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    assert draft_config["max_position_embeddings"] >= policy_config["max_position_embeddings"] == 4096

@@ -6,6 +6,7 @@ Two ways: ``build_target`` / ``build_draft`` make whole, initialised models on o
 ``init_draft_``, one whole tensor at a time on the host, so no rank ever holds a whole model.
 """
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -133,4 +134,12 @@ def _load_init_draft(config, target: Transformer) -> Draft:
     if draft.args.vocab_size != target.args.vocab_size:
         raise ValueError(f"draft.init_path {path!r} was trained for a {draft.args.vocab_size}-token "
                          f"vocabulary; the policy has {target.args.vocab_size}")
+    ours = (draft.args.rope_theta, draft.args.rope_scaling)
+    if ours != (target.args.rope_theta, target.args.rope_scaling):
+        # The draft keeps the RoPE it was trained with (and exports it); a mismatch usually
+        # means a folder whose config lost the target's RoPE keys.
+        warnings.warn(f"draft.init_path {path!r} places positions with rope_theta {ours[0]} and rope_scaling "
+                      f"{ours[1]}, the policy with {target.args.rope_theta} and {target.args.rope_scaling}: the "
+                      "draft keeps its own, as trained; check its config.json if it was meant for this policy",
+                      stacklevel=2)
     return draft

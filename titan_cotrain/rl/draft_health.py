@@ -12,10 +12,10 @@ __all__ = ["DraftCollapseWatch"]
 class DraftCollapseWatch:
     """Judges every speculative RL step from its metrics: a *length collapse* when the tokens a
     drafting round gains (``rollout/acceptance_length - 1``) fall below ``fraction`` x their
-    running mean at the step's ``k`` (an exponential average, weight ``smoothing``, judged
-    once ``warm_steps`` steps at that ``k`` made it), or a *position collapse* when a drafted
-    position's acceptance rate (``rollout/acceptance_rate_<d>``, ``d <= k``) is below
-    ``position_rate``. ``patience`` collapsed steps in a row make a collapse: ``judge`` then
+    running mean at the step's ``k`` (an exponential average, weight ``smoothing``), or a
+    *position collapse* when a drafted position's acceptance rate
+    (``rollout/acceptance_rate_<d>``, ``d <= k``) is below ``position_rate``; the first
+    ``warm_steps`` steps at a ``k`` only make its mean. ``patience`` collapsed steps in a row make a collapse: ``judge`` then
     reports ``draft/collapse = 1`` and ``observe`` the warning, once per run of collapsed steps
     (``[rollout] collapse_fraction``, ``collapse_position_rate``, ``collapse_steps``). Steps
     that decode plainly neither count nor end a run; a healthy step ends it. A collapsed step
@@ -41,10 +41,11 @@ class DraftCollapseWatch:
                  if f"rollout/acceptance_rate_{d}" in metrics}
         dead = [d for d, rate in rates.items() if rate < self.position_rate]
         mean = self.mean.get(k)
-        if self.fraction > 0 and mean is not None and self.seen[k] >= self.warm_steps and gain < self.fraction * mean:
+        warm = self.seen.get(k, 0) >= self.warm_steps  # neither test judges a k's first steps
+        if warm and self.fraction > 0 and gain < self.fraction * mean:
             return (f"acceptance length {gain + 1:.2f} tokens per round, below {self.fraction:g} x its running mean "
                     f"{mean + 1:.2f} at k = {k}")
-        if self.position_rate > 0 and dead:
+        if warm and self.position_rate > 0 and dead:
             return (f"drafted position {dead[0]} accepted {rates[dead[0]]:.3f} of the time, below "
                     f"{self.position_rate:g}")
         self.mean[k] = gain if mean is None else mean + self.smoothing * (gain - mean)

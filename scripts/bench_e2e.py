@@ -23,7 +23,7 @@ arms' first calls measure by design: every ``k``, then plain decoding). The arms
 Each arm runs ``--rounds`` times, the arms' order reversed every other round so that the
 machine's drift does not fall on one arm; medians are over every run's kept steps. The noise
 band of a ratio is the 5th-95th percentile of the ratio of medians over bootstrap resamples of
-both arms' kept steps. Per step, from ``metrics.jsonl``: ``time/step_s``, ``time/rollout_s``,
+the paired kept steps (the same step of the same round in both arms: the same prompts). Per step, from ``metrics.jsonl``: ``time/step_s``, ``time/rollout_s``,
 ``rollout/tail_share`` (wall time with at most a quarter of the rows live, over the
 rollout's), ``rollout/acceptance_length`` (over the rounds that drafted) and
 ``rollout/draft_tokens`` (mean k). Then, on the long-tailed job, the co-trained draft against
@@ -91,10 +91,18 @@ def arm_summary(steps: list[dict]) -> dict:
 
 
 def noise_band(mine: list[float], theirs: list[float], seed: int, resamples: int = 2000) -> list[float]:
-    """5th and 95th percentile of median(mine) / median(theirs) over bootstrap resamples."""
-    rng = random.Random(seed)
-    ratios = sorted(statistics.median(rng.choices(mine, k=len(mine))) /
-                    statistics.median(rng.choices(theirs, k=len(theirs))) for _ in range(resamples))
+    """5th and 95th percentile of median(mine) / median(theirs) over bootstrap resamples of the
+    paired steps: step ``i`` of both lists is the same RL step of the same round (the same
+    prompts: every run has the same seed), so a step whose batch holds a long response is
+    slow in every arm and a resample takes it, or not, for both."""
+    if len(mine) != len(theirs):
+        raise ValueError(f"paired steps: {len(mine)} against {len(theirs)}")
+    rng, n = random.Random(seed), len(mine)
+    ratios = []
+    for _ in range(resamples):
+        picked = rng.choices(range(n), k=n)
+        ratios.append(statistics.median(mine[i] for i in picked) / statistics.median(theirs[i] for i in picked))
+    ratios.sort()
     return [ratios[resamples // 20], ratios[resamples - resamples // 20 - 1]]
 
 

@@ -28,7 +28,7 @@ class Model:
     """Target architecture: ``llama3`` or ``qwen3``."""
 
     flavor: str = "debugmodel"
-    """Named size of ``name`` (llama3: debugmodel, 8B, 70B; qwen3: debugmodel, 0.6B, 1.7B, 8B, 32B).
+    """Named size of ``name`` (llama3: debugmodel, debugdeep, 8B, 70B; qwen3: debugmodel, 0.6B, 1.7B, 8B, 32B).
     Ignored when ``hf_path`` is set."""
 
     hf_path: str = ""

@@ -226,9 +226,11 @@ def e2e_rows(result: dict, command: str) -> list[Row]:
     if seeds:
         co, fr = by["longtail", "per_round_cotrained"], by["longtail", "per_round_frozen"]
         ratios = ", ".join(f"{s['frozen_over_cotrained_step']:.2f}" for s in seeds)
+        accepts = ", ".join(f"{s['cotrained_acceptance_length']:.2f} / {s['frozen_acceptance_length']:.2f}"
+                            for s in seeds)
         rows.append(Row(
-            claim, f"longtail: co-trained vs frozen draft (k per round), {len(seeds)} RL seeds, median of "
-                   f"{co['steps']} steps each",
+            claim, f"longtail: co-trained vs frozen draft (k per round), {len(seeds)} RL seeds, median of the "
+                   f"{co['steps']} kept steps of all seeds; per seed, acceptance co-trained / frozen: {accepts}",
             f"co-trained {co['step_s_median']:.3f} s/step, accept {co['acceptance_length']:.2f}",
             f"frozen {fr['step_s_median']:.3f} s/step, accept {fr['acceptance_length']:.2f}",
             f"frozen / co-trained step per seed: {ratios}", "-", "-", cfg["jobs"]["longtail"], command))

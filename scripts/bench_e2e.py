@@ -36,8 +36,8 @@ speculation was really on). Whether the goals are met is in the JSON (``summary`
 ``records`` lists ``{config, arm, seeds, step_s_median, rollout_s_median, tail_share,
 acceptance_length, noise_band}``; the README's table is generated from it.
 
-    .venv/bin/python scripts/bench_e2e.py      # 2 warm starts + 2 x 4 arms x 2 rounds + 3 seeds x 2: ~80 min
-    .venv/bin/python scripts/bench_e2e.py --warm-start-default W1 --warm-start-longtail W2   # arms only
+    .venv/bin/python scripts/bench_e2e.py      # 2 warm starts (~10 + ~20 min) and the runs below
+    .venv/bin/python scripts/bench_e2e.py --warm-start-default W1 --warm-start-longtail W2   # runs only: ~23 min
     .venv/bin/python scripts/bench_e2e.py --quick   # 20 SFT, 4 RL steps, 1 seed, to assets/quick/
 """
 

@@ -90,6 +90,14 @@ def arm_summary(steps: list[dict]) -> dict:
     }
 
 
+def record(config: str, arm: str, seeds: list[int], s: dict) -> dict:
+    """The fields of a ``records`` entry that an ``arm_summary`` gives."""
+    return {"config": config, "arm": arm, "seeds": seeds, "steps": len(s["step_s"]),
+            "step_s_median": s["median_step_s"], "rollout_s_median": s["median_rollout_s"],
+            "tail_share": s["median_tail_share"], "acceptance_length": s["median_acceptance_length"],
+            "mean_k": statistics.fmean(s["draft_tokens"])}
+
+
 def noise_band(mine: list[float], theirs: list[float], seed: int, resamples: int = 2000) -> list[float]:
     """5th and 95th percentile of median(mine) / median(theirs) over bootstrap resamples of the
     paired steps: step ``i`` of both lists is the same RL step of the same round (the same
@@ -218,10 +226,7 @@ def main() -> int:
         plain = arms["plain"]
         for arm, s in arms.items():
             band = noise_band(s["step_s"], plain["step_s"], args.seed) if arm != "plain" else None
-            records.append({"config": config, "arm": arm, "seeds": [args.seed], "steps": len(s["step_s"]),
-                            "step_s_median": s["median_step_s"], "rollout_s_median": s["median_rollout_s"],
-                            "tail_share": s["median_tail_share"], "acceptance_length": s["median_acceptance_length"],
-                            "mean_k": statistics.fmean(s["draft_tokens"]),
+            records.append(record(config, arm, [args.seed], s) | {
                             "step_over_plain": s["median_step_s"] / plain["median_step_s"],
                             "rollout_over_plain": s["median_rollout_s"] / plain["median_rollout_s"],
                             "noise_band": band,
@@ -249,10 +254,7 @@ def main() -> int:
                              "frozen_acceptance_length": fr["median_acceptance_length"]})
         for arm in ("per_round_cotrained", "per_round_frozen"):
             s = arm_summary([m for steps_ in seeds[arm].values() for m in steps_])
-            records.append({"config": "longtail", "arm": arm, "seeds": sorted(seeds[arm]), "steps": len(s["step_s"]),
-                            "step_s_median": s["median_step_s"], "rollout_s_median": s["median_rollout_s"],
-                            "tail_share": s["median_tail_share"], "acceptance_length": s["median_acceptance_length"],
-                            "mean_k": statistics.fmean(s["draft_tokens"]), "noise_band": None})
+            records.append(record("longtail", arm, sorted(seeds[arm]), s) | {"noise_band": None})
         summary["cotrained_vs_frozen"] = per_seed
     result["records"] = records
     result["config"] = {"sft_steps": args.sft_steps, "rl_steps": args.rl_steps, "skip": args.skip,

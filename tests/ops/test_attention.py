@@ -140,3 +140,24 @@ def test_compiled_backward_matches_eager():
     eager = torch.autograd.grad(varlen_causal_attention(q, k, v, CU_SEQLENS).square().sum(), (q, k, v))
     for c, e in zip(compiled, eager):
         torch.testing.assert_close(c, e)
+
+
+@pytest.mark.parametrize("extra_column", [True, False])
+def test_fold_grad_lse_equals_autograd_through_the_lse(extra_column):
+    """Both ways of folding a gradient on the lse into a kernel that only knows grad_out
+    (one extra head-dim column; or, where that column would pass the flash kernel's head-dim
+    limit, a second call with V = 0) give the gradient autograd takes through ``(out, lse)``."""
+    q, k, v = make_qkv(16, 4, 2, 8, dtype=torch.float64, seed=3)
+    scale = 8 ** -0.5
+    out, lse = dense_attention(q, k, v, doc_causal_mask(CU_SEQLENS), scale)
+    g = torch.Generator().manual_seed(4)
+    grad_out, grad_lse = torch.randn(out.shape, generator=g, dtype=torch.float64), torch.randn(lse.shape, generator=g, dtype=torch.float64)
+    want = torch.autograd.grad((out * grad_out).sum() + (lse * grad_lse).sum(), (q, k, v))
+
+    def trunk(*args):
+        return trunk_backward(*args, CU_SEQLENS, scale)
+
+    got = attention.fold_grad_lse(trunk, grad_out, grad_lse, q.detach(), k.detach(), v.detach(), out.detach(),
+                                  lse.detach(), extra_column=extra_column)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.double(), b, rtol=1e-9, atol=1e-9)

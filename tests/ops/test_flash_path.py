@@ -39,9 +39,10 @@ for _op in ("varlen_causal_attention", "branch_attention"):
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """``(direction, args)`` of every call that reaches ATen's flash ops."""
+    """``(direction, args)`` of every call that reaches a flash kernel: torch's public
+    ``varlen_attn`` forward, or ATen's private backward."""
     calls = []
-    forward, backward = flash._flash_ops()
+    forward, (_, backward) = flash.varlen_attn, flash._flash_ops()
 
     def recorded(direction, op):
         def call(*args, **kwargs):
@@ -50,7 +51,8 @@ def kernel_calls(monkeypatch):
 
         return call
 
-    monkeypatch.setattr(flash, "_flash_ops", lambda: (recorded("forward", forward), recorded("backward", backward)))
+    monkeypatch.setattr(flash, "varlen_attn", recorded("forward", forward))
+    monkeypatch.setattr(flash, "_flash_ops", lambda: (None, recorded("backward", backward)))
     return calls
 
 
@@ -143,3 +145,32 @@ def test_schema_check_rejects_a_changed_schema(old, new, problem):
     with pytest.raises(RuntimeError) as raised:
         check_flash_schema(torch._C.parse_schema(text.replace(old, new)))
     assert problem in str(raised.value) and f"torch {torch.__version__}" in str(raised.value)
+
+
+def test_head_dim_256_with_a_gradient_on_the_lse_stays_within_the_kernel(kernel_calls):
+    """At Dh = 256 the grad_lse column would make 257 (over FA2's limit): the fold takes a
+    second backward call instead, and no call passes the limit."""
+    with OpsRunTheirImplementation():
+        inputs = sim_inputs((T, HQ, 256), (T, HKV, 256), (T, HKV, 256), (P, T, HKV, 256), (P, T, HKV, 256))
+        out, lse = branch_attention_with_lse(*inputs, CU_SEQLENS)
+        torch.autograd.grad(out.float().sum() + lse.sum(), inputs)
+    assert [direction for direction, _ in kernel_calls] == ["forward", "backward", "backward"]
+    assert all(args[1].shape[-1] <= flash.MAX_HEAD_DIM for _, args in kernel_calls)
+
+
+def test_single_query_segments_with_gqa_launch_max_q_2(kernel_calls):
+    """FA2 swaps query heads into the sequence dimension (and its lse layout) for GQA at
+    max_seqlen_q == 1; the bound is only a launch size, so 2 keeps the usual layout."""
+    cu = torch.arange(0, T + 1, dtype=torch.int32)  # every document of length 1
+    with OpsRunTheirImplementation():
+        inputs = sim_inputs((T, HQ, D), (T, HKV, D), (T, HKV, D))
+        torch.autograd.grad(varlen_causal_attention(*inputs, cu).float().sum(), inputs)
+    (_, fwd), (_, bwd) = kernel_calls
+    assert fwd[5] == 2 and bwd[8] == 2
+
+
+def test_head_dims_over_256_are_refused():
+    with OpsRunTheirImplementation():
+        inputs = sim_inputs((T, HQ, 264), (T, HKV, 264), (T, HKV, 264))
+        with pytest.raises(ValueError, match="head dims up to 256"):
+            varlen_causal_attention(*inputs, CU_SEQLENS)

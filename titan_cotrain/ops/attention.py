@@ -39,6 +39,7 @@ from titan_cotrain.ops import flash
 __all__ = [
     "block_backward",
     "block_forward",
+    "fold_grad_lse",
     "host_cu_seqlens",
     "merge_attention",
     "trunk_backward",
@@ -245,6 +246,51 @@ def trunk_backward(
         gq, gk, gv = block_backward(grad_out[s:e], q[s:e], k[s:e], v[s:e], out[s:e], lse[s:e], scale, causal=True)
         dq[s:e], dk[s:e], dv[s:e] = gq.to(q.dtype), gk.to(k.dtype), gv.to(v.dtype)
     return dq, dk, dv
+
+
+def fold_grad_lse(
+    backward,
+    grad_out: torch.Tensor,
+    grad_lse: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    extra_column: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of an attention whose merged ``(out, lse)`` both receive gradients,
+    from ``backward(grad_out, q, k, v, out, lse)``, a kernel that knows only ``grad_out``.
+
+    Such a kernel sees ``delta`` only as ``rowsum(grad_out * out)``; a gradient on ``lse``
+    adds ``P * grad_lse`` to ``dS`` (``d lse / dS = P``). Two exact ways in:
+
+    * one call with one head-dim column appended (q, k: 0, so scores are unchanged; v: 1;
+      out: 0; grad_out: ``grad_lse``), turning ``dO V^T - delta`` into
+      ``dO V^T + grad_lse - delta``; the extra column of every gradient is dropped;
+    * where that column would pass the flash kernel's head-dim limit (``Dh = 256``), a second
+      call with ``V = 0``, ``dO = e_0`` and ``out = -grad_lse e_0``, whose ``dS`` is exactly
+      ``P * grad_lse``: its dQ and dK are added, its dV (of the zero V) dropped.
+
+    ``extra_column`` picks the first (default: wherever ``Dh + 1`` fits the kernel).
+    """
+    if extra_column is None:
+        extra_column = not _on_accelerator(q) or q.shape[-1] + 1 <= flash.MAX_HEAD_DIM
+    if extra_column:
+        pad = torch.nn.functional.pad
+        dq, dk, dv = backward(
+            torch.cat([grad_out, grad_lse.unsqueeze(-1).to(grad_out.dtype)], dim=-1),
+            pad(q, (0, 1)), pad(k, (0, 1)), pad(v, (0, 1), value=1.0), pad(out, (0, 1)), lse,
+        )
+        return dq[..., :-1], dk[..., :-1], dv[..., :-1]
+    dq, dk, dv = backward(grad_out, q, k, v, out, lse)
+    unit = torch.zeros_like(grad_out)
+    unit[..., 0] = 1
+    carrier = torch.zeros_like(out)
+    carrier[..., 0] = -grad_lse.to(out.dtype)
+    dq_lse, dk_lse, _ = backward(unit, q, k, torch.zeros_like(v), carrier, lse)
+    return dq + dq_lse, dk + dk_lse, dv
 
 
 def merge_attention(

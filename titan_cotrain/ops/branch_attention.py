@@ -30,10 +30,10 @@ kernels so that ring attention can merge the branch into its own result.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from titan_cotrain.ops.attention import (
     check_packed,
+    fold_grad_lse,
     host_cu_seqlens,
     lse_dtype,
     merge_attention,
@@ -120,37 +120,6 @@ def branch_backward(
     return dq.to(q.dtype), dk.to(branch_k.dtype), dv.to(branch_v.dtype)
 
 
-def _trunk_backward_with_grad_lse(
-    grad_out: torch.Tensor,
-    grad_lse: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``trunk_backward`` when the merged ``lse [T, Hq]`` also receives a gradient.
-
-    The trunk kernel sees ``delta`` only as ``rowsum(grad_out * out)``, so one head-dim
-    column is appended: 0 to q and k (scores unchanged), 1 to v, 0 to out and
-    ``grad_lse`` to grad_out. Then ``grad_out' @ V'^T - delta' = grad_out @ V^T + grad_lse
-    - delta``, which is the ``dS / P`` we need; the extra column of every gradient is dropped.
-    """
-    dq, dk, dv = trunk_backward(
-        torch.cat([grad_out, grad_lse.unsqueeze(-1).to(grad_out.dtype)], dim=-1),
-        F.pad(q, (0, 1), value=0.0),
-        F.pad(k, (0, 1), value=0.0),
-        F.pad(v, (0, 1), value=1.0),
-        F.pad(out, (0, 1), value=0.0),
-        lse,
-        cu_seqlens,
-        scale,
-    )
-    return dq[..., :-1], dk[..., :-1], dv[..., :-1]
-
-
 @torch.library.custom_op("titan_cotrain::branch_attention", mutates_args=())
 def _branch_attention(
     q: torch.Tensor,
@@ -192,7 +161,10 @@ def _branch_attention_backward(
     if grad_lse is None:
         dq, dk, dv = trunk_backward(grad_out, q, k, v, out, lse, cu_seqlens, scale)
     else:
-        dq, dk, dv = _trunk_backward_with_grad_lse(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens, scale)
+        def trunk(*args):
+            return trunk_backward(*args, cu_seqlens, scale)
+
+        dq, dk, dv = fold_grad_lse(trunk, grad_out, grad_lse, q, k, v, out, lse)
     dq_branch, dbranch_k, dbranch_v = branch_backward(grad_out, q, branch_k, branch_v, out, lse, scale, grad_lse)
     return tuple(g.contiguous() for g in (dq + dq_branch, dk, dv, dbranch_k, dbranch_v))
 

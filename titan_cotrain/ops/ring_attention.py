@@ -73,6 +73,7 @@ from titan_cotrain.ops.attention import (
     block_backward,
     block_forward,
     check_packed,
+    fold_grad_lse,
     host_cu_seqlens,
     lse_dtype,
     merge_attention,
@@ -331,18 +332,14 @@ def ring_backward(
     gradient is that of the whole attention they belong to (ring, plus a branch if any).
     Every piece's dK/dV collect contributions from all ranks on their way around the ring
     and come home after ``W`` hops. ``grad_lse [T, Hq]``, a gradient reaching the
-    merged ``lse``, is folded in with one extra head-dim column (q, k: 0; v: 1; out: 0;
-    grad_out: grad_lse), which turns every block's ``dS / P = dO V^T - delta`` into
-    ``dO V^T + grad_lse - delta``, as in ``branch_attention``.
+    merged ``lse``, is folded in by ``fold_grad_lse`` (the ring runs with one more head-dim
+    column, or twice where that column would pass the kernel's head-dim limit).
     """
     if grad_lse is not None:
-        pad = torch.nn.functional.pad
-        dq, dk, dv = ring_backward(
-            torch.cat([grad_out, grad_lse.unsqueeze(-1).to(grad_out.dtype)], dim=-1),
-            pad(q, (0, 1)), pad(k, (0, 1)), pad(v, (0, 1), value=1.0), pad(out, (0, 1)),
-            lse, cu_seqlens, scale, comm, layout=layout, causal=causal, pieces=pieces,
-        )
-        return dq[..., :-1], dk[..., :-1], dv[..., :-1]
+        def ring(*args):
+            return ring_backward(*args, cu_seqlens, scale, comm, layout=layout, causal=causal, pieces=pieces)
+
+        return fold_grad_lse(ring, grad_out, grad_lse, q, k, v, out, lse)
     world, rank = comm.world, comm.rank
     docs = _LocalDocs(cu_seqlens, len(local_chunks(layout, rank, world)))
     acc = lse_dtype(q.dtype)

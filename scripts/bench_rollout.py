@@ -348,8 +348,10 @@ def main() -> int:
     with torch.device(args.device):
         target = Transformer(model_args_for(*args.model.split("/")))
         untrained = Draft(DraftArgs.from_target(target.args, n_taps=len(target.tap_layers)))
-    target.init_weights(generator=torch.Generator(args.device).manual_seed(0))
-    untrained.init_weights(generator=torch.Generator(args.device).manual_seed(1))
+    # init_weights draws each weight whole on the host and copies it to the device, so its
+    # generator is a CPU one on every device (the same draws as on CPU).
+    target.init_weights(generator=torch.Generator().manual_seed(0))
+    untrained.init_weights(generator=torch.Generator().manual_seed(1))
     language = PhraseLanguage(target.args.vocab_size, n_phrases=24, seed=0)
     target_loss = fit_target(target, language, args.target_steps, g)
     trained = copy.deepcopy(untrained)

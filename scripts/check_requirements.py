@@ -82,14 +82,14 @@ def marker_environment(platform: str, python_version: str) -> dict[str, str]:
     }
 
 
-def fetch_report(torch_pin: str, platform: str, python_version: str) -> dict:
-    """pip's installation report for ``torch==torch_pin`` on the target, nothing installed."""
+def fetch_report(torch_version: str, platform: str, python_version: str) -> dict:
+    """pip's installation report for ``torch==torch_version`` on the target, nothing installed."""
     with tempfile.TemporaryDirectory() as tmp:
         report_path = Path(tmp) / "report.json"
         command = [sys.executable, "-m", "pip", "install", "--isolated", "--dry-run", "--no-deps",
                    "--only-binary=:all:", "--platform", platform, "--python-version", python_version,
                    "--implementation", "cp", "--target", str(Path(tmp) / "target"),
-                   "--report", str(report_path), f"torch=={torch_pin}"]
+                   "--report", str(report_path), f"torch=={torch_version}"]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             raise SystemExit(f"check_requirements: pip failed ({' '.join(command)}):\n{done.stderr}")
@@ -118,11 +118,11 @@ def compare(report: dict, pyproject: dict, environment: dict[str, str]) -> tuple
     (entry,) = report["install"]
     wheel_name, wheel_version = entry["metadata"]["name"], entry["metadata"]["version"]
     wheel_file = entry["download_info"]["url"].rsplit("/", 1)[-1]
-    errors = []
-    if canonicalize_name(wheel_name) != "torch" or Version(wheel_version) != Version(torch_pin(pyproject)):
+    errors, torch_version = [], torch_pin(pyproject)
+    if canonicalize_name(wheel_name) != "torch" or Version(wheel_version) != Version(torch_version):
         # A local build (2.13.0+cpu, from a find-links folder) is not the wheel PyPI serves.
         errors.append(f"the report is for {wheel_name} {wheel_version} ({wheel_file}), "
-                      f"but pyproject.toml pins torch=={torch_pin(pyproject)}")
+                      f"but pyproject.toml pins torch=={torch_version}")
     rows = []
     for line in entry["metadata"].get("requires_dist", []):
         wheel_requirement = Requirement(line)

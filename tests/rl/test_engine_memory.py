@@ -171,20 +171,28 @@ def test_a_group_shares_its_prompt_blocks():
 
 
 def test_grouped_decode_attention_equals_sdpa(monkeypatch):
-    """The accelerator path (query heads of a KV head stacked as rows, fp32 softmax) against
-    SDPA with ``enable_gqa``, forced on CPU: one attention call over a cache view with
-    ragged visibility, then whole greedy rollouts through the target and the draft."""
+    """The gather path off CPU (query heads of a KV head stacked as rows, fp32 softmax, and
+    the lse the draft's chain merge needs) against SDPA with ``enable_gqa`` and a float64
+    reference, forced on CPU: one attention call over a cache view with ragged lengths, then
+    whole greedy rollouts through the target and the draft."""
     g = torch.Generator().manual_seed(0)
     b, s, hq, hkv, dh, length = 3, 4, 6, 2, 8, 11
     q = torch.randn(b, s, hq, dh, generator=g)
     cache = torch.randn(2, b + 1, hkv, length + 3, dh, generator=g)
     keys, values = cache[0, :b, :, :length], cache[1, :b, :, :length]  # strided, as the engine's views
-    visible = torch.rand(b, s, length, generator=g) < 0.6
-    visible[..., 0] = True
-    sdpa = kv_cache.cached_attention(q, keys, values, visible)
+    seqused = torch.tensor([4, 11, 7])  # row b's query i sits at seqused[b] - s + i
+    sdpa = kv_cache.cached_attention(q, keys, values, seqused)
     monkeypatch.setattr(kv_cache, "_use_sdpa", lambda q: False)
-    grouped = kv_cache.cached_attention(q, keys, values, visible)
+    grouped, lse = kv_cache.cached_attention(q, keys, values, seqused, return_lse=True)
     torch.testing.assert_close(grouped, sdpa, rtol=1e-5, atol=1e-5)
+    rep = hq // hkv
+    scores = torch.einsum("bshd,bhld->bshl", q.double(), keys.double().repeat_interleave(rep, 1)) * dh ** -0.5
+    query_pos = seqused.view(b, 1) - s + torch.arange(s)
+    scores = scores.masked_fill(torch.arange(length).view(1, 1, 1, -1) > query_pos.view(b, s, 1, 1), float("-inf"))
+    want_lse = torch.logsumexp(scores, -1)
+    want = torch.einsum("bshl,bhld->bshd", torch.softmax(scores, -1), values.double().repeat_interleave(rep, 1))
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grouped.double(), want, rtol=1e-5, atol=1e-5)
 
     target, draft = _models(draft_vocab=200)
     prompts = _prompts([3, 9, 5, 1], 256, seed=2)

@@ -27,7 +27,7 @@ from torch import nn
 
 from titan_cotrain.data.packing import shift_in_document
 from titan_cotrain.models.args import ModelArgs, RopeScaling
-from titan_cotrain.models.kv_cache import KVPool, PagedKV, RowsKV, cached_attention
+from titan_cotrain.models.kv_cache import KVPool, PagedKV, RowsKV
 from titan_cotrain.models.transformer import (
     FeedForward,
     RMSNorm,
@@ -37,7 +37,8 @@ from titan_cotrain.models.transformer import (
     rope_inv_freq,
 )
 from titan_cotrain.ops import branch_attention
-from titan_cotrain.ops.attention import packed_cu_seqlens
+from titan_cotrain.ops.attention import merge_attention, packed_cu_seqlens
+from titan_cotrain.ops.branch_attention import branch_forward
 from titan_cotrain.ops.context import active_ring
 from titan_cotrain.ops.ring_attention import ring_branch_attention
 
@@ -187,37 +188,33 @@ class DraftKVCache:
     block tables, ``trunk``): position ``j`` holds the pass-1 key/value of anchor ``j``
     (RoPE position ``j``). The *chain*, ``chain_k, chain_v [B, chain_len, Hkv, Dh]``, holds
     the keys/values of passes ``2 .. chain_len + 1`` at the current drafting anchor,
-    overwritten every drafting round. A query sees ``n_slots`` slots: the ``max_len =
-    trunk.width`` trunk positions, then the chain's.
+    overwritten every drafting round. A chain step attends to both, as branch attention
+    does in training: the trunk through the cache (the paged kernel on an accelerator) and the
+    chain's few keys directly, merged by log-sum-exp.
     """
 
     trunk: PagedKV | RowsKV
     chain_k: torch.Tensor
     chain_v: torch.Tensor
 
-    @property
-    def max_len(self) -> int:
-        return self.trunk.width
+    def attend_trunk(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store ``k, v [B, s, Hkv, Dh]`` at trunk ``positions [B, s]`` (consecutive per row);
+        ``q [B, s, Hq, Dh]`` attends to the trunk slots at or before its own position."""
+        self.trunk.write(0, positions, k, v)
+        return self.trunk.attend(0, q, positions[:, -1] + 1)
 
-    @property
-    def n_slots(self) -> int:
-        return self.max_len + self.chain_k.shape[1]
-
-    def _with_chain(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.cat([keys, self.chain_k.transpose(1, 2)], 2),
-                torch.cat([values, self.chain_v.transpose(1, 2)], 2))
-
-    def write_trunk(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``k, v [B, s, Hkv, Dh]`` at trunk ``positions [B, s]``; return every slot's
-        ``keys, values [B, Hkv, n_slots, Dh]``."""
-        return self._with_chain(*self.trunk.write(0, positions, k, v))
-
-    def write_chain(self, index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``k, v [B, 1, Hkv, Dh]`` in chain slot ``index``; return every slot's keys/values."""
+    def attend_chain(self, index: int, anchor: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> torch.Tensor:
+        """Store ``k, v [B, 1, Hkv, Dh]`` in chain slot ``index``; ``q [B, 1, Hq, Dh]`` attends
+        to the trunk slots ``<= anchor [B]`` and the chain slots ``0..index``."""
         self.chain_k[:, index] = k[:, 0].to(self.chain_k.dtype)
         self.chain_v[:, index] = v[:, 0].to(self.chain_v.dtype)
-        return self._with_chain(*self.trunk.read(0))
+        out_t, lse_t = self.trunk.attend(0, q, anchor + 1, return_lse=True)
+        chain_k = self.chain_k[:, : index + 1].transpose(0, 1).to(q.dtype)  # [P, B, Hkv, Dh]
+        chain_v = self.chain_v[:, : index + 1].transpose(0, 1).to(q.dtype)
+        out_c, lse_c = branch_forward(q[:, 0], chain_k, chain_v, q.shape[-1] ** -0.5)
+        out, _ = merge_attention(out_t[:, 0], lse_t[:, 0], out_c, lse_c)
+        return out.unsqueeze(1)
 
 
 class Draft(nn.Module):
@@ -375,10 +372,8 @@ class Draft(nn.Module):
         """
         b, s, _ = embeds.shape
         positions = start_pos.view(b, 1).to(torch.int64) + torch.arange(s, device=embeds.device)
-        slot = torch.arange(cache.n_slots, device=embeds.device)
-        visible = (slot < cache.max_len) & (slot <= positions.unsqueeze(-1))  # [B, s, slots]
-        return self._cached_pass(embeds, self.fuse(taps), positions, visible,
-                                 lambda k, v: cache.write_trunk(positions, k, v))
+        return self._cached_pass(embeds, self.fuse(taps), positions,
+                                 lambda q, k, v: cache.attend_trunk(positions, q, k, v))
 
     def chain_step(self, embeds: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor, depth: int,
                    cache: DraftKVCache) -> torch.Tensor:
@@ -391,25 +386,20 @@ class Draft(nn.Module):
         ``2..depth`` -- the branch of branch attention -- so a chain step computes what TTT
         pass ``depth`` computes at ``anchor`` given the drafted tokens. Returns ``h^depth [B, H]``.
         """
-        b, device = hidden.shape[0], hidden.device
+        b = hidden.shape[0]
         positions = (anchor.to(torch.int64) + depth - 1).view(b, 1)
-        slot = torch.arange(cache.n_slots, device=device)
-        trunk = slot <= anchor.view(b, 1)
-        chain = (slot >= cache.max_len) & (slot < cache.max_len + depth - 1)
-        out = self._cached_pass(embeds.unsqueeze(1), hidden.unsqueeze(1), positions, (trunk | chain).unsqueeze(1),
-                                lambda k, v: cache.write_chain(depth - 2, k, v))
+        out = self._cached_pass(embeds.unsqueeze(1), hidden.unsqueeze(1), positions,
+                                lambda q, k, v: cache.attend_chain(depth - 2, anchor, q, k, v))
         return out.squeeze(1)
 
     def _cached_pass(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                     visible: torch.Tensor, write: Callable) -> torch.Tensor:
+                     attend: Callable) -> torch.Tensor:
         """One pass over ``[B, s]`` queries (``embeds, hidden [B, s, H]``, RoPE ``positions [B, s]``):
-        ``write(k, v)`` stores its keys/values ``[B, s, Hkv, Dh]`` and returns the cache's
-        ``[B, Hkv, n_slots, Dh]``, of which the queries attend to the slots that
-        ``visible: bool [B, s, n_slots]`` allows. Returns ``[B, s, H]``."""
+        ``attend(q [B, s, Hq, Dh], k, v [B, s, Hkv, Dh])`` stores the keys/values and returns
+        the queries' attention output ``[B, s, Hq, Dh]``. Returns ``[B, s, H]``."""
         layer, attn = self.midlayer, self.midlayer.self_attn
         b, s, _ = hidden.shape
         cos, sin = self.rope(positions.reshape(-1), hidden.dtype)
         q, k, v = attn.qkv(layer.attention_input(embeds, hidden).reshape(b * s, -1), cos, sin)
-        keys, values = write(k.view(b, s, *k.shape[1:]), v.view(b, s, *v.shape[1:]))
-        out = cached_attention(q.view(b, s, *q.shape[1:]), keys, values, visible)
+        out = attend(*(x.view(b, s, *x.shape[1:]) for x in (q, k, v)))
         return layer.finish(hidden, out)

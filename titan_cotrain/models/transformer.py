@@ -31,7 +31,7 @@ from titan_cotrain.data.packing import (
     layout_one_doc_per_row,
 )
 from titan_cotrain.models.args import ModelArgs, RopeScaling
-from titan_cotrain.models.kv_cache import KVPool, PagedKV, RowsKV, cached_attention
+from titan_cotrain.models.kv_cache import KVPool, PagedKV, RowsKV
 from titan_cotrain.models.taps import default_tap_layers, validate_tap_layers
 from titan_cotrain.ops.attention import packed_cu_seqlens, varlen_causal_attention
 from titan_cotrain.ops.context import active_ring
@@ -174,9 +174,8 @@ class Attention(nn.Module):
         """``x [B, s, dim]`` at ``positions [B, s]``; writes k/v into ``cache`` then attends
         to every cached key at a position ``<=`` the query's own."""
         q, k, v = self._qkv(x, cos, sin)
-        keys, values = cache.write(layer, positions, k, v)  # [B, Hkv, L, Dh]
-        visible = torch.arange(keys.shape[2], device=x.device) <= positions.unsqueeze(-1)  # [B, s, L]
-        return self.o_proj(cached_attention(q, keys, values, visible).flatten(-2))
+        cache.write(layer, positions, k, v)
+        return self.o_proj(cache.attend(layer, q, positions[:, -1] + 1).flatten(-2))
 
 
 class FeedForward(nn.Module):

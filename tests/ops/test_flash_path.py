@@ -174,3 +174,27 @@ def test_head_dims_over_256_are_refused():
         inputs = sim_inputs((T, HQ, 264), (T, HKV, 264), (T, HKV, 264))
         with pytest.raises(ValueError, match="head dims up to 256"):
             varlen_causal_attention(*inputs, CU_SEQLENS)
+
+
+@pytest.mark.parametrize("block_size,paged_kernel", [(256, True), (16, False)])
+def test_engine_decode_reads_the_pool_through_the_block_table(kernel_calls, block_size, paged_kernel):
+    """On an accelerator the engine's cached attention is one ``varlen_attn`` call with the
+    pool, the block table and the rows' lengths (no gather, no score tensor); blocks the paged
+    kernel cannot read (not a multiple of 256 positions) take the gathered path instead."""
+    from titan_cotrain.models.kv_cache import KVPool
+
+    b, s, nb = 3, 2, 2
+    with SimulatedDevice():
+        pool = KVPool(1, 8, block_size, HKV, D, torch.bfloat16, sim_device())
+        table = torch.tensor([[1, 2], [3, 0], [4, 5]], device=sim_device())
+        q = torch.randn(b, s, HQ, D, dtype=torch.bfloat16, device=sim_device())
+        seqused = torch.tensor([5, 3, 9], device=sim_device())
+        out, lse = pool.view(table).attend(0, q, seqused, return_lse=True)
+    assert (out.shape, lse.shape, lse.dtype) == ((b, s, HQ, D), (b, s, HQ), torch.float32)
+    if not paged_kernel:
+        assert kernel_calls == []
+        return
+    ((direction, args),) = kernel_calls
+    assert direction == "forward"
+    assert args[0].shape == (b * s, HQ, D) and args[1].shape == (8, block_size, HKV, D)  # the pool itself
+    assert args[5] == s and args[6] == nb * block_size  # max_q, max_k

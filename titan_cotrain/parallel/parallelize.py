@@ -1,8 +1,9 @@
 """``parallelize``: the trainer's models built, parallelised from outside and filled, once.
 
 In torchtitan's order, on models built on the meta device: activation checkpointing, then
-``torch.compile`` per block (``[compile] enable``), then FSDP2 (bf16 compute /
-fp32 reduce on GPU) over ``dp_shard x cp`` (HSDP's ``dp_replicate x fsdp`` with replicas);
+``torch.compile`` per block (``[compile] enable``), then FSDP2 (the compute and reduce dtypes
+of ``[training] mixed_precision_*``) over ``dp_shard x cp`` (HSDP's ``dp_replicate x fsdp``
+with replicas), or over this rank alone when only the compute dtype asks for it;
 under PP the model is first split into this rank's stages, which are sharded the same way.
 Then the shards are materialised on the device and filled one whole tensor at a time on the
 host (a Hugging Face folder is read slice by slice): no rank ever holds a whole model, and
@@ -15,7 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from titan_cotrain.models.build import build_draft, build_target, init_draft_, init_target_
 from titan_cotrain.models.draft import Draft
@@ -53,6 +56,23 @@ def fsdp_mesh(parallel_dims):
     return dims.get_mesh(["dp_replicate", "fsdp"]) if dims.dp_replicate_enabled else dims.get_mesh("fsdp")
 
 
+def _fsdp_mesh_or_none(config, parallel_dims, world_size: int, device: torch.device):
+    """The mesh FSDP2 wraps the models over: ``dp_shard x cp`` (or HSDP's) when there is data
+    or context parallelism; else, when the compute dtype is not fp32, a mesh of this rank
+    alone, so one GPU (or PP without data parallelism) trains under the same mixed-precision
+    policy as a sharded job (bf16 compute, fp32 master weights and reductions); else None."""
+    if world_size > 1 and (parallel_dims.dp_enabled or parallel_dims.cp_enabled):
+        return fsdp_mesh(parallel_dims)
+    if config.training.mixed_precision_param == "float32":
+        return None
+    if not dist.is_initialized():
+        raise ValueError(f'[training] mixed_precision_param = "{config.training.mixed_precision_param}" applies '
+                         "through FSDP2, which needs a process group: launch with torchrun "
+                         "(NPROC=1 bash scripts/train.sh ...), or set it to \"float32\"")
+    own_group, _ = dist.new_subgroups(group_size=1)  # collective: every rank makes every one-rank group
+    return DeviceMesh.from_group(own_group, device.type)
+
+
 def parallelize(config, parallel_dims, world_size: int, device: torch.device, *, policy_loss_fn,
                 token_counts: torch.Tensor | None = None, fill: bool = True) -> ParallelModels:
     """Build, parallelise and fill the policy, the draft and the KL reference for this rank.
@@ -62,13 +82,17 @@ def parallelize(config, parallel_dims, world_size: int, device: torch.device, *,
     uninitialised (the scale simulator: fake values, and a whole model's host-side draws
     would only cost it minutes)."""
     t = config.training
+    if device.type == "cuda" and t.mixed_precision_param == "float32":
+        raise ValueError('[training] mixed_precision_param = "float32" on a CUDA device: the flash kernels the '
+                         'models attend with take bf16/fp16 only; set it to "bfloat16" (fp32 master weights and '
+                         'reductions are kept)')
     policy = build_target(config, device="meta")
     draft = build_draft(config, policy, token_counts=token_counts, device="meta")
     apply_activation_checkpointing(policy, config.activation_checkpoint.mode, draft)
     if config.compile.enable:
         apply_compile(policy, draft, config.compile.components, config.compile.backend)
-    sharded = world_size > 1 and (parallel_dims.dp_enabled or parallel_dims.cp_enabled)
-    mesh = fsdp_mesh(parallel_dims) if sharded else None
+    mesh = _fsdp_mesh_or_none(config, parallel_dims, world_size, device)
+    sharded = mesh is not None
 
     def shard(module: nn.Module) -> None:
         apply_fsdp(module, mesh, t.mixed_precision_param, t.mixed_precision_reduce)

@@ -198,3 +198,18 @@ def test_engine_decode_reads_the_pool_through_the_block_table(kernel_calls, bloc
     assert direction == "forward"
     assert args[0].shape == (b * s, HQ, D) and args[1].shape == (8, block_size, HKV, D)  # the pool itself
     assert args[5] == s and args[6] == nb * block_size  # max_q, max_k
+
+
+def test_ring_moves_its_block_segments_once_per_pass(kernel_calls, monkeypatch):
+    """The ring's kernel calls read ``cu_seqlens`` prepared for every block shape of the pass
+    in one host-to-device copy, not one copy per block."""
+    from titan_cotrain.ops import attention
+
+    made = []
+    init = attention.BlockSegments.__init__
+    monkeypatch.setattr(attention.BlockSegments, "__init__", lambda self, *a: made.append(1) or init(self, *a))
+    with SimulatedDevice():
+        inputs = sim_inputs((T, HQ, D), (T, HKV, D), (T, HKV, D), (P, T, HKV, D), (P, T, HKV, D))
+        out = ring_branch_attention(*inputs, CU_SEQLENS, RingComm(), pieces=2)
+        torch.autograd.grad(out.float().sum(), inputs)
+    assert len(kernel_calls) > 2 and len(made) == 2  # forward and backward, one copy each

@@ -37,6 +37,7 @@ import torch
 from titan_cotrain.ops import flash
 
 __all__ = [
+    "BlockSegments",
     "block_backward",
     "block_forward",
     "fold_grad_lse",
@@ -107,10 +108,20 @@ def _device_segments(bounds: list[tuple[int, int]], device: torch.device) -> tup
     return cu.to(device, non_blocking=True), max((e - s for s, e in bounds), default=0)
 
 
-def _block_segments(n: int, m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Device ``cu_seqlens`` of a one-segment call, ``[0, n]`` for q and ``[0, m]`` for k, in one copy."""
-    cu = torch.tensor([[0, n], [0, m]], dtype=torch.int32).to(device, non_blocking=True)
-    return cu[0], cu[1]
+class BlockSegments:
+    """The device ``cu_seqlens`` of one-segment kernel calls, ``[0, n]`` for q and ``[0, m]``
+    for k, for every block shape ``(n, m)`` a caller will run: built on the host and moved in
+    one copy (the ring builds one per batch layout, not one per block)."""
+
+    def __init__(self, shapes, device: torch.device) -> None:
+        shapes = sorted(set(shapes)) or [(0, 0)]
+        self._index = {shape: i for i, shape in enumerate(shapes)}
+        host = torch.tensor([[[0, n], [0, m]] for n, m in shapes], dtype=torch.int32)
+        self._cu = host.to(device, non_blocking=True)
+
+    def __call__(self, n: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cu = self._cu[self._index[(n, m)]]
+        return cu[0], cu[1]
 
 
 def _expand_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -141,15 +152,17 @@ def _block_scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) 
 
 
 def block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+    segments: BlockSegments | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One block of one document: ``q [n, Hq, Dh]`` over ``k, v [m, Hkv, Dh]``, all keys
     (``causal``: ``n == m`` and key ``j <= i``). Returns ``out [n, Hq, Dh]`` (q's dtype) and
     ``lse [n, Hq]`` (fp32). The ring runs one block per document and chunk pair; on CPU the
-    trunk runs one causal block per document."""
+    trunk runs one causal block per document. ``segments``: the kernel's ``cu_seqlens``
+    prepared for this block's shape (else made here, one host-to-device copy)."""
     if _on_accelerator(q):
         n, m = q.shape[0], k.shape[0]
-        cu_q, cu_k = _block_segments(n, m, q.device)
+        cu_q, cu_k = (segments or BlockSegments([(n, m)], q.device))(n, m)
         return flash.varlen_forward(q, k, v, cu_q, cu_k, n, m, scale, causal)
     n_rep = q.shape[1] // k.shape[1]
     k, v = _expand_kv(k, n_rep), _expand_kv(v, n_rep)
@@ -173,6 +186,7 @@ def block_backward(
     lse: torch.Tensor,
     scale: float,
     causal: bool,
+    segments: BlockSegments | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's share of ``(dq, dk, dv)`` for an attention whose final (merged) output and
     log-sum-exp are ``out``, ``lse``: ``dS = P (dO V^T - rowsum(dO * O))`` with ``P = e^(S - lse)``,
@@ -180,7 +194,7 @@ def block_backward(
     Gradients are fp32 on CPU and in the inputs' dtypes from the accelerator's kernel."""
     if _on_accelerator(q):
         n, m = q.shape[0], k.shape[0]
-        cu_q, cu_k = _block_segments(n, m, q.device)
+        cu_q, cu_k = (segments or BlockSegments([(n, m)], q.device))(n, m)
         return flash.varlen_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, n, m, scale, causal)
     n_rep = q.shape[1] // k.shape[1]
     acc = lse_dtype(q.dtype)

@@ -70,6 +70,7 @@ import torch
 import torch.distributed as dist
 
 from titan_cotrain.ops.attention import (
+    BlockSegments,
     block_backward,
     block_forward,
     check_packed,
@@ -260,6 +261,30 @@ class _LocalDocs:
         return pieces
 
 
+def _segments(cu_seqlens, docs: _LocalDocs, plan: list[_Piece], q_rows: int, layout: str, world: int, rank: int,
+              causal: bool, device: torch.device) -> BlockSegments | None:
+    """The kernel ``cu_seqlens`` of every block a ring pass runs, in one host-to-device copy;
+    on CUDA kept for the batch's layout, so every layer's forward and backward reuse them.
+    None on CPU (its kernels take no ``cu_seqlens``)."""
+    if device.type == "cpu":
+        return None
+    key = (tuple(cu_seqlens.tolist()), len(plan), q_rows, layout, world, rank, causal)
+    if device.type == "cuda" and _SEGMENTS.get(key, (None, None))[0] == device:
+        return _SEGMENTS[key][1]
+    shapes = {(q1 - q0, b1 - b0)
+              for piece in plan for step in range(world)
+              for q0, q1, b0, b1, _ in piece.blocks(docs.blocks(layout, world, rank, (rank - step) % world, causal),
+                                                    q_rows)}
+    segments = BlockSegments(shapes, device)
+    if device.type == "cuda":  # fake tensors (the simulator) are not kept across calls
+        _SEGMENTS.clear()  # one batch layout at a time
+        _SEGMENTS[key] = (device, segments)
+    return segments
+
+
+_SEGMENTS: dict[tuple, tuple[torch.device, BlockSegments]] = {}
+
+
 def ring_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -294,6 +319,7 @@ def ring_forward(
     else:
         out, lse = initial[0].to(acc, copy=True), initial[1].to(acc, copy=True)
     plan, q_rows = docs.pieces(pieces), _run_rows(q.shape[0], pieces)
+    segments = _segments(cu_seqlens, docs, plan, q_rows, layout, world, rank, causal, q.device)
     for piece in plan:
         held = (piece.take(k), piece.take(v))
         for step in range(world):
@@ -303,7 +329,7 @@ def ring_forward(
                 # One statement, so that no block's temporaries outlive it.
                 out[q0:q1], lse[q0:q1] = merge_attention(
                     out[q0:q1], lse[q0:q1],
-                    *block_forward(q[q0:q1], held[0][b0:b1], held[1][b0:b1], scale, block_causal),
+                    *block_forward(q[q0:q1], held[0][b0:b1], held[1][b0:b1], scale, block_causal, segments),
                 )
             if incoming is not None:
                 held = incoming.wait()
@@ -347,6 +373,7 @@ def ring_backward(
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     plan, q_rows = docs.pieces(pieces), _run_rows(q.shape[0], pieces)
+    segments = _segments(cu_seqlens, docs, plan, q_rows, layout, world, rank, causal, q.device)
     homecoming = None  # (the previous piece's dK/dV on their last hop home, that piece)
     for piece in plan:
         held, grads_in_flight = (piece.take(k), piece.take(v)), None
@@ -359,7 +386,7 @@ def ring_backward(
                     (dq[q0:q1], piece_grads[0][b0:b1], piece_grads[1][b0:b1]),
                     block_backward(
                         grad_out[q0:q1], q[q0:q1], held[0][b0:b1], held[1][b0:b1], out[q0:q1], lse[q0:q1], scale,
-                        block_causal,
+                        block_causal, segments,
                     ),
                 )
             if homecoming is not None:  # waited for only now: its last hop overlapped this step

@@ -36,6 +36,7 @@ there is no Python loop over sequences on the device.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -46,6 +47,7 @@ from titan_cotrain.models.args import ModelArgs
 from titan_cotrain.models.draft import Draft, DraftArgs, DraftKVCache
 from titan_cotrain.models.kv_cache import PagedKV, RowsKV
 from titan_cotrain.models.transformer import Transformer
+from titan_cotrain.ops import flash
 from titan_cotrain.rl.engine_copy import copy_state, empty_copy
 from titan_cotrain.rl.kv_blocks import Admitted, BlockAllocator, Scheduler
 from titan_cotrain.rl.rollout_state import RolloutStats, Rollouts, Sequences, StepCounters, live_bucket
@@ -117,9 +119,10 @@ class RolloutEngine:
 
     ``paged=False`` is the static layout instead: one block of ``max_seq_len + k + 1``
     positions per row, ``max_batch_size`` lowered to the rows a budget holds, prompts in
-    waves (a wave starts when the last one has finished), no shared prompt blocks. It reads
-    the cache without gathering blocks (the fallback where no paged attention kernel exists,
-    and the benchmark's baseline).
+    waves (a wave starts when the last one has finished), no shared prompt blocks (the
+    benchmark's baseline). On a GPU both layouts attend through the paged flash kernel where
+    it reads the pool (torch 2.13, blocks of a multiple of 256 positions: a static row is one
+    block); elsewhere the paged layout gathers its rows' blocks and the static one reads views.
 
     A tensor-parallel policy copy (``from_models(tp_mesh=...)``, ``parallel.engine_tp``)
     holds ``1 / t`` of the KV heads per rank, so its pool does too; every rank of its mesh
@@ -155,6 +158,11 @@ class RolloutEngine:
         per_position = kv_bytes_per_position(policy.args, draft_args, dtype, self.tensor_parallel)
         budget = int(kv_cache_gib * 2**30)
         self.block_size = block_size if paged else positions
+        if (paged and weight.device.type == "cuda" and flash.has_paged_kernel()
+                and block_size % flash.PAGE_MULTIPLE):
+            warnings.warn(f"[rollout] kv_block_size = {block_size} is not a multiple of {flash.PAGE_MULTIPLE}: the "
+                          "paged flash kernel cannot read the pool, so every decoding step gathers its rows' blocks "
+                          f"instead (set kv_block_size = {flash.PAGE_MULTIPLE})", stacklevel=2)
         per_block = self.block_size * per_position
         blocks_per_sequence = -(-positions // self.block_size)
         if not paged:

@@ -30,6 +30,7 @@ Use ``with SimulatedDevice():`` (the dispatch mode) and build on ``sim_device()`
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import sys
@@ -219,13 +220,27 @@ def _ring_ops() -> dict:
     return {getattr(torch.ops.titan_cotrain, name).default: fn for name, fn in RING_OP_IMPLEMENTATIONS.items()}
 
 
+def _attention_kernel(func, args, kwargs) -> str | None:
+    """The name ``SimulatedDevice.attention_kernels`` counts ``func`` under, if a flash kernel."""
+    if func.namespace == "torch_attn" and func.name().startswith("torch_attn::_varlen_attn") and "backward" not in func.name():
+        block_table = kwargs.get("block_table", args[12] if len(args) > 12 else None)
+        return "varlen_attn paged" if block_table is not None else "varlen_attn"
+    if func is torch.ops.aten._flash_attention_forward.default:
+        return "flash forward (private)"
+    if func is torch.ops.aten._flash_attention_backward.default:
+        return "flash backward"
+    return None
+
+
 class SimulatedDevice(TorchDispatchMode):
     """The dispatch mode behind ``simgpu``: ops that touch a fake tensor or create one on the
     simulated device run under one ``FakeTensorMode``; everything else runs for real.
 
     ``on_alloc(tensor)`` (optional) sees every tensor an op on the device returns (the
     memory tracker uses it). ``host_collectives`` lists the collectives that were handed a
-    host tensor, as ``"op at file:line"``.
+    host tensor, as ``"op at file:line"``. ``attention_kernels`` counts the flash kernels the
+    code reached (their fake implementations ran): ``varlen_attn``, ``varlen_attn paged``
+    (with a block table: the engine's decoding) and ``flash backward``.
     """
 
     def __init__(self, on_alloc=None) -> None:
@@ -234,6 +249,7 @@ class SimulatedDevice(TorchDispatchMode):
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)
         self.on_alloc = on_alloc
         self.host_collectives: list[str] = []
+        self.attention_kernels: collections.Counter[str] = collections.Counter()
 
     def __enter__(self):
         self._host_first = _HostThenDevice()
@@ -270,6 +286,9 @@ class SimulatedDevice(TorchDispatchMode):
                     and t.device.type == "cpu" and t.numel() > 0]
             if host:
                 self.host_collectives.append(f"{func} on a host tensor at {code_site()}")
+        kernel = _attention_kernel(func, args, kwargs)
+        if kernel is not None:
+            self.attention_kernels[kernel] += 1
         fake = any(isinstance(t, FakeTensor) for t in leaves)
         if fake and func is torch.ops.aten._local_scalar_dense.default and _called_from(_PIPELINING):
             # torch's pipeline schedules read one device int at their first step: the stages'

@@ -15,14 +15,16 @@ response is ``rollout.max_new_tokens`` long.
 
 The report is ``{"config", "world_size", "gpu_memory_gib", "ranks": [{"rank", "role",
 "peak_gib", "by_category_gib", "peak_phase", "largest_at_peak", "phase_peak_gib",
-"after_step_gib"}], "host_collectives"}`` (``after_step_gib``: what stays alive between
-steps, by category); the job is refused (non-zero exit, naming the rank and its biggest
+"after_step_gib", "attention_kernels"}], "host_collectives"}`` (``after_step_gib``: what stays
+alive between steps, by category; ``attention_kernels``: per phase, the flash kernels the
+accelerator path called, whose fake implementations gave the shapes); the job is refused (non-zero exit, naming the rank and its biggest
 category) when a rank's peak exceeds the budget, or when any collective was handed a host
 tensor.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 from pathlib import Path
@@ -132,9 +134,13 @@ def simulate_rank(config, rank: int, world_size: int) -> tuple[dict, list[str]]:
             tracker.phase("optimizer state")
             _warm_optimizers(trainer)
             tracker.phase("rollout")
+            kernels = {"construction": dict(device.attention_kernels)}
             samples, _ = trainer.rollout_phase(step)
+            kernels["rollout"] = dict(device.attention_kernels - collections.Counter(kernels["construction"]))
             tracker.phase("update")
+            before = collections.Counter(device.attention_kernels)
             trainer.update_phase(step, samples)
+            kernels["update"] = dict(device.attention_kernels - before)
             tracker.phase("refresh")
             trainer.refresh_engine()
             tracker.phase("checkpoint")
@@ -153,6 +159,7 @@ def simulate_rank(config, rank: int, world_size: int) -> tuple[dict, list[str]]:
         "largest_at_peak": [{"gib": b / GIB, "category": c, "site": w} for b, c, w in tracker.peak_largest],
         "phase_peak_gib": {k: v / GIB for k, v in tracker.phase_peaks.items()},
         "after_step_gib": {k: v / GIB for k, v in sorted(after_step.items(), key=lambda kv: -kv[1])},
+        "attention_kernels": {phase: calls for phase, calls in kernels.items() if calls},
     }
     return report, device.host_collectives
 

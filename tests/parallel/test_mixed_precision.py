@@ -67,3 +67,12 @@ def test_bf16_compute_without_sharding(layout):
 def test_bf16_without_a_process_group_names_the_key():
     with pytest.raises(ValueError, match=r"mixed_precision_param = \"bfloat16\".*torchrun"):
         _models(1)
+
+
+def test_fp32_compute_on_cuda_is_refused_at_start():
+    """The flash kernels take bf16/fp16 only: a CUDA job configured for fp32 compute stops
+    before building anything, naming the key (checked without a GPU: nothing is allocated)."""
+    config = load_job_config([*TINY], world_size=1)
+    dims = titan.build_parallel_dims(config.parallelism, 1)
+    with pytest.raises(ValueError, match=r'\[training\] mixed_precision_param = "float32" on a CUDA device'):
+        parallelize(config, dims, 1, torch.device("cuda"), policy_loss_fn=next_token_loss)

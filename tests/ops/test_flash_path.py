@@ -213,3 +213,15 @@ def test_ring_moves_its_block_segments_once_per_pass(kernel_calls, monkeypatch):
         out = ring_branch_attention(*inputs, CU_SEQLENS, RingComm(), pieces=2)
         torch.autograd.grad(out.float().sum(), inputs)
     assert len(kernel_calls) > 2 and len(made) == 2  # forward and backward, one copy each
+
+
+@pytest.mark.parametrize("params,causal,gqa,want", [
+    ({"return_aux", "window_size", "enable_gqa"}, True, True, {"enable_gqa": True, "window_size": (-1, 0)}),
+    ({"return_aux", "window_size"}, False, False, {"window_size": (-1, -1)}),
+    ({"return_aux", "is_causal"}, True, False, {"is_causal": True}),  # torch before window_size
+    ({"return_aux", "is_causal"}, True, True, None),  # no public GQA: the private forward
+    ({"is_causal"}, True, False, None),  # no lse output
+])
+def test_public_varlen_options_follow_this_torchs_signature(monkeypatch, params, causal, gqa, want):
+    monkeypatch.setattr(flash, "_VARLEN_PARAMS", frozenset(params))
+    assert flash._public_options(causal, gqa) == want

@@ -114,6 +114,22 @@ def has_paged_kernel() -> bool:
     return {"block_table", "seqused_k", "enable_gqa"} <= _VARLEN_PARAMS
 
 
+def _public_options(causal: bool, gqa: bool) -> dict | None:
+    """``varlen_attn``'s keywords for a causal (or full) call, with GQA if asked, in this
+    torch's spelling (``window_size`` from 2.12, ``is_causal`` before); None where it cannot
+    make the call (no lse output, or no GQA)."""
+    if varlen_attn is None or "return_aux" not in _VARLEN_PARAMS or (gqa and "enable_gqa" not in _VARLEN_PARAMS):
+        return None
+    options = {"enable_gqa": True} if gqa else {}
+    if "window_size" in _VARLEN_PARAMS:
+        options["window_size"] = (-1, 0) if causal else (-1, -1)
+    elif "is_causal" in _VARLEN_PARAMS:
+        options["is_causal"] = causal
+    else:
+        return None
+    return options
+
+
 def _check_inputs(*xs: torch.Tensor) -> None:
     dtypes = {x.dtype for x in xs}
     if len(dtypes) != 1 or not dtypes <= set(_KERNEL_DTYPES):
@@ -137,10 +153,13 @@ def _launch_max_q(max_q: int, q: torch.Tensor, k_heads: int) -> int:
     return max(max_q, 2) if q.shape[1] != k_heads else max_q
 
 
-def _lse_rows(lse: torch.Tensor) -> torch.Tensor:
-    """The kernel's ``[Hq, T_q]`` log-sum-exp as ours, ``[T_q, Hq]`` fp32. A query without
-    keys gets ``-inf`` (FA2 writes ``+inf`` there, which would win every merge)."""
-    lse = lse.t().float()
+def _lse_rows(lse: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The kernel's log-sum-exp as ours, ``[T_q, Hq]`` fp32. torch 2.13's ``varlen_attn``
+    returns the kernel's ``[Hq, T_q]`` (its docstring says ``[T_q, Hq]``; either is read, and
+    the square case is the kernel's). A query without keys gets ``-inf`` (FA2 writes ``+inf``
+    there, which would win every merge)."""
+    rows = lse.shape == q.shape[:2] and q.shape[0] != q.shape[1]
+    lse = (lse if rows else lse.t()).float()
     return lse.masked_fill(lse == float("inf"), float("-inf")).contiguous()
 
 
@@ -163,14 +182,14 @@ def varlen_forward(
     d, gqa = q.shape[-1], q.shape[1] != k.shape[1]
     qp, kp, vp = (_pad_head_dim(x) for x in (q, k, v))
     max_q = _launch_max_q(max_q, q, k.shape[1])
-    if varlen_attn is not None and (not gqa or "enable_gqa" in _VARLEN_PARAMS):
-        extra = {"enable_gqa": True} if gqa else {}
+    options = _public_options(causal, gqa)
+    if options is not None:
         out, lse = varlen_attn(qp, kp, vp, cu_q, cu_k, max_q, max_k, return_aux=AuxRequest(lse=True), scale=scale,
-                               window_size=(-1, 0) if causal else (-1, -1), **extra)
-    else:  # torch without the public API's GQA: the private forward, GQA-native
+                               **options)
+    else:  # a torch whose public API lacks what we pass: the private forward, GQA-native
         forward, _ = _flash_ops()
         out, lse, *_ = forward(qp, kp, vp, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale)
-    return out[..., :d].contiguous(), _lse_rows(lse)
+    return out[..., :d].contiguous(), _lse_rows(lse, q)
 
 
 def paged_forward(
@@ -205,7 +224,7 @@ def paged_forward(
                            return_aux=AuxRequest(lse=True), scale=scale, window_size=(-1, 0),
                            enable_gqa=q.shape[1] != k_pool.shape[2], seqused_k=seqused_k,
                            block_table=block_table.to(torch.int32))
-    return out, _lse_rows(lse)
+    return out, _lse_rows(lse, q)
 
 
 def varlen_backward(

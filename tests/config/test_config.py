@@ -151,6 +151,21 @@ def test_unknown_flavor():
     _expect(DEFAULT, "model.flavor", "unknown flavor '405B'", overrides=("--model.flavor", "405B"))
 
 
+def test_a_flavor_cut_to_a_few_layers(tmp_path):
+    """``[model] n_layers``: the flavor's widths at fewer layers (the 8-GPU smoke test's
+    real-scale configs); the default taps need 7 layers, so a 4-layer cut names its own."""
+    from titan_cotrain.config import resolve_model_args
+    from titan_cotrain.models.args import model_args_for
+
+    config = _load(REPO / "train_configs" / "qwen3_8b_fsdp_cp.toml", "--model.n_layers", "4",
+                   "--draft.tap_layers", "0", "1", "2", "--task.name", "arithmetic", "--draft.vocab_size", "0",
+                   world_size=8)
+    assert resolve_model_args(config) == model_args_for("qwen3", "8B").replace(n_layers=4)
+    _expect(DEFAULT, "draft.tap_layers", "distinct", overrides=("--model.n_layers", "4"))
+    _expect(DEFAULT, "model.n_layers", "without model.hf_path",
+            overrides=("--model.n_layers", "4", "--model.hf_path", str(tmp_path)))
+
+
 def test_missing_hf_folder(tmp_path):
     _expect(DEFAULT, "model.hf_path", "no such directory", overrides=("--model.hf_path", str(tmp_path / "none")))
 

@@ -39,6 +39,13 @@ class Model:
     """Folder with ``tokenizer.json`` (torchtitan's key). Defaults to the project's
     character-level tokenizer. A model loaded from ``hf_path`` uses its own folder's."""
 
+    n_layers: int = 0
+    """Decoder layers of the randomly initialised ``flavor``, its widths unchanged; 0 keeps
+    the flavor's. A real-scale config's layout at a few layers, for a smoke test of its
+    parallelism (``scripts/smoke_8gpu.sh``); below 7 layers EAGLE-3's default tap layers do
+    not exist, so name ``[draft] tap_layers``. Not with ``hf_path`` (its ``config.json`` fixes
+    the shape)."""
+
 
 @dataclass
 class Training:

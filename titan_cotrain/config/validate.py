@@ -15,8 +15,11 @@ def _config_error(message: str):
 
 
 def resolve_model_args(config) -> ModelArgs:
-    """The target's shape: from ``[model] hf_path``'s ``config.json`` or the named flavor."""
+    """The target's shape: from ``[model] hf_path``'s ``config.json`` or the named flavor
+    (with ``[model] n_layers`` decoder layers when set)."""
     m = config.model
+    if m.n_layers < 0 or (m.n_layers and m.hf_path):
+        raise _config_error(f"model.n_layers ({m.n_layers}) must be 0 (the flavor's), or >= 1 without model.hf_path")
     if m.hf_path:
         from titan_cotrain.models.hf import HFCheckpointError, read_hf_model_args
 
@@ -27,9 +30,10 @@ def resolve_model_args(config) -> ModelArgs:
     if m.name not in ARCHITECTURES:
         raise _config_error(f"model.name: unknown architecture {m.name!r}; known: {', '.join(ARCHITECTURES)}")
     try:
-        return model_args_for(m.name, m.flavor)
+        args = model_args_for(m.name, m.flavor)
     except ValueError as e:
         raise _config_error(f"model.flavor: {e}") from None
+    return args.replace(n_layers=m.n_layers) if m.n_layers else args
 
 
 def resolve_tap_layers(config, n_layers: int) -> tuple[int, ...]:

@@ -1,10 +1,11 @@
-"""Peak memory of branch attention (forward + backward) against a dense masked baseline, on CPU,
-in two row layouts: packed documents, and one document as long as the row.
+"""Peak memory of branch attention (forward + backward) against a dense masked baseline, on CPU
+or a CUDA GPU, in two row layouts: packed documents, and one document as long as the row.
 
 Claim checked (docs/DESIGN.md section 3): at a fixed number of TTT passes ``D`` (``P = D - 1``
 branch key sets), branch attention's memory grows linearly in the row length ``S``, while an
 implementation that scores every query against the concatenated keys ``[trunk (S) ;
-branches (P * S)]`` under a dense ``[S, S + P*S]`` mask grows as ``D * S^2``. All tensors fp32.
+branches (P * S)]`` under a dense ``[S, S + P*S]`` mask grows as ``D * S^2``. All tensors fp32
+on CPU, bf16 on a GPU (the flash kernels' dtype).
 
 Two layouts, because a packed row of ``--doc-len``-token documents makes any per-document
 attention linear in ``S`` by construction (more documents, not longer ones):
@@ -49,10 +50,20 @@ Exits non-zero when (checked first: correctness):
 * the control fails: in either layout every doubling must multiply the dense baseline's peak
   by more than 3 (a method that cannot see quadratic growth cannot vouch for linear growth).
 
+On a GPU (``--device cuda``) a point is measured in this process, by the caching allocator's
+own statistics: one untimed call at the same shape first (the kernels' workspaces then belong
+to the baseline), the inputs' gradients dropped, then ``torch.cuda.max_memory_allocated()``
+after one forward + backward minus ``torch.cuda.memory_allocated()`` before it: every tensor
+the op and its autograd held at the worst moment, above the inputs (not the allocator's
+cached slack). ``seconds`` is the median over ``--repeats`` calls timed by CUDA events. The
+correctness check runs on the host in fp64 in both modes.
+
 Writes ``--json`` (records, checks per layout, configuration) and ``--png`` (log-log plot,
 one panel per layout; ``--replot`` redraws it from the JSON).
 
     .venv/bin/python scripts/bench_branch_memory.py     # a few minutes on one thread
+    .venv/bin/python scripts/bench_branch_memory.py --device cuda --seq-lens 2048 4096 8192 16384 32768 65536 131072 \
+        --fit-from 8192 --naive-budget-gb 40               # 8K-128K on one GPU
 """
 
 from __future__ import annotations
@@ -95,9 +106,9 @@ def dense_branch_attention(q, k, v, branch_k, branch_v, cu_seqlens, scale):
     dense ``[S, S + P*S]`` mask (document-causal on the trunk, ``t == t'`` on each branch).
     Shapes as in ``branch_attention``; GQA by repeating the kv heads."""
     s, n_rep = q.shape[0], q.shape[1] // k.shape[1]
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    doc = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
-    pos = torch.arange(s)
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long().to(q.device)
+    doc = torch.repeat_interleave(torch.arange(lengths.numel(), device=q.device), lengths)
+    pos = torch.arange(s, device=q.device)
     trunk_mask = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
     branch_mask = (pos[:, None] == pos[None, :]).repeat(1, branch_k.shape[0])
     mask = torch.cat([trunk_mask, branch_mask], dim=1)
@@ -116,8 +127,10 @@ def doc_lens(layout: str, seq_len: int, doc_len: int) -> list[int]:
     return packed_docs(seq_len, doc_len) if layout == "packed" else [seq_len]
 
 
-def make_inputs(seq_len: int, doc_lens: list[int], branch_sets: int, dtype: torch.dtype, seed: int = 0):
-    """``(q, k, v, branch_k, branch_v)`` requiring grad, ``cu_seqlens``, and a fixed ``grad_out``."""
+def make_inputs(seq_len: int, doc_lens: list[int], branch_sets: int, dtype: torch.dtype, seed: int = 0,
+                device: torch.device | str = "cpu"):
+    """``(q, k, v, branch_k, branch_v)`` on ``device`` requiring grad, ``cu_seqlens`` (host), and a
+    fixed ``grad_out``."""
     g = torch.Generator().manual_seed(seed)
     shapes = [
         (seq_len, N_HEADS, HEAD_DIM),
@@ -126,9 +139,9 @@ def make_inputs(seq_len: int, doc_lens: list[int], branch_sets: int, dtype: torc
         (branch_sets, seq_len, N_KV_HEADS, HEAD_DIM),
         (branch_sets, seq_len, N_KV_HEADS, HEAD_DIM),
     ]
-    tensors = [torch.randn(shape, generator=g, dtype=dtype).requires_grad_() for shape in shapes]
+    tensors = [torch.randn(shape, generator=g, dtype=dtype).to(device).requires_grad_() for shape in shapes]
     cu_seqlens = torch.tensor([0, *torch.tensor(doc_lens).cumsum(0).tolist()], dtype=torch.int32)
-    return tensors, cu_seqlens, torch.randn(shapes[0], generator=g, dtype=dtype)
+    return tensors, cu_seqlens, torch.randn(shapes[0], generator=g, dtype=dtype).to(device)
 
 
 def packed_docs(seq_len: int, doc_len: int) -> list[int]:
@@ -190,8 +203,51 @@ def measure(impl: str, layout: str, seq_len: int, doc_len: int, branch_sets: int
     return {"baseline_rss_bytes": baseline, "input_bytes": input_bytes, "peak_bytes": peak, "seconds": round(seconds, 3)}
 
 
+def measure_cuda(impl: str, layout: str, seq_len: int, doc_len: int, branch_sets: int, repeats: int) -> dict:
+    """One point on the current GPU, in this process (see the module docstring)."""
+    fn = IMPLS[impl]
+    branch_sets = 0 if impl == "trunk" else branch_sets
+    tensors, cu_seqlens, grad_out = make_inputs(seq_len, doc_lens(layout, seq_len, doc_len), branch_sets,
+                                                torch.bfloat16, seed=1, device="cuda")
+    input_bytes = sum(t.numel() * t.element_size() for t in (*tensors, grad_out))
+
+    def call() -> None:
+        for t in tensors:
+            t.grad = None
+        fn(*tensors, cu_seqlens, SCALE).backward(grad_out)
+
+    call()  # untimed: workspaces and first-call setup belong to the baseline
+    for t in tensors:
+        t.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    baseline = torch.cuda.memory_allocated()
+    call()
+    peak = torch.cuda.max_memory_allocated() - baseline
+    times = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / 1e3)
+    del tensors, grad_out
+    torch.cuda.empty_cache()
+    return {"baseline_allocated_bytes": baseline, "input_bytes": input_bytes, "peak_bytes": peak,
+            "seconds": round(sorted(times)[len(times) // 2], 5), "seconds_runs": [round(t, 5) for t in times]}
+
+
 def run_point(impl: str, layout: str, seq_len: int, args: argparse.Namespace) -> dict:
-    """``measure`` in ``args.repeats`` fresh interpreters; the record keeps the median peak and every run's."""
+    """``measure`` in ``args.repeats`` fresh interpreters (CPU), or ``measure_cuda`` (one
+    peak, the median of ``args.repeats`` times); the record keeps the median peak and every run's."""
+    if args.device == "cuda":
+        run = measure_cuda(impl, layout, seq_len, args.doc_len, args.ttt_steps - 1, args.repeats)
+        return {
+            "impl": impl, "layout": layout, "seq_len": seq_len, "ttt_steps": args.ttt_steps,
+            "branch_sets": 0 if impl == "trunk" else args.ttt_steps - 1,
+            "doc_len": args.doc_len if layout == "packed" else seq_len, **run, "peak_bytes_runs": [run["peak_bytes"]],
+        }
     command = [
         sys.executable, __file__, "--child", impl, layout, str(seq_len),
         "--doc-len", str(args.doc_len), "--ttt-steps", str(args.ttt_steps), "--threads", str(args.threads),
@@ -282,7 +338,10 @@ def main() -> int:
     parser.add_argument("--fit-from", type=int, default=4096, help="smallest S in the linearity fit")
     parser.add_argument("--naive-budget-gb", type=float, default=3.0, help="skip dense sizes estimated above this")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=1, help="fresh processes per point; the median is kept")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="fresh processes per point, the median peak kept (CPU); timed calls per point (GPU)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: bf16 on the current GPU, measured by the caching allocator")
     parser.add_argument("--json", type=Path, default=ROOT / "assets" / "bench_branch_memory.json")
     parser.add_argument("--png", type=Path, default=ROOT / "assets" / "bench_branch_memory.png")
     parser.add_argument("--replot", action="store_true", help="only redraw --png from an existing --json")
@@ -322,11 +381,13 @@ def main() -> int:
     if max(e for case in errors.values() for e in case.values()) > MAX_ABS_ERROR_FP64:
         print(f"FAIL: branch attention differs from the dense implementation: {errors}", file=sys.stderr)
         return 1
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     records, skipped = [], []
     for layout in args.layouts:
         for impl in IMPLS:
             for seq_len in args.seq_lens:
-                dense_estimate = DENSE_PEAK_PER_SCORE_MATRIX * N_HEADS * seq_len * (seq_len + branch_sets * seq_len) * 4
+                dense_estimate = (DENSE_PEAK_PER_SCORE_MATRIX * N_HEADS * seq_len * (seq_len + branch_sets * seq_len)
+                                  * dtype.itemsize)
                 if impl == "naive" and dense_estimate > args.naive_budget_gb * 2**30:
                     skipped.append({"impl": impl, "layout": layout, "seq_len": seq_len,
                                     "estimated_peak_bytes": int(dense_estimate)})
@@ -345,13 +406,17 @@ def main() -> int:
         "config": {
             "ttt_steps": args.ttt_steps, "branch_sets": branch_sets, "doc_len": args.doc_len, "layouts": args.layouts,
             "seq_lens": args.seq_lens, "n_heads": N_HEADS,
-            "n_kv_heads": N_KV_HEADS, "head_dim": HEAD_DIM, "dtype": "float32", "threads": args.threads,
+            "n_kv_heads": N_KV_HEADS, "head_dim": HEAD_DIM, "dtype": str(dtype).removeprefix("torch."),
+            "device": torch.cuda.get_device_name() if args.device == "cuda" else "CPU", "threads": args.threads,
             "repeats": args.repeats,
             "naive_budget_bytes": int(args.naive_budget_gb * 2**30), "torch": torch.__version__,
         },
-        "method": "fresh process per run; peak_bytes = VmHWM after one forward+backward minus VmRSS right "
-                  "after resetting VmHWM (/proc/self/clear_refs), with inputs allocated and one warm-up call done; "
-                  "median of the runs",
+        "method": ("in process, after one untimed call at the same shape: peak_bytes = "
+                   "torch.cuda.max_memory_allocated() after one forward+backward minus memory_allocated() before; "
+                   "seconds = median over the timed calls (CUDA events)" if args.device == "cuda" else
+                   "fresh process per run; peak_bytes = VmHWM after one forward+backward minus VmRSS right "
+                   "after resetting VmHWM (/proc/self/clear_refs), with inputs allocated and one warm-up call done; "
+                   "median of the runs"),
         "records": records,
         "skipped": skipped,
         "command": command_line(),
@@ -408,10 +473,12 @@ def plot(records: list[dict], numbers: dict, config: dict, path: Path) -> None:
         fit_from = numbers[layout]["fit_from_seq_len"]
         ax.text(0.02, 0.98, f"log-log slopes from S = {fit_from}:\n" + "\n".join(
             f"{name} {slope:.2f}" for name, slope in slopes.items()), transform=ax.transAxes, va="top", fontsize="small")
-    axes[0][0].set_ylabel("peak MiB above the inputs (RSS), forward + backward")
+    measured = "allocated" if config.get("device", "CPU") != "CPU" else "RSS"
+    axes[0][0].set_ylabel(f"peak MiB above the inputs ({measured}), forward + backward")
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=3, fontsize="small")
-    fig.suptitle(f"branch attention memory, D = {config['ttt_steps']}, CPU, fp32")
+    fig.suptitle(f"branch attention memory, D = {config['ttt_steps']}, {config.get('device', 'CPU')}, "
+                 f"{config.get('dtype', 'float32')}")
     fig.tight_layout(rect=(0, 0.1, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cp import ring_errors  # noqa: E402
 from titan_cotrain.ops.ring_attention import DEFAULT_PIECES  # noqa: E402
+from titan_cotrain.parallel.process_end import exit_process, leave_process_group  # noqa: E402
 
 
 def main() -> int:
@@ -54,8 +55,7 @@ def main() -> int:
         errors, failure = {}, f"rank {rank}:\n{traceback.format_exc()}"
     gathered = [None] * world
     dist.all_gather_object(gathered, (errors, failure))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group(succeeded=True)
     failures = [f for _, f in gathered if f]
     if rank == 0:
         worst = {}
@@ -77,9 +77,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    status = main()
-    # No interpreter finalization: a gloo group that a torch module still holds would be
-    # torn down in it and abort (tests/multiprocess.py tells the story).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    exit_process(main())  # no interpreter finalization (titan_cotrain.parallel.process_end)

@@ -14,7 +14,8 @@ thread is still running. So every rank ends in three steps:
 1. a barrier: no rank tears down (rank 0's store server included) while a peer is still in
    ``fn``;
 2. ``destroy_process_group`` while the interpreter is fully alive;
-3. ``os._exit`` after flushing stdout and stderr: no finalization, so no C++ destructor in it.
+3. ``os._exit`` after flushing stdout and stderr (``exit_process``, as the project's own
+   entry points end): no finalization, so no C++ destructor in it.
 
 A rank whose ``fn`` raised writes its traceback and exits at once with status 1, without a
 barrier or a teardown that could wait on its peers; ``torch.multiprocessing`` then stops the
@@ -24,7 +25,6 @@ other ranks, so one failing rank fails the test instead of hanging it.
 import contextlib
 import os
 import socket
-import sys
 import tempfile
 import traceback
 from pathlib import Path
@@ -33,17 +33,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from titan_cotrain.parallel.process_end import exit_process
+
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _exit(status: int) -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
 
 
 def _worker(rank: int, world_size: int, port: int, fn, args, tracebacks: str) -> None:
@@ -58,8 +54,8 @@ def _worker(rank: int, world_size: int, port: int, fn, args, tracebacks: str) ->
     except BaseException:
         # A file, not a pipe: a long traceback cannot block this rank's exit.
         Path(tracebacks, str(rank)).write_text(traceback.format_exc())
-        _exit(1)
-    _exit(0)
+        exit_process(1)
+    exit_process(0)
 
 
 def run_on_ranks(fn, world_size: int, *args) -> None:

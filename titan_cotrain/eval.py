@@ -31,10 +31,10 @@ import re
 import sys
 
 import torch
-import torch.distributed as dist
 
 from titan_cotrain.config import ConfigError, load_job_config
 from titan_cotrain.data.prompts import PromptDatasetError
+from titan_cotrain.parallel.process_end import exit_process, leave_process_group
 from titan_cotrain.rl.progress import RolloutProgress
 from titan_cotrain.rl.tasks import score
 
@@ -180,8 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"eval error: {e}", file=sys.stderr)
         return 2
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_process_group(succeeded=False)  # one process: no peer to wait for
     folder = os.path.join(config.job.dump_folder, "eval")
     os.makedirs(folder, exist_ok=True)
     stem = os.path.join(folder, "eval_hf" if args.hf_policy else f"eval_step{result['step']}")
@@ -196,4 +195,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

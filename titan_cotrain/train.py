@@ -13,6 +13,7 @@ import torch.distributed as dist
 from titan_cotrain.components import titan
 from titan_cotrain.config import ConfigError, load_job_config
 from titan_cotrain.data.prompts import PromptDatasetError
+from titan_cotrain.parallel.process_end import exit_process, leave_process_group
 from titan_cotrain.rl.nonfinite import NonfiniteStop
 from titan_cotrain.rl.trainer import Trainer
 
@@ -41,8 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     world_size = init_distributed(config)
     rank = dist.get_rank() if dist.is_initialized() else 0
+    succeeded = False
     try:
         Trainer(config, world_size, rank).run()
+        succeeded = True
     except NonfiniteStop as e:  # every rank stops alike; one message, no traceback
         if rank == 0:
             print(f"training stopped: {e}", file=sys.stderr, flush=True)
@@ -51,8 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dataset error: {e}", file=sys.stderr)
         return 2
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_process_group(succeeded=succeeded)
     return 0
 
 
@@ -76,4 +78,4 @@ def _simulate(config, args: list[str], before_training: bool = False) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -313,7 +313,10 @@ class Rollout:
 
     kv_block_size: int = 16
     """Positions per KV block. Smaller blocks waste less of a sequence's last block and share
-    more of a prompt; larger ones mean fewer table entries and bigger copies."""
+    more of a prompt; larger ones mean fewer table entries and bigger copies. On a GPU the
+    decode attention reads the pool in place with the flash kernel's paged path, which takes
+    blocks of a multiple of 256 positions (the shipped real-scale configs set 256); other sizes
+    run, with a warning, through the gathered reference path."""
 
     paged: bool = True
     """false: the static layout instead, one whole-sequence cache row per sequence, prompts in

@@ -88,17 +88,24 @@ def test_a_resume_inside_the_rl_phase_repeats_the_run_exactly(tmp_path):
     (a kill -9 leaves it no more): the next RL steps repeat the uninterrupted run's bit for
     bit. Their ``G = 4`` samples per prompt share the prompt's KV blocks; the new process's
     engine starts with zeroed pools, the uninterrupted one's hold the last rollout's keys,
-    which nothing may read."""
+    which nothing may read.
+
+    The uninterrupted run moves its training state off the device during every rollout
+    (``[rollout] offload_training_state``); a resume without the offload repeats its steps
+    (the state came back bitwise, the checkpoint is the same), and so does one with it."""
     args = (*SHORT, "--task.sft_steps", "1", "--training.steps", "3", "--rl.group_size", "4",
             "--metrics.no-enable_tensorboard")
+    offload = ("--rollout.offload_training_state",)
     full = tmp_path / "full"
-    result = _run(*args, "--job.dump_folder", str(full))
+    result = _run(*args, *offload, "--job.dump_folder", str(full))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     metrics = _metrics(full)
     assert [m["phase"] for m in metrics] == ["sft", "rl", "rl", "rl"]
     assert all(m["rollout/draft_tokens"] > 0 for m in metrics[1:])  # speculative rollouts
+    assert all(m["memory/offloaded_gib"] > 0 for m in metrics[1:])
 
     _assert_repeated_exactly(metrics[2:], _resume(full, 2, args, tmp_path / "resumed"))
+    _assert_repeated_exactly(metrics[2:], _resume(full, 2, (*args, *offload), tmp_path / "resumed_offload"))
 
 
 def test_bad_config_fails_with_one_message(tmp_path):

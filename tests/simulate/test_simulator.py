@@ -110,3 +110,19 @@ def test_pipeline_ranks_are_simulated_each_in_a_fresh_process(tmp_path):
     first, last = result["ranks"]
     assert last["after_step_gib"]["parameters"] > 0 and first["after_step_gib"]["KV cache"] > 0
     assert result["host_collectives"] == []
+
+
+def test_offloaded_training_state_leaves_the_rollout_s_device_memory(tmp_path):
+    """``[rollout] offload_training_state``: during the rollout the device holds neither the
+    fp32 shards nor the optimizer state; the report counts them as host bytes, and the
+    rollout phase's peak drops by them."""
+    shape = ("--model.name", "qwen3", "--model.flavor", "0.6B")
+    resident = simulate(_config(tmp_path, *shape), "debug_cpu.toml")["ranks"][0]
+    moved = simulate(_config(tmp_path, *shape, "--rollout.offload_training_state"), "debug_cpu.toml")["ranks"][0]
+    after = resident["after_step_gib"]
+    state = after["parameters"] + after["optimizer state"] + after.get("reference", 0) + after.get("gradients", 0)
+    assert resident["offloaded_gib"] == 0
+    assert moved["offloaded_gib"] == pytest.approx(state, rel=0.02)
+    drop = resident["phase_peak_gib"]["rollout"] - moved["phase_peak_gib"]["rollout"]
+    assert drop == pytest.approx(moved["offloaded_gib"], rel=0.05)
+    assert moved["after_step_gib"] == pytest.approx(after, rel=1e-6)  # all of it back for the update

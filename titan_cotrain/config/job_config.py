@@ -323,6 +323,14 @@ class Rollout:
     waves of what the budget holds, each sample prefilled on its own; no block gather in the
     decode attention (the fallback where that gather costs more than the memory it saves)."""
 
+    offload_training_state: bool = False
+    """Move the training state off the device while the engine generates: the policy's,
+    draft's and reference's fp32 shards, any gradients and the optimizers' state go to (pinned)
+    host memory after the engine's refresh and come back, bitwise, before the update
+    (``titan_cotrain.rl.offload``). Frees their bytes for the rollout (11.9 GiB per rank at 8B,
+    24.5 at 32B, 25.7 at 70B) at the cost of two host copies of them per step; the host holds
+    them in buffers allocated once."""
+
 
 @dataclass
 class Task:

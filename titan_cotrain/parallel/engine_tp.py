@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 __all__ = ["engine_tp_errors", "engine_tp_mesh", "fill_from_whole", "tensor_parallel_engine_policy",
-           "whole_host_state"]
+           "whole_host_state", "whole_tensor"]
 
 
 def engine_tp_mesh(device_type: str, groups: Sequence[Sequence[int]]) -> DeviceMesh:
@@ -72,6 +72,13 @@ def tensor_parallel_engine_policy(policy: nn.Module, mesh: DeviceMesh) -> None:
 
 
 @torch.no_grad()
+def whole_tensor(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A whole tensor in ``dtype`` from a state-dict entry: DTensors (FSDP2 shards) are cast
+    first, then all-gathered, so the gather moves the engine's bytes (bf16), not fp32; other
+    tensors are returned as they are (the reader's copy casts them)."""
+    return t.to(dtype).full_tensor() if isinstance(t, DTensor) else t
+
+
 def fill_from_whole(dst: torch.Tensor, whole: torch.Tensor) -> None:
     """``dst`` <- ``whole`` (one whole tensor, as every rank of the group has it): a plain
     copy, or for a DTensor this rank's slice of it (no communication)."""

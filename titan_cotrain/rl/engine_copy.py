@@ -10,19 +10,12 @@ from typing import TypeVar
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from titan_cotrain.models.draft import Draft
 from titan_cotrain.models.transformer import Transformer, rope_inv_freq
-from titan_cotrain.parallel.engine_tp import fill_from_whole, tensor_parallel_engine_policy
+from titan_cotrain.parallel.engine_tp import fill_from_whole, tensor_parallel_engine_policy, whole_tensor
 
-__all__ = ["copy_state", "empty_copy", "whole_tensor"]
-
-
-def whole_tensor(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A whole tensor in ``dtype`` from a state-dict entry: DTensors (FSDP2 shards) are cast
-    first, then all-gathered, so the gather moves the engine's bytes (bf16), not fp32."""
-    return t.to(dtype).full_tensor() if isinstance(t, DTensor) else t
+__all__ = ["copy_state", "empty_copy"]
 
 
 @torch.no_grad()

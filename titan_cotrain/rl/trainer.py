@@ -41,6 +41,7 @@ from titan_cotrain.rl.export import export_job
 from titan_cotrain.rl.generation_group import GenerationGroup
 from titan_cotrain.rl.grpo import group_advantages, ppo_loss
 from titan_cotrain.rl.nonfinite import NonfiniteStop, NonfiniteWeights, all_finite, forward_is_finite, nonfinite_flags
+from titan_cotrain.rl.offload import TrainingStateOffload
 from titan_cotrain.rl.progress import RolloutProgress, step_line
 from titan_cotrain.rl.rollout import RolloutEngine
 from titan_cotrain.rl.rollout_metrics import AcceptanceWatch, acceptance_over_tau, rollout_metrics
@@ -156,6 +157,12 @@ class Trainer:
         states["trainer"] = self.state
         self.checkpointer = titan.build_checkpointer(config.checkpoint, config.job.dump_folder, self.policy,
                                                      self.policy_opt, self.policy_lr, states)
+        self.offload = None
+        if config.rollout.offload_training_state:
+            parts = self.pipeline.model_parts if self.pipeline is not None else []
+            self.offload = TrainingStateOffload([self.policy, self.draft, self.reference, *parts],
+                                                [self.policy_opt, self.draft_opt], self.device,
+                                                copy=simulation is None)
         self.tb = None
         if simulation is None and rank == self.log_rank:
             if prompts is not None:
@@ -314,12 +321,29 @@ class Trainer:
         if self.reference is not None and step == self.config.task.sft_steps + 1:
             copy_shards(self.policy, self.reference)  # the reference of the KL term: the policy RL starts from
         t_refresh = time.perf_counter() - t0
-        samples, metrics = self.rollout_phase(step)
+        samples, metrics = self.offloaded_rollout(step)
         metrics |= self.update_phase(step, samples)
         metrics |= acceptance_over_tau(metrics)
         metrics |= self.collapse_watch.judge(metrics)
         metrics["time/refresh_s"] = t_refresh
         return metrics
+
+    def offloaded_rollout(self, step: int) -> tuple[list[Sample], dict[str, float]]:
+        """``rollout_phase``, with the training state off the device meanwhile when
+        ``[rollout] offload_training_state`` (back before this returns, also on an error)."""
+        if self.offload is None:
+            return self.rollout_phase(step)
+        t0 = time.perf_counter()
+        self.offload.away()
+        try:
+            t_away = time.perf_counter() - t0
+            samples, metrics = self.rollout_phase(step)
+        finally:
+            t0 = time.perf_counter()
+            self.offload.back()
+        metrics |= {"time/offload_s": t_away + time.perf_counter() - t0,
+                    "memory/offloaded_gib": self.offload.host_bytes / 2**30}
+        return samples, metrics
 
     def _prompts(self, step: int):
         cfg = self.config

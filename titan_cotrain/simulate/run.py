@@ -15,9 +15,11 @@ response is ``rollout.max_new_tokens`` long.
 
 The report is ``{"config", "world_size", "gpu_memory_gib", "ranks": [{"rank", "role",
 "peak_gib", "by_category_gib", "peak_phase", "largest_at_peak", "phase_peak_gib",
-"after_step_gib", "attention_kernels"}], "host_collectives"}`` (``after_step_gib``: what stays
-alive between steps, by category; ``attention_kernels``: per phase, the flash kernels the
-accelerator path called, whose fake implementations gave the shapes); the job is refused (non-zero exit, naming the rank and its biggest
+"after_step_gib", "attention_kernels", "offloaded_gib"}], "host_collectives"}`` (``after_step_gib``:
+what stays alive between steps, by category; ``attention_kernels``: per phase, the flash
+kernels the accelerator path called, whose fake implementations gave the shapes;
+``offloaded_gib``: the training state ``[rollout] offload_training_state`` keeps on the host
+during the rollout, not counted on the device then); the job is refused (non-zero exit, naming the rank and its biggest
 category) when a rank's peak exceeds the budget, or when any collective was handed a host
 tensor.
 """
@@ -133,9 +135,15 @@ def simulate_rank(config, rank: int, world_size: int) -> tuple[dict, list[str]]:
             step = config.task.sft_steps + 1
             tracker.phase("optimizer state")
             _warm_optimizers(trainer)
+            offload = trainer.offload  # as Trainer.offloaded_rollout, the phase starting without the state
+            if offload is not None:
+                offload.away()
             tracker.phase("rollout")
             kernels = {"construction": dict(device.attention_kernels)}
             samples, _ = trainer.rollout_phase(step)
+            if offload is not None:
+                offload.back()
+            offloaded = offload.host_bytes if offload is not None else 0
             kernels["rollout"] = dict(device.attention_kernels - collections.Counter(kernels["construction"]))
             tracker.phase("update")
             before = collections.Counter(device.attention_kernels)
@@ -160,6 +168,7 @@ def simulate_rank(config, rank: int, world_size: int) -> tuple[dict, list[str]]:
         "phase_peak_gib": {k: v / GIB for k, v in tracker.phase_peaks.items()},
         "after_step_gib": {k: v / GIB for k, v in sorted(after_step.items(), key=lambda kv: -kv[1])},
         "attention_kernels": {phase: calls for phase, calls in kernels.items() if calls},
+        "offloaded_gib": offloaded / GIB,
     }
     return report, device.host_collectives
 

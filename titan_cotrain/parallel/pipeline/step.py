@@ -20,6 +20,7 @@ from torch import nn
 from titan_cotrain.cotrain.step import PackedBatch, PolicyLossFn, prepare_microbatch, scale_gradients, scales_and_metrics
 from titan_cotrain.data.packing import LabelRows
 from titan_cotrain.ops.context import context_parallel
+from titan_cotrain.parallel.engine_tp import whole_tensor
 from titan_cotrain.parallel.pipeline.build import Pipeline
 
 __all__ = ["clip_grad_norms", "gather_state_dict", "pipeline_step"]
@@ -170,8 +171,9 @@ class _BroadcastState(Mapping):
         owner = self.p.plan.stage_ranks[self.stage_of(name)]
         shape, dtype = self.templates[name]
         if owner == self.pp_rank:
-            t = self.local[self.prefix + name]
-            t = (t.full_tensor() if hasattr(t, "full_tensor") else t).to(self.p.device, dtype).contiguous()
+            # Cast before the FSDP gather: the engine's bytes move, not fp32 (70B: 2 x 3.9 GiB
+            # for the embedding and the output head gathered whole).
+            t = whole_tensor(self.local[self.prefix + name], dtype).to(self.p.device, dtype).contiguous()
         else:
             t = torch.empty(shape, dtype=dtype, device=self.p.device)
         dist.broadcast(t, group=self.p.pp_group, group_src=owner)

@@ -34,36 +34,9 @@ set -uo pipefail
 CALLER=$PWD
 cd "$(dirname "$0")/.."
 
-NAME="" OUT="" CPU=0
-while [ $# -gt 0 ]; do
-    case $1 in
-        --name) NAME=$2; shift 2 ;;
-        --out) OUT=$2; shift 2 ;;
-        --cpu) CPU=1; shift ;;
-        *) echo "usage: bash scripts/gpu_check.sh [--name NAME] [--out DIR] [--cpu]" >&2; exit 2 ;;
-    esac
-done
-[ -n "$OUT" ] && OUT=$(cd "$CALLER" && realpath -m -- "$OUT")  # relative to where it was called from
-PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if [ "$CPU" = 1 ]; then
-    export OMP_NUM_THREADS=1
-    OUT=${OUT:-$(mktemp -d -t gpu_check.XXXXXX)}
-elif ! "$PYTHON" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
-    echo "gpu_check.sh: no CUDA device visible to $PYTHON (on a machine without one: --cpu)" >&2
-    exit 2
-fi
-OUT=${OUT:-assets/gpu}
-NAME=${NAME:-$("$PYTHON" scripts/gpu_report.py name)}
-RUN="$OUT/$NAME"
-SCRATCH=$(mktemp -d -t gpu_check_jobs.XXXXXX)
-trap 'rm -rf "$SCRATCH"' EXIT
-rm -rf "$RUN"
-mkdir -p "$RUN/logs"
-FAILED=()
 source scripts/gpu_stages.sh
-TORCHRUN=("$PYTHON" -m torch.distributed.run --standalone)
-echo "gpu_check: $([ "$CPU" = 1 ] && echo "--cpu mode" || echo "on $NAME"), results in $RUN"
+stages_begin gpu_check "" "import torch, sys; sys.exit(not torch.cuda.is_available())" \
+    "no CUDA device visible" "$@"
 
 # -- pytest_gpu
 if [ "$CPU" = 1 ]; then

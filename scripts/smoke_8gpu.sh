@@ -34,36 +34,9 @@ set -uo pipefail
 CALLER=$PWD
 cd "$(dirname "$0")/.."
 
-NAME="" OUT="" CPU=0
-while [ $# -gt 0 ]; do
-    case $1 in
-        --name) NAME=$2; shift 2 ;;
-        --out) OUT=$2; shift 2 ;;
-        --cpu) CPU=1; shift ;;
-        *) echo "usage: bash scripts/smoke_8gpu.sh [--name NAME] [--out DIR] [--cpu]" >&2; exit 2 ;;
-    esac
-done
-[ -n "$OUT" ] && OUT=$(cd "$CALLER" && realpath -m -- "$OUT")  # relative to where it was called from
-PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if [ "$CPU" = 1 ]; then
-    export OMP_NUM_THREADS=1
-    OUT=${OUT:-$(mktemp -d -t smoke_8gpu.XXXXXX)}
-elif ! "$PYTHON" -c "import torch, sys; sys.exit(torch.cuda.device_count() < 8)"; then
-    echo "smoke_8gpu.sh: fewer than 8 CUDA devices visible to $PYTHON (on a machine without them: --cpu)" >&2
-    exit 2
-fi
-OUT=${OUT:-assets/gpu}
-NAME=${NAME:-$("$PYTHON" scripts/gpu_report.py name)}_smoke_8gpu
-RUN="$OUT/$NAME"
-SCRATCH=$(mktemp -d -t smoke_8gpu_jobs.XXXXXX)
-trap 'rm -rf "$SCRATCH"' EXIT
-rm -rf "$RUN"
-mkdir -p "$RUN/logs"
-FAILED=()
 source scripts/gpu_stages.sh
-TORCHRUN=("$PYTHON" -m torch.distributed.run --standalone)
-echo "smoke_8gpu: $([ "$CPU" = 1 ] && echo "--cpu mode" || echo "on $NAME"), results in $RUN"
+stages_begin smoke_8gpu _smoke_8gpu "import torch, sys; sys.exit(torch.cuda.device_count() < 8)" \
+    "fewer than 8 CUDA devices visible" "$@"
 
 COMMON=(--model.hf_assets_path assets/tokenizer --task.name arithmetic --draft.vocab_size 0 --task.sft_steps 1
         --task.sft_batch_size 8 --training.steps 2 --checkpoint.no-enable --metrics.no-enable_tensorboard)

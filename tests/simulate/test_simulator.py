@@ -126,3 +126,21 @@ def test_offloaded_training_state_leaves_the_rollout_s_device_memory(tmp_path):
     drop = resident["phase_peak_gib"]["rollout"] - moved["phase_peak_gib"]["rollout"]
     assert drop == pytest.approx(moved["offloaded_gib"], rel=0.05)
     assert moved["after_step_gib"] == pytest.approx(after, rel=1e-6)  # all of it back for the update
+
+
+@pytest.mark.parametrize("name, world, ranks", [("qwen3_32b_pp_cp", 16, [0, 4, 12]),
+                                                ("llama3_70b_pp_cp", 32, [0, 8, 24])])
+def test_every_pipeline_role_is_simulated(name, world, ranks):
+    """The real-scale PP configs' default simulated ranks: the embedding's PP rank, the head's
+    (with the draft), and the middle rank holding the most decoder layers (17 of 64 at 32B,
+    21 of 80 at 70B: one more than the embedding's rank, two more than the head's)."""
+    from titan_cotrain.config import resolve_model_args
+    from titan_cotrain.parallel.pipeline.build import plan_from_config
+    from titan_cotrain.simulate.run import _default_ranks, world_size_of
+
+    config = load_job_config(["--job.config_file", f"train_configs/{name}.toml", "--simulate.enable"],
+                             world_size="config")
+    assert world_size_of(config) == world and _default_ranks(config, world) == ranks
+    plan = plan_from_config(config, resolve_model_args(config).n_layers)
+    layers = [sum(len(plan.layer_ranges[s]) for s in plan.stages_of(r)) for r in range(4)]
+    assert layers[ranks[1] // (world // 4)] == max(layers) == layers[0] + 1 == layers[-1] + 2

@@ -3,7 +3,7 @@
 ``python -m titan_cotrain.train --job.config_file F --simulate.enable [--simulate.gpu_memory_gib 80]``
 
 For each simulated rank (``[simulate] ranks``; default rank 0 and, under PP, the first
-rank of the last stage) the real ``Trainer`` runs at the config's world size and shapes on
+rank of every other pipeline role: the head's, and the middle rank with the most layers) the real ``Trainer`` runs at the config's world size and shapes on
 ``simgpu`` (``titan_cotrain.simulate.device``) with torch's fake process group:
 construction; the optimizers' state made first, as a running job holds it from its first
 step on; one rollout phase (the real engine: the sequences its KV pool admits at once, then
@@ -59,12 +59,24 @@ def world_size_of(config) -> int:
 
 
 def _default_ranks(config, world_size: int) -> list[int]:
-    """Rank 0 and, under PP, a rank of the last stage (torchtitan's mesh puts pp outermost)."""
+    """Rank 0 and, under PP, one rank of every other pipeline role: the PP rank of the head
+    (and the draft), and of the middle ranks (no embedding, no head) the one holding the
+    most layers (torchtitan's mesh puts pp outermost, so PP rank ``r``'s first rank is
+    ``r x world / pp``)."""
     pp = config.parallelism.pipeline_parallel_degree
-    ranks = [0]
-    if pp > 1:
-        ranks.append((pp - 1) * (world_size // pp))
-    return ranks
+    if pp == 1:
+        return [0]
+    from titan_cotrain.config import resolve_model_args
+    from titan_cotrain.parallel.pipeline.build import plan_from_config
+
+    plan = plan_from_config(config, resolve_model_args(config).n_layers)
+    last = plan.num_stages - 1
+    ends = {plan.stage_ranks[0], plan.stage_ranks[last]}  # the embedding's and the head's PP ranks
+    middle = [r for r in range(pp) if r not in ends]
+    layers = [sum(len(plan.layer_ranges[s]) for s in plan.stages_of(r)) for r in range(pp)]
+    # Middle ranks differ only in layers: the one holding the most stands for them all.
+    chosen = sorted(ends | ({max(middle, key=lambda r: layers[r])} if middle else set()))
+    return [r * (world_size // pp) for r in chosen]
 
 
 def _storages(tensors, category: str, out: dict[int, str]) -> None:

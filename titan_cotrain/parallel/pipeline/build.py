@@ -29,7 +29,7 @@ from titan_cotrain.parallel.pipeline.plan import PipelinePlan, layers_per_stage_
 from titan_cotrain.parallel.pipeline.stage import LocalPolicy, TransformerStage
 from titan_cotrain.parallel.tap_channel import TapChannel
 
-__all__ = ["Pipeline", "build_pipeline", "build_schedule", "make_pipeline"]
+__all__ = ["Pipeline", "build_pipeline", "build_schedule", "make_pipeline", "plan_from_config"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Zero-bubble schedules: their weight passes do not compose with FSDP-sharded stages (yet).
@@ -261,7 +261,23 @@ def build_pipeline(
     if (p.context_parallel_degree > 1) != (cp_mesh is not None):
         raise ValueError(f"parallelism.context_parallel_degree is {p.context_parallel_degree}: pass cp_mesh "
                          "(and cp_row_len) exactly when it is above 1")
-    n_layers = policy.args.n_layers
+    plan = plan_from_config(config, policy.args.n_layers)
+    mb = p.pipeline_parallel_microbatch_size
+    return make_pipeline(
+        policy, draft, pp_mesh, plan, microbatch_size=mb, n_microbatches=t.local_batch_size // mb,
+        seq_len=t.seq_len, policy_loss_fn=policy_loss_fn, ttt_steps=d.ttt_steps, pass_decay=d.pass_decay,
+        draft_loss_weight=d.loss_weight, draft_loss_on=d.loss_on, loss_group=loss_group, cp_mesh=cp_mesh,
+        cp_row_len=cp_row_len, tap_timeout=timedelta(seconds=config.comm.train_timeout_seconds),
+        device=device, shard=shard,
+        activation_dtype=_DTYPES[t.mixed_precision_param] if shard is not None else None,
+    )
+
+
+def plan_from_config(config, n_layers: int) -> PipelinePlan:
+    """The job's stages over its PP ranks: ``[parallelism] module_fqns_per_model_part``
+    (explicit split, our module names), ``pipeline_parallel_layers_per_stage``, or the even
+    split of ``pipeline_parallel_schedule``'s stages with the first/last stage weights."""
+    p = config.parallelism
     layers_per_stage = stages_per_rank = None
     if p.module_fqns_per_model_part:
         layers_per_stage = layers_per_stage_from_fqns(p.module_fqns_per_model_part, n_layers)
@@ -272,17 +288,8 @@ def build_pipeline(
             raise ValueError(f"parallelism.pipeline_parallel_layers_per_stage gives {n_stages} stages, "
                              f"not a multiple of pipeline_parallel_degree {p.pipeline_parallel_degree}")
         stages_per_rank = n_stages // p.pipeline_parallel_degree
-    plan = plan_pipeline(
+    return plan_pipeline(
         n_layers, p.pipeline_parallel_degree, p.pipeline_parallel_schedule, layers_per_stage=layers_per_stage,
         stages_per_rank=stages_per_rank, first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
         last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers,
-    )
-    mb = p.pipeline_parallel_microbatch_size
-    return make_pipeline(
-        policy, draft, pp_mesh, plan, microbatch_size=mb, n_microbatches=t.local_batch_size // mb,
-        seq_len=t.seq_len, policy_loss_fn=policy_loss_fn, ttt_steps=d.ttt_steps, pass_decay=d.pass_decay,
-        draft_loss_weight=d.loss_weight, draft_loss_on=d.loss_on, loss_group=loss_group, cp_mesh=cp_mesh,
-        cp_row_len=cp_row_len, tap_timeout=timedelta(seconds=config.comm.train_timeout_seconds),
-        device=device, shard=shard,
-        activation_dtype=_DTYPES[t.mixed_precision_param] if shard is not None else None,
     )

@@ -273,3 +273,13 @@ def test_draft_combinations_that_run_are_accepted():
                       ("--rollout.no-speculative", "--rollout.draft_tokens", "0"),
                       ("--draft.freeze_after_sft", "--rollout.no-speculative")):
         _load(DEFAULT, *overrides)
+
+
+def test_an_engine_group_larger_than_a_node_is_refused(tmp_path, monkeypatch):
+    """torchrun's LOCAL_WORLD_SIZE bounds [rollout] tensor_parallel_degree: a larger engine
+    group would all-reduce across nodes twice per layer and step."""
+    path = _write(tmp_path, "[parallelism]\ncontext_parallel_degree = 2\n[rollout]\ntensor_parallel_degree = 2\n")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    _expect(path, "rollout.tensor_parallel_degree (2) exceeds the 1 processes of a node", world_size=2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert _load(path, world_size=2).rollout.tensor_parallel_degree == 2

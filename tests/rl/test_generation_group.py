@@ -39,6 +39,18 @@ def test_tensor_parallel_engine_groups_generate_together_and_their_first_rank_se
         GenerationGroup(pp, dp, cp, 0, split=True, dp_rank=0, communicate=False, tensor_parallel=3)
 
 
+def test_nodes_an_engine_group_spans():
+    """In the [pp, dp, cp] layout an engine group of a data-parallel coordinate's CP x PP peers
+    lies on one node only without PP: the 70B layout (PP 4 x DP 4 x CP 2, TP 8) spreads each
+    group over 4 nodes of 8 GPUs; FSDP 4 x CP 2 with TP 2 keeps each in one."""
+    pp, dp, cp = 4, 4, 2
+    group = GenerationGroup(pp, dp, cp, 0, split=True, dp_rank=0, communicate=False, tensor_parallel=8)
+    assert group.engine_groups()[0] == [0, 1, 8, 9, 16, 17, 24, 25]
+    assert group.nodes_spanned(8) == 4 and group.nodes_spanned(32) == 1
+    assert GenerationGroup(1, 4, 2, 0, split=True, dp_rank=0, communicate=False,
+                           tensor_parallel=2).nodes_spanned(8) == 1
+
+
 ARGS = ("--task.sft_steps", "0", "--training.steps", "1", "--training.seq_len", "64", "--rl.prompts_per_step", "4",
         "--rl.group_size", "2", "--rollout.max_new_tokens", "8", "--parallelism.context_parallel_degree", "2",
         "--checkpoint.no-enable", "--metrics.no-enable_tensorboard")

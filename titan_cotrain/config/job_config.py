@@ -291,7 +291,9 @@ class Rollout:
     peers of one data-parallel coordinate (ranks that train the same rows), so it must divide
     ``context_parallel_degree x pipeline_parallel_degree``, and the policy's heads, KV heads,
     FFN width and vocabulary. Each rank holds ``1 / t`` of the weights and of the target's KV
-    cache; the draft stays whole. The engine groups of a coordinate share its prompts out."""
+    cache; the draft stays whole. The engine groups of a coordinate share its prompts out.
+    Under torchrun it may not exceed a node's processes (``LOCAL_WORLD_SIZE``); a group whose
+    ranks still lie on several nodes (PP outermost in the rank layout) is warned about at start."""
 
     compile: bool = False
     """``torch.compile`` the engine's decoding steps (target decode / verify, the draft's chain

@@ -198,6 +198,10 @@ def validate_job_config(config, world_size: int, source: str = "<config>") -> No
     if tp < 1 or peers % tp:
         errors.append(f"rollout.tensor_parallel_degree ({tp}) must divide context_parallel_degree x "
                       f"pipeline_parallel_degree = {peers}: an engine group is made of ranks that train the same rows")
+    gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))  # torchrun's; unset when simulating
+    if gpus_per_node and tp > gpus_per_node:
+        errors.append(f"rollout.tensor_parallel_degree ({tp}) exceeds the {gpus_per_node} processes of a node "
+                      "(LOCAL_WORLD_SIZE): an engine group's all-reduces, two per layer and step, would cross nodes")
     if config.rl.tis_cap > 0 and config.rl.updates_per_step != 1:
         errors.append(f"rl.tis_cap needs rl.updates_per_step = 1 (got {config.rl.updates_per_step}): the trainer's "
                       "log-probs it weights by are the single update's own")

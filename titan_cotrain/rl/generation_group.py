@@ -66,6 +66,11 @@ class GenerationGroup:
         t = self.tensor_parallel
         return [ranks[i: i + t] for ranks in self.groups for i in range(0, len(ranks), t)]
 
+    def nodes_spanned(self, gpus_per_node: int) -> int:
+        """The most nodes one engine group's ranks lie on (ranks ``n x gpus_per_node ..`` on
+        node ``n``): 1 when every tensor-parallel all-reduce of the engine stays in a node."""
+        return max(len({rank // gpus_per_node for rank in ranks}) for ranks in self.engine_groups())
+
     def share(self, n_problems: int, member: int | None = None) -> list[int]:
         """The indices (of ``n_problems``) that ``member`` (default: this rank) generates,
         with the rest of its engine group."""

@@ -124,6 +124,12 @@ class Trainer:
         self.engine_mesh = None
         if config.rollout.tensor_parallel_degree > 1:
             self.engine_mesh = engine_tp_mesh(self.device.type, self.generation.engine_groups())
+            gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+            nodes = self.generation.nodes_spanned(gpus_per_node) if gpus_per_node else 1
+            if nodes > 1 and rank == 0:
+                print(f"warning: an engine group of [rollout] tensor_parallel_degree = "
+                      f"{config.rollout.tensor_parallel_degree} spans {nodes} nodes (the ranks that train the same "
+                      "rows lie on several nodes in the [pp, dp, cp] layout): its all-reduces cross nodes", flush=True)
         self.engine = RolloutEngine.from_models(
             models.engine_policy, models.engine_draft, device=self.device,
             max_batch_size=max(self.generation.max_share(self.prompts_per_rank) * config.rl.group_size, 1),

@@ -20,6 +20,7 @@ would hold.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 import torch
@@ -50,6 +51,7 @@ class TrainingStateOffload:
         self._host: dict[int, torch.Tensor] = {}  # storage key -> host bytes, kept across steps
         self._away: list[tuple[torch.UntypedStorage, int, int]] = []  # (storage, key, bytes)
         self.host_bytes = 0  # what the last away() moved
+        self.seconds = 0.0  # the wall time of the last away() and back()
 
     def _tensors(self) -> Iterable[torch.Tensor]:
         for module in self.modules:
@@ -67,7 +69,7 @@ class TrainingStateOffload:
         """Every distinct non-empty storage on the device, once."""
         seen, out = set(), []
         for t in self._tensors():
-            if t.device != self.device:
+            if t.device.type != self.device.type:
                 continue
             storage = t.untyped_storage()
             key, nbytes = storage._cdata, storage.nbytes()
@@ -85,6 +87,7 @@ class TrainingStateOffload:
         """Copy every storage to the host and free it on the device."""
         if self._away:
             raise RuntimeError("the training state is already off the device")
+        t0 = time.perf_counter()
         storages = self._storages()
         keys = {key for _, key, _ in storages}
         self._host = {key: host for key, host in self._host.items() if key in keys}  # storages since replaced
@@ -100,12 +103,15 @@ class TrainingStateOffload:
             storage.resize_(0)
         self._away = storages
         self.host_bytes = sum(nbytes for _, _, nbytes in storages)
+        self.seconds = time.perf_counter() - t0
 
     @torch.no_grad()
     def back(self) -> None:
         """Give every storage ``away()`` freed its size and bytes back."""
+        t0 = time.perf_counter()
         for storage, key, nbytes in self._away:
             storage.resize_(nbytes)
             if self.copy:
                 storage.copy_(self._host[key].untyped_storage(), non_blocking=self.pinned)
         self._away = []
+        self.seconds += time.perf_counter() - t0

@@ -13,6 +13,7 @@ the uninterrupted one exactly when the drafted tokens per round are fixed
 (``[rollout] adaptive_speculation = false``). Which rank holds what under FSDP, CP and PP:
 ``docs/DESIGN.md`` sections 4, 5 and 10.
 """
+import contextlib
 import json
 import os
 import random
@@ -327,29 +328,28 @@ class Trainer:
         if self.reference is not None and step == self.config.task.sft_steps + 1:
             copy_shards(self.policy, self.reference)  # the reference of the KL term: the policy RL starts from
         t_refresh = time.perf_counter() - t0
-        samples, metrics = self.offloaded_rollout(step)
+        with self.training_state_away():
+            samples, metrics = self.rollout_phase(step)
+        if self.offload is not None:
+            metrics |= {"time/offload_s": self.offload.seconds, "memory/offloaded_gib": self.offload.host_bytes / 2**30}
         metrics |= self.update_phase(step, samples)
         metrics |= acceptance_over_tau(metrics)
         metrics |= self.collapse_watch.judge(metrics)
         metrics["time/refresh_s"] = t_refresh
         return metrics
 
-    def offloaded_rollout(self, step: int) -> tuple[list[Sample], dict[str, float]]:
-        """``rollout_phase``, with the training state off the device meanwhile when
-        ``[rollout] offload_training_state`` (back before this returns, also on an error)."""
+    @contextlib.contextmanager
+    def training_state_away(self):
+        """With ``[rollout] offload_training_state``, the training state off the device for
+        the block (the rollout) and back after it, also after an error; else nothing."""
         if self.offload is None:
-            return self.rollout_phase(step)
-        t0 = time.perf_counter()
+            yield
+            return
         self.offload.away()
         try:
-            t_away = time.perf_counter() - t0
-            samples, metrics = self.rollout_phase(step)
+            yield
         finally:
-            t0 = time.perf_counter()
             self.offload.back()
-        metrics |= {"time/offload_s": t_away + time.perf_counter() - t0,
-                    "memory/offloaded_gib": self.offload.host_bytes / 2**30}
-        return samples, metrics
 
     def _prompts(self, step: int):
         cfg = self.config

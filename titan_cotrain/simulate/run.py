@@ -3,9 +3,9 @@
 ``python -m titan_cotrain.train --job.config_file F --simulate.enable [--simulate.gpu_memory_gib 80]``
 
 For each simulated rank (``[simulate] ranks``; default rank 0 and, under PP, the first
-rank of every other pipeline role: the head's, and the middle rank with the most layers) the real ``Trainer`` runs at the config's world size and shapes on
-``simgpu`` (``titan_cotrain.simulate.device``) with torch's fake process group:
-construction; the optimizers' state made first, as a running job holds it from its first
+rank of every other pipeline role: the head's, and the middle rank with the most layers)
+the real ``Trainer`` runs at the config's world size and shapes on ``simgpu``
+(``titan_cotrain.simulate.device``) with torch's fake process group: construction; the optimizers' state made first, as a running job holds it from its first
 step on; one rollout phase (the real engine: the sequences its KV pool admits at once, then
 ``[simulate] decode_rounds`` decoding rounds at their longest); packing; one update over the real microbatches (the first
 ``[simulate] microbatches`` of them, or one schedule step under PP: memory repeats from one
@@ -19,8 +19,8 @@ The report is ``{"config", "world_size", "gpu_memory_gib", "ranks": [{"rank", "r
 what stays alive between steps, by category; ``attention_kernels``: per phase, the flash
 kernels the accelerator path called, whose fake implementations gave the shapes;
 ``offloaded_gib``: the training state ``[rollout] offload_training_state`` keeps on the host
-during the rollout, not counted on the device then); the job is refused (non-zero exit, naming the rank and its biggest
-category) when a rank's peak exceeds the budget, or when any collective was handed a host
+during the rollout, not counted on the device then); the job is refused (non-zero exit,
+naming the rank and its biggest category) when a rank's peak exceeds the budget, or when any collective was handed a host
 tensor.
 """
 
@@ -147,15 +147,11 @@ def simulate_rank(config, rank: int, world_size: int) -> tuple[dict, list[str]]:
             step = config.task.sft_steps + 1
             tracker.phase("optimizer state")
             _warm_optimizers(trainer)
-            offload = trainer.offload  # as Trainer.offloaded_rollout, the phase starting without the state
-            if offload is not None:
-                offload.away()
-            tracker.phase("rollout")
-            kernels = {"construction": dict(device.attention_kernels)}
-            samples, _ = trainer.rollout_phase(step)
-            if offload is not None:
-                offload.back()
-            offloaded = offload.host_bytes if offload is not None else 0
+            with trainer.training_state_away():  # the rollout phase starts without the offloaded state
+                tracker.phase("rollout")
+                kernels = {"construction": dict(device.attention_kernels)}
+                samples, _ = trainer.rollout_phase(step)
+            offloaded = trainer.offload.host_bytes if trainer.offload is not None else 0
             kernels["rollout"] = dict(device.attention_kernels - collections.Counter(kernels["construction"]))
             tracker.phase("update")
             before = collections.Counter(device.attention_kernels)

@@ -138,6 +138,9 @@ CASES = {
     # 12 rows for 32 sequences and blocks for 6 at their longest: groups wait, enter as rows
     # and blocks free up, and a group of 4 can be split.
     "continuous batching": (dict(block_size=4, max_batch_size=12, kv_blocks_for=6), 4, 3),
+    # Blocks for 2 sequences at their longest and 12 rows: sequences are preempted and
+    # recomputed (target KV and draft trunk rebuilt from their committed tokens).
+    "preemption": (dict(block_size=4, max_batch_size=12, kv_blocks_for=2), 4, 3),
 }
 
 
@@ -157,6 +160,10 @@ def test_engine_acceptance_is_the_ttt_accuracy(pair, case):
     engine = _engine(target, draft, engine_kwargs)
     out = engine.generate(prompts, PARAMS, samples_per_prompt=samples, draft_tokens=k)
     mean_accepted = check_rounds(engine, target, draft, prompts, out, samples, k)
+    if case == "preemption":  # the recomputed keys are read, not only written
+        assert out.stats.preemptions > 0 and out.stats.recomputed_tokens > 0
+    if "kv_blocks_for" not in engine_kwargs:  # blocks for every row at its longest
+        assert out.stats.preemptions == 0
     # The pair drafts well, so a draft reading wrong keys cannot agree by accident.
     assert mean_accepted > 0.6 * k, f"the fitted draft accepts only {mean_accepted:.2f} of {k} per round"
 

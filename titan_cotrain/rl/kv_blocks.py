@@ -19,12 +19,19 @@ copy): from position ``P - 1`` on, a sample's cache is its own (the draft's key 
 ``P - 1`` reads the sample's first token). Blocks are counted by reference and return to
 the free list with their last reader.
 
-Admission reserves a sequence's worst case (``P + max_new_tokens + k + 1`` positions), so
-a running sequence never waits for a block and nothing is ever preempted; blocks are taken
-from the reservation as positions are reached and the rest is returned when the sequence
-finishes. A group too big for the whole pool (or for the rows) waits as several smaller ones,
-each prefilled on its own. ``waves = True`` admits only into an empty batch (the static
-engine's schedule).
+Admission goes by the blocks a sequence uses, not by its worst case (vLLM's scheduler is
+the model). A group enters when rows are free and the pool has the blocks of its first
+round: the prompt's, each sample's own, and what the running rows take in the next round.
+A sequence then takes blocks as it grows. When a round needs a block and the pool has
+none, the most recently admitted sequence is *preempted*: its blocks are freed (a shared
+prompt block with its last reader) and it waits, ahead of every new group, to be
+*recomputed*: one prefill of its prompt and its committed tokens rebuilds its target KV and
+draft trunk exactly as decoding had left them, and it goes on from where it was (no token
+is drawn again, so results do not change). The oldest sequence is never preempted by a
+younger one and a sequence at its longest fits the pool alone, so every call finishes.
+A group too big for the rows waits as several smaller ones, each prefilled on its own.
+``waves = True`` admits only into an empty batch (the static engine's schedule, one block
+a row: it never preempts).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from dataclasses import dataclass, field
 
 from titan_cotrain.models.kv_cache import SCRATCH_BLOCK
 
-__all__ = ["Admitted", "BlockAllocator", "Scheduler"]
+__all__ = ["Admitted", "BlockAllocator", "Resumed", "Scheduler"]
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -43,16 +50,15 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 class BlockAllocator:
-    """Free list, reference counts and reservations of a pool's ``n_blocks`` blocks, the
-    lowest free block first. With ``scratch``, block ``SCRATCH_BLOCK`` is never handed out
-    (a paged pool); without, every block is (the static layout, whose rows are blocks
-    ``0 ..`` in order). ``peak`` is the most blocks in use at once."""
+    """Free list and reference counts of a pool's ``n_blocks`` blocks, the lowest free block
+    first. With ``scratch``, block ``SCRATCH_BLOCK`` is never handed out (a paged pool);
+    without, every block is (the static layout, whose rows are blocks ``0 ..`` in order).
+    ``peak`` is the most blocks in use at once."""
 
     def __init__(self, n_blocks: int, scratch: bool = True) -> None:
         self.free = [b for b in range(n_blocks) if not (scratch and b == SCRATCH_BLOCK)]  # a heap
         self.n_blocks = len(self.free)  # the blocks it hands out
         self.refs = [0] * n_blocks
-        self.reserved = 0
         self.peak = 0
 
     @property
@@ -60,19 +66,12 @@ class BlockAllocator:
         return self.n_blocks - len(self.free)
 
     def available(self) -> int:
-        """Blocks neither taken nor promised."""
-        return len(self.free) - self.reserved
-
-    def reserve(self, n: int) -> None:
-        if n > self.available():
-            raise RuntimeError(f"reserving {n} blocks with {self.available()} available")
-        self.reserved += n
+        return len(self.free)
 
     def take(self) -> int:
-        """One block out of a reservation, referenced once."""
-        if self.reserved < 1:
-            raise RuntimeError("take() without a reservation")
-        self.reserved -= 1
+        """One free block, referenced once."""
+        if not self.free:
+            raise RuntimeError("take() from an empty pool")
         block = heapq.heappop(self.free)
         self.refs[block] = 1
         self.peak = max(self.peak, self.in_use)
@@ -81,13 +80,12 @@ class BlockAllocator:
     def share(self, block: int) -> None:
         self.refs[block] += 1
 
-    def release(self, blocks: list[int], unreserve: int = 0) -> None:
-        """Drop one reference to each of ``blocks`` and return ``unreserve`` promised blocks."""
+    def release(self, blocks: list[int]) -> None:
+        """Drop one reference to each of ``blocks``; a block nobody reads is free again."""
         for block in blocks:
             self.refs[block] -= 1
             if self.refs[block] == 0:
                 heapq.heappush(self.free, block)
-        self.reserved -= unreserve
 
 
 @dataclass
@@ -95,24 +93,42 @@ class _Row:
     prompt: int
     seq: int  # output row of the sequence, prompt * G + sample
     blocks: list[int]
-    reserved: int  # blocks still promised to it
-    length: int  # committed tokens, as the host last knew (an upper bound in a simulated run)
+    length: int  # committed tokens, as the host last knew
+    order: int  # admission order: the highest is preempted first
+
+
+@dataclass
+class Resumed:
+    """A preempted sequence back in a row: output row ``seq`` of prompt ``prompt`` with
+    ``length`` committed tokens, whose positions ``0 .. length - 2`` the engine recomputes
+    into ``blocks`` (row ``slot``)."""
+
+    seq: int
+    prompt: int
+    length: int
+    slot: int
+    blocks: list[int]
 
 
 @dataclass
 class Admitted:
-    """Groups that enter the batch this round: ``prompts`` (indices into the call's prompts)
-    with ``lengths``, each prefilled into ``prompt_blocks`` (its block table, ``c + 1``
-    blocks); group ``i`` is samples ``first[i] ..`` of its prompt, in rows ``slots[i]``."""
+    """What enters the batch this round. Groups: ``prompts`` (indices into the call's
+    prompts) with ``lengths``, each prefilled into ``prompt_blocks`` (its block table,
+    ``c + 1`` blocks); group ``i`` is samples ``first[i] ..`` of its prompt, in rows
+    ``slots[i]``. ``resumed``: preempted sequences to recompute, first."""
 
     prompts: list[int] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)
     first: list[int] = field(default_factory=list)
     prompt_blocks: list[list[int]] = field(default_factory=list)
     slots: list[list[int]] = field(default_factory=list)
+    resumed: list[Resumed] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    def __bool__(self) -> bool:
+        return bool(self.prompts or self.resumed)
 
     def counts(self) -> list[int]:
         """Samples per group."""
@@ -123,7 +139,9 @@ class Scheduler:
     """The running batch's rows, the queue of groups, and every sequence's blocks.
 
     ``prompt_lens``: the call's prompts (host ints); ``samples``: ``G``; ``max_new_tokens``
-    and ``k`` bound a sequence's positions. One call of ``generate`` owns one scheduler."""
+    and ``k`` bound a sequence's positions. One call of ``generate`` owns one scheduler.
+    ``preemptions`` counts the sequences preempted, ``recomputed`` the positions their
+    resumes prefilled again."""
 
     def __init__(self, allocator: BlockAllocator, block_size: int, n_slots: int, prompt_lens: list[int],
                  samples: int, max_new_tokens: int, k: int, waves: bool = False) -> None:
@@ -132,48 +150,75 @@ class Scheduler:
         self.prompt_lens = prompt_lens
         self.rows: list[_Row | None] = [None] * n_slots
         self.waiting: deque[tuple[int, int, int]] = deque()  # (prompt, first sample, samples)
-        self.retired = 0
+        self.preempted: list[_Row] = []  # waiting to be recomputed, oldest admission first
+        self.retired = self.preemptions = self.recomputed = 0
+        self._admissions = 0
         for prompt, p in enumerate(prompt_lens):
-            fits = min(samples, n_slots)
-            while fits and self._group_need(p, fits) > allocator.n_blocks:
-                fits -= 1
-            if not fits:
+            if self._sequence_blocks(p) > allocator.n_blocks:
                 raise ValueError(f"a prompt of {p} tokens and up to {max_new_tokens} new tokens needs "
-                                 f"{self._group_need(p, 1)} KV blocks of {block_size} positions; the engine has "
+                                 f"{self._sequence_blocks(p)} KV blocks of {block_size} positions; the engine has "
                                  f"{allocator.n_blocks}")
+            fits = min(samples, n_slots)
+            while fits > 1 and self._group_need(p, fits) > allocator.n_blocks:
+                fits -= 1
             self.waiting.extend((prompt, first, min(fits, samples - first)) for first in range(0, samples, fits))
 
     def _sequence_blocks(self, prompt_len: int) -> int:
+        """Blocks of a sequence at its longest: ``P + max_new_tokens + k + 1`` positions."""
         return _ceil_div(prompt_len + self.max_new_tokens + self.k + 1, self.block_size)
+
+    def _round_blocks(self, length: int) -> int:
+        """Blocks covering the positions a round writes at ``length`` committed tokens
+        (``length - 1 .. length - 1 + k``)."""
+        return _ceil_div(length + self.k, self.block_size)
 
     def _shared(self, prompt_len: int) -> int:
         return (prompt_len - 1) // self.block_size
 
     def _group_need(self, prompt_len: int, samples: int) -> int:
+        """Blocks of a group's first round: the shared ones and each sample's own."""
         c = self._shared(prompt_len)
-        return c + samples * (self._sequence_blocks(prompt_len) - c)
+        return c + samples * (self._round_blocks(prompt_len + 1) - c)
+
+    def _growth(self) -> int:
+        """Blocks the running rows take in the next round."""
+        return sum(max(self._round_blocks(row.length) - len(row.blocks), 0) for row in self.rows if row is not None)
 
     def busy(self) -> bool:
         return any(row is not None for row in self.rows)
 
     def done(self) -> bool:
-        return not self.waiting and not self.busy()
+        return not self.waiting and not self.preempted and not self.busy()
 
     def admit(self) -> Admitted:
-        """Take groups off the queue, in order, while rows and blocks allow (with ``waves``,
-        only into an empty batch); reserve their blocks and take the prompts'."""
+        """Fill free rows, in order: preempted sequences first (oldest first), then groups off
+        the queue, while the pool holds their first round and the running rows' next one
+        (with ``waves``, only into an empty batch). Takes the blocks their prefill writes."""
         out = Admitted()
         if self.waves and self.busy():
             return out
         free = [s for s, row in enumerate(self.rows) if row is None]
+        spare = self.allocator.available() - self._growth()
+        while self.preempted and free:
+            row = self.preempted[0]
+            need = self._round_blocks(row.length)
+            if need > spare:
+                return out
+            self.preempted.pop(0)
+            spare -= need
+            row.blocks = [self.allocator.take() for _ in range(_ceil_div(row.length - 1, self.block_size))]
+            slot = free.pop(0)
+            self.rows[slot] = row
+            self.recomputed += row.length - 1
+            out.resumed.append(Resumed(row.seq, row.prompt, row.length, slot, row.blocks))
         while self.waiting and len(free) >= self.waiting[0][2]:
             prompt, first, count = self.waiting[0]
             p = self.prompt_lens[prompt]
             need = self._group_need(p, count)
-            if need > self.allocator.available():
+            if need > spare:
                 break
             self.waiting.popleft()
-            self.allocator.reserve(need)
+            spare -= need
             out.prompts.append(prompt)
             out.lengths.append(p)
             out.first.append(first)
@@ -189,7 +234,6 @@ class Scheduler:
         for prompt, p, first, blocks, slots in zip(admitted.prompts, admitted.lengths, admitted.first,
                                                    admitted.prompt_blocks, admitted.slots):
             shared, last = blocks[:-1], blocks[-1]
-            each = self._sequence_blocks(p) - len(shared)  # reservation per sample, block c included
             for g, slot in enumerate(slots):
                 for block in shared:
                     if g:
@@ -199,26 +243,39 @@ class Scheduler:
                     own = self.allocator.take()
                     src.append(last)
                     dst.append(own)
-                self.rows[slot] = _Row(prompt, prompt * self.samples + first + g, [*shared, own], each - 1, p + 1)
+                self._admissions += 1
+                self.rows[slot] = _Row(prompt, prompt * self.samples + first + g, [*shared, own], p + 1,
+                                       self._admissions)
         return src, dst
 
-    def grow(self) -> None:
-        """Cover the positions the next round writes (``n - 1 .. n - 1 + k``) of every row."""
-        for row in self.rows:
-            if row is None:
+    def grow(self) -> list[int]:
+        """Cover the positions the next round writes (``n - 1 .. n - 1 + k``) of every row,
+        oldest admission first; when the pool runs dry, preempt the youngest sequence (the
+        one growing, if it is the youngest). Returns the preempted rows, now free."""
+        preempted = []
+        for slot in sorted((s for s, row in enumerate(self.rows) if row is not None), key=lambda s: self.rows[s].order):
+            row = self.rows[slot]
+            if row is None:  # preempted for an older one
                 continue
-            need = min(_ceil_div(row.length + self.k, self.block_size), len(row.blocks) + row.reserved)
-            while len(row.blocks) < need:
-                row.blocks.append(self.allocator.take())
-                row.reserved -= 1
+            need = self._round_blocks(row.length)
+            while self.rows[slot] is row and len(row.blocks) < need:
+                if self.allocator.available():
+                    row.blocks.append(self.allocator.take())
+                else:
+                    preempted.append(self._preempt())
+        return preempted
 
-    def assume_longest(self) -> None:
-        """A simulated run's stand-in for the lengths it cannot read: every row at its last
-        round (``P + max_new_tokens - 1`` committed tokens), so the next ``grow`` takes every
-        block it reserved and the tables are as wide as they get: the round of most memory."""
-        for row in self.rows:
-            if row is not None:
-                row.length = self.prompt_lens[row.prompt] + self.max_new_tokens - 1
+    def _preempt(self) -> int:
+        """Free the row of the youngest sequence, which waits to be recomputed; returns the row."""
+        slot = max((s for s, row in enumerate(self.rows) if row is not None), key=lambda s: self.rows[s].order)
+        row = self.rows[slot]
+        self.allocator.release(row.blocks)
+        row.blocks = []
+        self.rows[slot] = None
+        self.preempted.append(row)
+        self.preempted.sort(key=lambda r: r.order)
+        self.preemptions += 1
+        return slot
 
     def retire(self, lengths: list[int], active: list[bool]) -> list[int]:
         """After a round: the rows' committed tokens and whether they still decode, read from
@@ -229,7 +286,7 @@ class Scheduler:
                 continue
             row.length = lengths[s]
             if not active[s]:
-                self.allocator.release(row.blocks, row.reserved)
+                self.allocator.release(row.blocks)
                 self.rows[s] = None
                 out.append(s)
         self.retired += len(out)
@@ -271,10 +328,11 @@ class Scheduler:
         return [row.blocks + [SCRATCH_BLOCK] * (width - len(row.blocks)) if row is not None else [SCRATCH_BLOCK] * width
                 for row in self.rows[:rows]]
 
-    def prefill_table(self, admitted: Admitted, width: int) -> list[list[int]]:
-        """Block tables of the admitted prompts for a prefill over ``width`` positions."""
+    def padded_tables(self, blocks: list[list[int]], width: int) -> list[list[int]]:
+        """Block tables ``blocks`` for a prefill over ``width`` positions, padded with the
+        scratch block."""
         n = _ceil_div(width, self.block_size)
-        return [blocks + [SCRATCH_BLOCK] * (n - len(blocks)) for blocks in admitted.prompt_blocks]
+        return [row + [SCRATCH_BLOCK] * (n - len(row)) for row in blocks]
 
     def output_rows(self, slots: list[int]) -> list[int]:
         """The output rows of the sequences in rows ``slots``."""

@@ -28,7 +28,8 @@ def rollout_metrics(all_reduce: Callable[[list[float]], list[float]], samples: l
     (the share of pairs at each k, so a step whose rounds chose several k is predicted right);
     per live-rows bucket ``live_le<n>``: its wall seconds (mean over the engines), tokens (sum)
     and mean k; ``tail_share`` (the wall time with at most a quarter of the rows live, over
-    the rollouts' wall time); ``acceptance_length_q<q>``: tokens per drafting round of the
+    the rollouts' wall time); ``preemptions`` and ``recomputed_tokens`` (summed,
+    ``RolloutStats``); ``acceptance_length_q<q>``: tokens per drafting round of the
     sequences in quarter ``q`` of ``max_new_tokens`` (mean over the engines that drafted there)."""
     weight = float(counted)
     rewards = torch.tensor([s.reward for s in samples]) * weight
@@ -43,11 +44,12 @@ def rollout_metrics(all_reduce: Callable[[list[float]], list[float]], samples: l
         float(sum(len(s.response) for s in samples)) * weight,
         stats.tokens_per_s if generated else 0.0, float(generated), stats.kv_peak_bytes / 2**30 if generated else 0.0,
         stats.tail_s if generated else 0.0, stats.total_s if generated else 0.0,
+        float(stats.preemptions) if generated else 0.0, float(stats.recomputed_tokens) if generated else 0.0,
         *by_position.nan_to_num(0.0).tolist(), *seen.double().tolist(), *table.flat(),
         *(sum(d[key] for d in details) * weight for key in keys)])
     count, ranks = totals[2], max(totals[5], 1.0)
     mean = totals[0] / count
-    flat_at = 9 + 8
+    flat_at = 11 + 8
     table = RoundTable.from_flat(totals[flat_at:flat_at + len(table.flat())], buckets, k_max)
     pairs = table.live.sum(0)  # [M] (sequence, round) pairs per mode
     k_of_mode = torch.tensor([0.0, *range(k_max + 1)], dtype=torch.float64)
@@ -61,13 +63,15 @@ def rollout_metrics(all_reduce: Callable[[list[float]], list[float]], samples: l
         "rollout/draft_tokens": float((pairs * k_of_mode).sum() / pairs.sum()) if pairs.sum() else 0.0,
         "rollout/kv_peak_gib": totals[6] / ranks,  # KV blocks held at once, per generating rank
         "rollout/tail_share": totals[7] / totals[8] if totals[8] else 0.0,
+        "rollout/preemptions": totals[9],  # sequences preempted when an engine's KV pool ran dry
+        "rollout/recomputed_tokens": totals[10],  # positions their resumes prefilled again
     }
     if drafted:
         metrics |= {f"rollout/draft_share_k{k}": float(pairs[1 + k] / pairs.sum()) for k in range(k_max + 1)}
     judged, accepted = table.judged.sum(0), table.accepted.sum(0)
     metrics |= {f"rollout/acceptance_rate_{d}": float(accepted[d - 1] / judged[d - 1])
                 for d in range(1, k_max + 1) if judged[d - 1]}
-    q_sum, q_seen = totals[9:13], totals[13:17]
+    q_sum, q_seen = totals[11:15], totals[15:19]
     metrics |= {f"rollout/acceptance_length_q{q}": q_sum[q - 1] / q_seen[q - 1] for q in range(1, 5) if q_seen[q - 1]}
     for b in range(buckets):
         rows = table.live[b]

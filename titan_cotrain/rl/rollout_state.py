@@ -82,7 +82,9 @@ class RolloutStats:
     over the prompt), ``draft_s`` (drafting and catching up), ``verify_s`` (target decode or
     verify forwards, acceptance, bookkeeping), ``total_s`` (wall time of the call).
     ``kv_peak_bytes``: the most KV-cache blocks the call held at once, in bytes (the draft's
-    chains, a fixed few positions per row, aside).
+    chains, a fixed few positions per row, aside). ``preemptions``: sequences preempted when
+    the pool ran dry (``rl.kv_blocks``), ``recomputed_tokens`` the positions their resumes
+    prefilled again.
 
     The long tail: ``rounds`` (``RoundTable``) splits the rounds by how many sequences were
     live; ``tail_s`` is the wall time of the rounds with at most a quarter of the call's
@@ -107,6 +109,8 @@ class RolloutStats:
     prompts: int = 0
     drafting: bool = False
     acceptance_by_position: list[float] = field(default_factory=list)
+    preemptions: int = 0
+    recomputed_tokens: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -126,6 +130,8 @@ class RolloutStats:
             "draft_s": self.draft_s,
             "verify_s": self.verify_s,
             "tail_share": self.tail_share,
+            "preemptions": float(self.preemptions),
+            "recomputed_tokens": float(self.recomputed_tokens),
         }
         out |= {f"acceptance_rate_{d}": r for d, r in enumerate(self.acceptance_rate, start=1)}
         return {prefix + k: v for k, v in out.items()}
@@ -225,6 +231,23 @@ class Sequences:
         self.response_len[index] = 0
         self.active[index] = False
 
+    def free(self, rows: list[int], device: torch.device) -> None:
+        """Rows ``rows`` let go of their sequences unfinished (preempted: what they wrote to
+        the outputs stays, and ``resume`` picks it up)."""
+        if rows:
+            self._free(torch.tensor(rows, device=device))
+
+    def resume(self, rows: torch.Tensor, out_rows: torch.Tensor, length: torch.Tensor, response_len: torch.Tensor,
+               last_token: torch.Tensor) -> None:
+        """Rows ``rows`` go on with the unfinished sequences ``out_rows`` (``length``
+        committed tokens, ``response_len`` of them the response's, the last ``last_token``)."""
+        self.out_row[rows] = out_rows
+        self.length[rows] = length
+        self.response_len[rows] = response_len
+        self.last_token[rows] = last_token
+        self.active[rows] = True
+        self.finished[rows] = False
+
     def admit(self, rows: torch.Tensor, out_rows: torch.Tensor, prompt_lens: torch.Tensor) -> None:
         """Rows ``rows`` start sequences ``out_rows`` after prompts of ``prompt_lens`` tokens
         (nothing committed yet: ``rl.rollout`` commits the first token)."""
@@ -302,7 +325,7 @@ class StepCounters:
         self.round_s.append(seconds)
 
     def stats(self, new_tokens: int, max_new_tokens: int, *, prompts: int, drafting: bool,
-              kv_peak_bytes: int = 0) -> RolloutStats:
+              kv_peak_bytes: int = 0, preemptions: int = 0, recomputed_tokens: int = 0) -> RolloutStats:
         k_max, buckets = self.k_max, self.buckets
         table = RoundTable.empty(buckets, k_max)
         length, rates, by_position = 0.0, [], []
@@ -352,7 +375,8 @@ class StepCounters:
             new_tokens=new_tokens, target_forwards=len(self.active), acceptance_length=length, acceptance_rate=rates,
             prefill_s=self.times["prefill"], draft_s=self.times["draft"], verify_s=self.times["verify"],
             total_s=time.perf_counter() - self.start, kv_peak_bytes=kv_peak_bytes, rounds=table, tail_s=tail_s,
-            prompts=prompts, drafting=drafting, acceptance_by_position=by_position,
+            prompts=prompts, drafting=drafting, acceptance_by_position=by_position, preemptions=preemptions,
+            recomputed_tokens=recomputed_tokens,
         )
 
     @contextmanager

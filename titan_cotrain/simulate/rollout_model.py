@@ -1,0 +1,184 @@
+"""The rollout's schedule and a roofline estimate of its time, for the scale simulator.
+
+The engine's schedule is host logic (``rl.kv_blocks``): which sequences run, when blocks run
+out, who is preempted. ``model_rollout`` drives the engine's own ``Scheduler`` over its own
+pool with the lengths a rollout would have: prompts at their budget (the simulator's worst
+case) and responses drawn from a stated long-tailed law, advancing each decoding round by
+a stated acceptance law. It reports the concurrency the pool allows and a *model* of the
+rollout's time on the config's GPU, not a measurement:
+
+* a decoding round costs ``max(bytes / HBM bandwidth, FLOPs / peak bf16)``: bytes are the
+  engine's weights on the rank (the policy's once, the draft's once per draft step) and the
+  KV the round reads (every live sequence's target KV once, its draft trunk once per draft
+  step); FLOPs are ``2 x`` the matmul parameters per token processed plus attention
+  (``4 x context x heads x head_dim`` per query token and layer);
+* a prefill (new groups, and the recompute of preempted sequences) costs the same way over
+  its tokens, attention causal;
+* not modeled: kernel launch overhead, the tensor-parallel all-reduces, sampling, and every
+  kernel's distance from its roofline. It is a lower bound that moves with the schedule.
+
+Concurrency is reported for the engine-bound part of the rollout, the rounds while some
+sequence waits for a row or for blocks (``concurrent_median``, ``concurrent_min``); once the
+queue is empty the batch drains at the pace of the length law (the long tail), which
+``concurrent_median_all_rounds`` includes.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from titan_cotrain.rl.kv_blocks import BlockAllocator, Scheduler
+from titan_cotrain.rl.rollout import RolloutEngine, kv_bytes_per_position
+
+__all__ = ["GPU_MODELS", "GpuModel", "LengthLaw", "model_rollout"]
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class GpuModel:
+    """The roofline constants of one GPU: HBM bandwidth (bytes/s) and dense bf16 peak (FLOP/s)."""
+
+    name: str
+    hbm_bytes_per_s: float
+    bf16_flops: float
+
+
+# Keyed by the simulated budget ([simulate] gpu_memory_gib) the shipped configs use.
+GPU_MODELS = {
+    80: GpuModel("H100 SXM 80 GiB", 3.35e12, 989e12),
+    141: GpuModel("H200 141 GiB", 4.8e12, 989e12),
+}
+
+
+@dataclass(frozen=True)
+class LengthLaw:
+    """Response lengths: log-normal with median ``median_fraction x max_new_tokens`` and shape
+    ``sigma``, capped at ``max_new_tokens``, drawn from ``seed``; each drafted token accepted
+    with probability ``acceptance`` (independently, up to ``k``), so a decoding round commits
+    ``1 + a`` tokens of a sequence."""
+
+    median_fraction: float = 0.25
+    sigma: float = 1.0
+    acceptance: float = 0.7
+    seed: int = 0
+
+    def describe(self, max_new_tokens: int, k: int) -> dict:
+        a = self.acceptance
+        return {"law": "lognormal, capped at max_new_tokens", "median_tokens": self.median_fraction * max_new_tokens,
+                "sigma": self.sigma, "seed": self.seed, "draft_tokens": k, "acceptance_per_token": a,
+                "tokens_per_round": (1 - a ** (k + 1)) / (1 - a) if k else 1.0}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _weights(model) -> tuple[int, int]:
+    """``(bytes, matmul parameters)`` of a model's parameters on this rank (the token
+    embedding is a gather, not a matmul)."""
+    params = [(name, _local(p)) for name, p in model.named_parameters()]
+    nbytes = sum(p.numel() * p.element_size() for _, p in params)
+    matmul = sum(p.numel() for name, p in params if p.dim() == 2 and "embed" not in name)
+    return nbytes, matmul
+
+
+def model_rollout(engine: RolloutEngine, *, requested_groups: int, samples: int, prompt_tokens: int,
+                  max_new_tokens: int, draft_tokens: int, gpu: GpuModel, law: LengthLaw = LengthLaw()) -> dict:
+    """Drive ``engine``'s scheduler over its pool for ``requested_groups`` prompts of
+    ``prompt_tokens`` tokens and ``samples`` responses each (lengths from ``law``), as
+    ``generate`` does, and price every round and prefill on ``gpu``. Returns the report's
+    ``"rollout"`` object (without the fields the simulator adds: ``offloaded_gib``,
+    ``tp_group_nodes``)."""
+    k, bs = draft_tokens, engine.block_size
+    rng = random.Random(law.seed)
+    mu = math.log(law.median_fraction * max_new_tokens)
+    n = requested_groups * samples
+    target_len = [min(max(1, round(rng.lognormvariate(mu, law.sigma))), max_new_tokens) for _ in range(n)]
+    scheduler = Scheduler(BlockAllocator(engine.target_pool.n_blocks, scratch=engine.paged), bs,
+                          engine.max_batch_size, [prompt_tokens] * requested_groups, samples, max_new_tokens, k,
+                          waves=not engine.paged)
+
+    policy, draft = engine.policy, engine.draft
+    a = policy.args
+    policy_bytes, policy_matmul = _weights(policy)
+    draft_bytes, draft_matmul = _weights(draft) if draft is not None and k else (0, 0)
+    dtype = policy.embed_tokens.weight.dtype
+    per_position = kv_bytes_per_position(a, None, dtype, engine.tensor_parallel)
+    trunk_per_position = (kv_bytes_per_position(a, draft.args, dtype, engine.tensor_parallel) - per_position
+                          if draft is not None and k else 0)
+    heads = a.n_heads // engine.tensor_parallel
+    attention = 4 * heads * a.head_dim * a.n_layers  # FLOPs per query token per context position
+
+    def seconds(nbytes: float, flops: float) -> float:
+        return max(nbytes / gpu.hbm_bytes_per_s, flops / gpu.bf16_flops)
+
+    def prefill_s(lengths: list[int]) -> float:
+        tokens = sum(lengths)
+        flops = 2 * (policy_matmul + draft_matmul) * tokens + attention / 2 * sum(p * p for p in lengths)
+        return seconds(policy_bytes + draft_bytes + tokens * (per_position + trunk_per_position), flops)
+
+    length: dict[int, int] = {}  # output row -> committed tokens
+    live_per_round, waiting_live = [], []
+    modeled_s = 0.0
+    steps = k + 1  # draft steps per round: k drafts and the catch-up (0 when plain)
+    while not scheduler.done():
+        admitted = scheduler.admit()
+        scheduler.fork(admitted)
+        recompute = [r.length - 1 for r in admitted.resumed]
+        if admitted.lengths or recompute:
+            modeled_s += prefill_s(list(admitted.lengths) + recompute)
+        for p, slots in zip(admitted.lengths, admitted.slots):
+            for s in slots:
+                length[scheduler.rows[s].seq] = p + 1
+        scheduler.grow()
+        scheduler.compact()
+        rows = [(s, row) for s, row in enumerate(scheduler.rows) if row is not None]
+        live_per_round.append(len(rows))
+        if scheduler.waiting or scheduler.preempted:
+            waiting_live.append(len(rows))
+        context = sum(length[row.seq] for _, row in rows)
+        queries = len(rows) * (k + 1)
+        flops = 2 * policy_matmul * queries + attention * context * (k + 1)
+        nbytes = policy_bytes + context * per_position
+        if draft_matmul:
+            flops += 2 * draft_matmul * len(rows) * (2 * k + 1)
+            nbytes += steps * (draft_bytes + context * trunk_per_position)
+        modeled_s += seconds(nbytes, flops)
+        active, lengths = [False] * len(scheduler.rows), [1] * len(scheduler.rows)
+        for s, row in rows:
+            accepted = 0
+            while accepted < k and rng.random() < law.acceptance:
+                accepted += 1
+            end = prompt_tokens + target_len[row.seq]
+            length[row.seq] = min(length[row.seq] + 1 + accepted, end)
+            active[s], lengths[s] = length[row.seq] < end, length[row.seq]
+        scheduler.retire(lengths, active)
+    engine_bound = waiting_live or [n]
+    pool = sum(t.numel() * t.element_size() for t in engine.cache_tensors())
+    return {
+        "requested_rows": n,
+        "rows": engine.max_batch_size,
+        "concurrent_median": statistics.median(engine_bound),
+        "concurrent_min": min(engine_bound),
+        "concurrent_median_all_rounds": statistics.median(live_per_round),
+        "rounds": len(live_per_round),
+        "preemptions": scheduler.preemptions,
+        "recomputed_tokens": scheduler.recomputed,
+        "kv_pool_gib": pool / GIB,
+        "kv_blocks": engine.target_pool.n_blocks - int(engine.paged),
+        "block_size": bs,
+        "prompt_tokens": prompt_tokens,
+        "length_law": law.describe(max_new_tokens, k),
+        "modeled_rollout_s": modeled_s,
+        "roofline": {"gpu": gpu.name, "hbm_tb_per_s": gpu.hbm_bytes_per_s / 1e12,
+                     "bf16_tflops": gpu.bf16_flops / 1e12,
+                     "model": "per round max(bytes / HBM, FLOPs / peak); no launch overhead, TP all-reduce "
+                              "or sampling"},
+    }

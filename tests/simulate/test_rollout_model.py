@@ -16,7 +16,8 @@ SEQ_LEN, K = 96, 3
 def _engine(sequences: int, draft: bool = True, rows: int = 64) -> RolloutEngine:
     target = Transformer(model_args_for("llama3", "debugmodel").replace(vocab_size=128))
     d = Draft(DraftArgs.from_target(target.args, n_taps=3)) if draft else None
-    per_sequence = kv_bytes_per_sequence(target.args, d.args if draft else None, SEQ_LEN, K, torch.float32)
+    per_sequence = kv_bytes_per_sequence(target.args, d.args if draft else None, SEQ_LEN, K if draft else 0,
+                                         torch.float32)
     return RolloutEngine(target, d, max_batch_size=rows, max_seq_len=SEQ_LEN, max_draft_tokens=K, block_size=4,
                          kv_cache_gib=sequences * per_sequence / 2**30)
 
@@ -48,7 +49,7 @@ def test_plain_decoding_at_batch_one_is_bandwidth_bound_by_the_weights_and_kv():
     """One sequence, plain decoding, a GPU whose compute is free: every round reads the
     weights and the KV of the committed positions; the prefill reads the weights and writes
     the prompt's KV."""
-    engine = _engine(1, draft=False, rows=1)
+    engine = _engine(2, draft=False, rows=1)
     gpu = GpuModel("bandwidth only", 1e9, float("inf"))
     out = model_rollout(engine, requested_groups=1, samples=1, prompt_tokens=5, max_new_tokens=4, draft_tokens=0,
                         gpu=gpu, law=LengthLaw(median_fraction=1.0, sigma=1e-9))

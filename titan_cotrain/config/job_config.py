@@ -301,7 +301,7 @@ class Rollout:
     against whole-sequence block tables (fixed shapes); on a GPU with
     ``mode="reduce-overhead"`` (CUDA graphs). The prefill (ragged prompt width) stays eager."""
 
-    kv_cache_gib: float = 0.0
+    kv_cache_gib: float | Literal["auto"] = 0.0
     """GiB per rank for the rollout engine's KV cache (target + draft): a pool of
     ``kv_block_size``-position blocks (``titan_cotrain.models.kv_cache``) that sequences take
     as they grow and give back when they finish; a GRPO group's samples share their prompt's
@@ -311,7 +311,13 @@ class Rollout:
     kv heads x head dim)``; beside the pool each row keeps ``k - 1`` draft chain slots
     (``k = draft_tokens``). The caches and the engine's weights are bf16 on an accelerator and
     fp32 on CPU (no key sets it). 0 sizes the pool for the rank's whole batch at its longest
-    (``S + k + 1`` positions a sequence, ``S = [training] seq_len``)."""
+    (``S + k + 1`` positions a sequence, ``S = [training] seq_len``). ``"auto"``: what the GPU
+    has left beside the training state, the engine's weights and the rollout's transient,
+    less ``KV_MARGIN_FRACTION`` (10%) of the GPU for the CUDA context, NCCL's buffers and
+    fragmentation (``titan_cotrain.rl.kv_budget``; the size is printed at start and is the
+    scale simulator's ``kv_pool_gib``). It needs ``release_between_rollouts`` (the pool is
+    then alive from the refresh to the end of the rollout, not during the update) and Adam or
+    AdamW; refused when what is left holds no sequence. On a CPU, 0."""
 
     kv_block_size: int = 16
     """Positions per KV block. Smaller blocks waste less of a sequence's last block and share

@@ -41,6 +41,8 @@ def _section_types() -> dict[str, dict[str, Any]]:
 def _type_name(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
         return " | ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
     return getattr(tp, "__name__", None) if typing.get_origin(tp) is None else str(tp).replace("typing.", "")
 
 

@@ -119,7 +119,8 @@ def _range_errors(config) -> list[str]:
         ("rollout.speculation_granularity", ro.speculation_granularity,
          ro.speculation_granularity in ("round", "call"), "'round' or 'call'"),
         ("rollout.kv_block_size", ro.kv_block_size, ro.kv_block_size >= 1, ">= 1"),
-        ("rollout.kv_cache_gib", ro.kv_cache_gib, ro.kv_cache_gib >= 0, ">= 0 (0 = the whole batch)"),
+        ("rollout.kv_cache_gib", ro.kv_cache_gib, ro.kv_cache_gib == "auto" or ro.kv_cache_gib >= 0,
+         '>= 0 (0 = the whole batch) or "auto"'),
         ("rollout.acceptance_warning_fraction", ro.acceptance_warning_fraction,
          0 <= ro.acceptance_warning_fraction <= 1, "in [0, 1] (0 = off)"),
         ("rollout.acceptance_warning_steps", ro.acceptance_warning_steps, ro.acceptance_warning_steps >= 1, ">= 1"),
@@ -202,6 +203,10 @@ def validate_job_config(config, world_size: int, source: str = "<config>") -> No
     if gpus_per_node and tp > gpus_per_node:
         errors.append(f"rollout.tensor_parallel_degree ({tp}) exceeds the {gpus_per_node} processes of a node "
                       "(LOCAL_WORLD_SIZE): an engine group's all-reduces, two per layer and step, would cross nodes")
+    if ro.kv_cache_gib == "auto" and not ro.release_between_rollouts:
+        errors.append('rollout.kv_cache_gib = "auto" needs rollout.release_between_rollouts = true: the pool takes '
+                      "what the rollout leaves, and gives it back to the update, whose activations and gradients "
+                      "no count at start knows")
     if config.rl.tis_cap > 0 and config.rl.updates_per_step != 1:
         errors.append(f"rl.tis_cap needs rl.updates_per_step = 1 (got {config.rl.updates_per_step}): the trainer's "
                       "log-probs it weights by are the single update's own")

@@ -50,6 +50,7 @@ from titan_cotrain.models.transformer import Transformer
 from titan_cotrain.ops import flash
 from titan_cotrain.rl.engine_copy import copy_state, empty_copy
 from titan_cotrain.rl.kv_blocks import Admitted, BlockAllocator, Scheduler
+from titan_cotrain.rl.kv_budget import KVBudget
 from titan_cotrain.rl.rollout_state import RolloutStats, Rollouts, Sequences, StepCounters, live_bucket
 from titan_cotrain.rl.sampling import (
     SamplingParams,
@@ -112,10 +113,12 @@ class RolloutEngine:
     The KV cache (target and draft trunk) is a pool of blocks of ``block_size`` positions,
     allocated once in the policy's dtype (``models.kv_cache``): ``kv_cache_gib`` GiB of it
     (0: enough for ``max_batch_size`` sequences of ``max_seq_len`` tokens, prompt +
-    response, at their longest). ``max_batch_size`` is the running batch's rows; a sequence
-    holds the blocks of the positions it has reached, so a budget that would hold few
-    sequences at their longest runs more at once, and ``generate`` takes any number of
-    prompts (``rl.kv_blocks`` admits them as rows and blocks free up).
+    response, at their longest; a ``rl.kv_budget.KVBudget``, ``"auto"``: what the GPU has
+    left beside the training state, these weights and the transient). ``max_batch_size`` is
+    the running batch's rows; a sequence holds the blocks of the positions it has reached,
+    so a budget that would hold few sequences at their longest runs more at once, and
+    ``generate`` takes any number of prompts (``rl.kv_blocks`` admits them as rows and
+    blocks free up).
 
     ``paged=False`` is the static layout instead: one block of ``max_seq_len + k + 1``
     positions per row, ``max_batch_size`` lowered to the rows a budget holds, prompts in
@@ -137,8 +140,8 @@ class RolloutEngine:
     """
 
     def __init__(self, policy: Transformer, draft: Draft | None = None, *, max_batch_size: int, max_seq_len: int,
-                 max_draft_tokens: int = 4, kv_cache_gib: float = 0.0, block_size: int = 16, paged: bool = True,
-                 compile: bool = False) -> None:
+                 max_draft_tokens: int = 4, kv_cache_gib: float | KVBudget = 0.0, block_size: int = 16,
+                 paged: bool = True, compile: bool = False) -> None:
         if draft is not None and draft.args.target_dim != policy.args.dim:
             raise ValueError(f"draft expects target width {draft.args.target_dim}, policy has {policy.args.dim}")
         if max_batch_size < 1 or block_size < 1:
@@ -156,7 +159,7 @@ class RolloutEngine:
         per_sequence = kv_bytes_per_sequence(policy.args, draft_args, max_seq_len, self.max_draft_tokens, dtype,
                                              self.tensor_parallel)
         per_position = kv_bytes_per_position(policy.args, draft_args, dtype, self.tensor_parallel)
-        budget = int(kv_cache_gib * 2**30)
+        budget = self._pool_budget(kv_cache_gib, per_sequence)
         self.block_size = block_size if paged else positions
         if (paged and weight.device.type == "cuda" and flash.has_paged_kernel()
                 and block_size % flash.PAGE_MULTIPLE):
@@ -175,8 +178,9 @@ class RolloutEngine:
             if budget:
                 n_blocks = min(n_blocks, (budget - max_batch_size * chain_bytes) // per_block)
         if budget and (max_batch_size < 1 or n_blocks - paged < blocks_per_sequence):
+            stated = f'"auto" ({budget / 2**30:.3f} GiB)' if isinstance(kv_cache_gib, KVBudget) else kv_cache_gib
             raise ValueError(
-                f"[rollout] kv_cache_gib = {kv_cache_gib} holds no sequence: one needs "
+                f"[rollout] kv_cache_gib = {stated} holds no sequence: one needs "
                 f"{per_sequence / 2**30:.4f} GiB ({per_sequence} bytes: max_seq_len {max_seq_len} + "
                 f"{self.max_draft_tokens} draft tokens + 1 positions in {dtype})"
                 + (f", with {max_batch_size} rows' draft chains beside it" if paged else ""))
@@ -205,11 +209,35 @@ class RolloutEngine:
         self._draft_chain_step = maybe_compile(draft.chain_step) if draft is not None else None
         self._draft_extend = maybe_compile(draft.extend) if draft is not None else None
 
+    def _pool_budget(self, kv_cache_gib: float | KVBudget, per_sequence: int) -> int:
+        """The pool's bytes: ``kv_cache_gib`` GiB, or what a ``KVBudget`` ("auto") leaves beside
+        this engine's weights, refused when that is not one sequence at its longest."""
+        if not isinstance(kv_cache_gib, KVBudget):
+            return int(kv_cache_gib * 2**30)
+        budget = kv_cache_gib.pool_bytes(self.weight_bytes)
+        if budget < per_sequence:
+            raise ValueError(f'[rollout] kv_cache_gib = "auto" leaves no room for one sequence '
+                             f"({per_sequence / 2**30:.3f} GiB at its longest): "
+                             f"{kv_cache_gib.describe(self.weight_bytes)}")
+        return budget
+
+    @property
+    def weight_bytes(self) -> int:
+        """Device bytes of the engine's weights and buffers (this rank's slice of a tensor-parallel copy)."""
+        tensors = [t for m in (self.policy, self.draft) if m is not None for t in (*m.parameters(), *m.buffers())]
+        return sum((t.to_local() if isinstance(t, DTensor) else t).untyped_storage().nbytes() for t in tensors)
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        """Device bytes of the KV caches (pools and draft chains)."""
+        return sum(t.nbytes for t in self.cache_tensors())
+
     @classmethod
     def from_models(cls, policy: Transformer, draft: Draft | None = None, *, device: torch.device | str,
                     dtype: torch.dtype | None = None, max_batch_size: int, max_seq_len: int,
-                    max_draft_tokens: int = 4, kv_cache_gib: float = 0.0, block_size: int = 16, paged: bool = True,
-                    compile: bool = False, load: bool = True, tp_mesh: DeviceMesh | None = None) -> RolloutEngine:
+                    max_draft_tokens: int = 4, kv_cache_gib: float | KVBudget = 0.0, block_size: int = 16,
+                    paged: bool = True, compile: bool = False, load: bool = True,
+                    tp_mesh: DeviceMesh | None = None) -> RolloutEngine:
         """An engine with its own copies of the trainer's ``policy`` and ``draft`` on ``device``.
 
         The sources may be FSDP-wrapped (DTensor shards), plain, or on another device; they

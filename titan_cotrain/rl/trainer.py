@@ -42,6 +42,7 @@ from titan_cotrain.rl.export import export_job
 from titan_cotrain.rl.generation_group import GenerationGroup
 from titan_cotrain.rl.grpo import group_advantages, ppo_loss
 from titan_cotrain.rl.nonfinite import NonfiniteStop, NonfiniteWeights, all_finite, forward_is_finite, nonfinite_flags
+from titan_cotrain.rl.kv_budget import kv_cache_setting, kv_pool_line
 from titan_cotrain.rl.offload import TrainingStateOffload
 from titan_cotrain.rl.progress import RolloutProgress, step_line
 from titan_cotrain.rl.rollout import RolloutEngine
@@ -131,15 +132,24 @@ class Trainer:
                 print(f"warning: an engine group of [rollout] tensor_parallel_degree = "
                       f"{config.rollout.tensor_parallel_degree} spans {nodes} nodes (the ranks that train the same "
                       "rows lie on several nodes in the [pp, dp, cp] layout): its all-reduces cross nodes", flush=True)
+        engine_prompts = self.generation.max_share(self.prompts_per_rank)
+        rows = max(engine_prompts * config.rl.group_size, 1)
+        kv_cache = kv_cache_setting(
+            config, [self.policy, self.draft, self.reference, *(self.pipeline.model_parts if self.pipeline else [])],
+            self.device, models.engine_policy.args, rows=rows, prompts=engine_prompts,
+            prompt_tokens=max_seq_len - ro.max_new_tokens, draft_tokens=rollout_draft_tokens(config),
+            n_taps=len(models.engine_policy.tap_layers) if models.engine_draft is not None else 0,
+            simulated_gib=simulation.gpu_memory_gib if simulation is not None else None)
         self.engine = RolloutEngine.from_models(
-            models.engine_policy, models.engine_draft, device=self.device,
-            max_batch_size=max(self.generation.max_share(self.prompts_per_rank) * config.rl.group_size, 1),
+            models.engine_policy, models.engine_draft, device=self.device, max_batch_size=rows,
             max_seq_len=max_seq_len,
             max_draft_tokens=rollout_draft_tokens(config),
-            kv_cache_gib=config.rollout.kv_cache_gib, block_size=config.rollout.kv_block_size,
+            kv_cache_gib=kv_cache, block_size=config.rollout.kv_block_size,
             paged=config.rollout.paged, load=models.engine_loadable, tp_mesh=self.engine_mesh,
             compile=config.rollout.compile,
         )
+        if ro.kv_cache_gib == "auto" and rank == self.log_rank:
+            print(kv_pool_line(self.engine, kv_cache), flush=True)
         self.speculation = SpeculationTuner(self.draft_tokens)
         self.acceptance_watch = AcceptanceWatch(ro.acceptance_warning_fraction, ro.acceptance_warning_steps)
         self.collapse_watch = DraftCollapseWatch(ro.collapse_fraction, ro.collapse_position_rate, ro.collapse_steps)

@@ -15,11 +15,12 @@ response is ``rollout.max_new_tokens`` long.
 
 The report is ``{"config", "world_size", "gpu_memory_gib", "ranks": [{"rank", "role",
 "peak_gib", "by_category_gib", "peak_phase", "largest_at_peak", "phase_peak_gib",
-"after_step_gib", "attention_kernels", "offloaded_gib"}], "host_collectives"}`` (``after_step_gib``:
+"after_step_gib", "attention_kernels", "offloaded_gib", "kv_pool_gib"}], "host_collectives"}`` (``after_step_gib``:
 what stays alive between steps, by category; ``attention_kernels``: per phase, the flash
 kernels the accelerator path called, whose fake implementations gave the shapes;
 ``offloaded_gib``: the training state ``[rollout] offload_training_state`` keeps on the host
-during the rollout, not counted on the device then); the job is refused (non-zero exit,
+during the rollout, not counted on the device then; ``kv_pool_gib``: the engine's KV pool,
+``[rollout] kv_cache_gib`` or what ``"auto"`` made of it); the job is refused (non-zero exit,
 naming the rank and its biggest category) when a rank's peak exceeds the budget, or when any collective was handed a host
 tensor.
 """
@@ -146,7 +147,13 @@ def simulate_rank(config, rank: int, world_size: int) -> tuple[dict, list[str]]:
             trainer = holder["trainer"] = Trainer(config, world_size, rank, simulation=sim_cfg)
             step = config.task.sft_steps + 1
             tracker.phase("optimizer state")
+            # A job creates it in its first update, where release_between_rollouts has freed the engine.
+            released = config.rollout.release_between_rollouts
+            if released:
+                trainer.engine.release()
             _warm_optimizers(trainer)
+            if released:
+                trainer.engine.restore()
             with trainer.training_state_away():  # the rollout phase starts without the offloaded state
                 tracker.phase("rollout")
                 kernels = {"construction": dict(device.attention_kernels)}
@@ -162,6 +169,7 @@ def simulate_rank(config, rank: int, world_size: int) -> tuple[dict, list[str]]:
             tracker.phase("checkpoint")
             trainer.checkpoint_state_dicts()
             role = trainer.role
+            kv_pool = trainer.engine.kv_pool_bytes
             after_step = tracker.breakdown()
     finally:
         dist.destroy_process_group()
@@ -177,6 +185,7 @@ def simulate_rank(config, rank: int, world_size: int) -> tuple[dict, list[str]]:
         "after_step_gib": {k: v / GIB for k, v in sorted(after_step.items(), key=lambda kv: -kv[1])},
         "attention_kernels": {phase: calls for phase, calls in kernels.items() if calls},
         "offloaded_gib": offloaded / GIB,
+        "kv_pool_gib": kv_pool / GIB,
     }
     return report, device.host_collectives
 

@@ -458,6 +458,47 @@ def test_pipeline_composes_with_data_and_context_parallelism_at_once():
     run_on_ranks(_pp_dp_cp_rank, 8, (metrics, grads))
 
 
+def _placed_mesh_ranks(rank, world_size, reference):
+    """pp=2 x dp=2 on torchtitan's own mesh (``build_parallel_dims``), as two nodes of two
+    GPUs with an engine TP of 2: ``auto`` puts the data-parallel coordinate outermost (the
+    pp_outer engine groups [0, 2] and [1, 3] would span both nodes). In either rank order
+    every sub-mesh holds the ranks the layout says, the mesh's data-parallel coordinate is
+    the generation group's, and the step's metrics and gradients are the single device's."""
+    import os
+
+    from titan_cotrain.components import titan
+    from titan_cotrain.config import load_job_config
+    from titan_cotrain.parallel.rank_layout import RankLayout, rank_layout
+    from titan_cotrain.rl.generation_group import GenerationGroup
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    config = load_job_config(["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree",
+                              "2", "--rollout.tensor_parallel_degree", "2"], world_size=world_size)
+    assert rank_layout(config, world_size) == RankLayout(2, 2, 1, "dp_outer")
+    for order, pp_groups in (("pp_outer", [[0, 2], [1, 3]]), ("dp_outer", [[0, 1], [2, 3]])):
+        layout = RankLayout(2, 2, 1, order)
+        dims = titan.build_parallel_dims(config.parallelism, world_size, layout.mesh_ranks())
+        dims.build_mesh()
+        p, b = dims.get_mesh("pp").get_local_rank(), dims.get_mesh("batch").get_local_rank()
+        assert layout.rank(p, b, 0) == rank
+        assert dims.get_mesh("pp").mesh.tolist() in pp_groups
+        for name, ranks in (("pp", [layout.rank(q, b, 0) for q in range(2)]),
+                            ("fsdp", [layout.rank(p, d, 0) for d in range(2)]),
+                            ("loss", [layout.rank(p, d, 0) for d in range(2)])):
+            assert dims.get_mesh(name).mesh.tolist() == ranks, (order, name)
+            assert dist.get_process_group_ranks(dims.get_mesh(name).get_group()) == ranks, (order, name)
+        assert GenerationGroup(layout, rank, True, dp_rank=b, communicate=False).ranks == layout.dp_groups()[b]
+        _check_sharded_stages({"pp": dims.get_mesh("pp"), "dp": dims.get_mesh("batch")},
+                              dims.get_mesh("loss").get_group(), dims.get_mesh("fsdp"), reference, f"pp x dp, {order}")
+
+
+def test_pipeline_on_torchtitans_mesh_in_either_rank_order():
+    policy, draft = (m.double() for m in _models())
+    with one_thread():
+        metrics, grads, _ = _reference(policy, draft, _batch())
+    run_on_ranks(_placed_mesh_ranks, 4, (metrics, grads))
+
+
 def test_plan_places_stages_and_taps():
     plan = plan_pipeline(8, 2, "ZBVZeroBubble", layers_per_stage=[2, 2, 2, 2])
     assert plan.stage_ranks == (0, 1, 1, 0)

@@ -6,49 +6,61 @@ import torch
 import torch.distributed as dist
 
 from tests.multiprocess import run_on_ranks
+from titan_cotrain.parallel.rank_layout import RankLayout
 from titan_cotrain.rl.generation_group import GenerationGroup
 
 
-def test_groups_follow_the_pp_dp_cp_rank_layout_and_share_whole_problems():
+def _group(pp, dp, cp, rank, order="pp_outer", **kwargs):
+    layout = RankLayout(pp, dp, cp, order)
+    (b,) = [b for b, ranks in enumerate(layout.dp_groups()) if rank in ranks]
+    return GenerationGroup(layout, rank, kwargs.pop("split", True), dp_rank=kwargs.pop("dp_rank", b),
+                           communicate=False, **kwargs)
+
+
+@pytest.mark.parametrize("order, mesh", [("pp_outer", "pp dp cp"), ("dp_outer", "dp pp cp")])
+def test_groups_follow_the_rank_layout_and_share_whole_problems(order, mesh):
     pp, dp, cp = 2, 2, 2
-    layout = torch.arange(pp * dp * cp).view(pp, dp, cp)  # torchtitan's rank order
+    # The ranks of the layout, arranged [pp, dp, cp]: torchtitan's pp-outer arange, or dp outermost.
+    grid = torch.arange(pp * dp * cp).view(pp, dp, cp) if order == "pp_outer" else \
+        torch.arange(pp * dp * cp).view(dp, pp, cp).transpose(0, 1)
     for rank in range(pp * dp * cp):
-        p, b, c = (layout == rank).nonzero()[0].tolist()
-        group = GenerationGroup(pp, dp, cp, rank, split=True, dp_rank=b, communicate=False)
-        assert group.ranks == layout[:, b, :].flatten().tolist()
+        p, b, c = (grid == rank).nonzero()[0].tolist()
+        group = _group(pp, dp, cp, rank, order)
+        assert group.ranks == grid[:, b, :].flatten().tolist()
         assert group.member == p * cp + c
-    group = GenerationGroup(pp, dp, cp, 0, split=True, dp_rank=0, communicate=False)
+    group = _group(pp, dp, cp, 0, order)
     shares = [group.share(10, member) for member in range(4)]
     assert shares == [[0, 4, 8], [1, 5, 9], [2, 6], [3, 7]] and group.max_share(10) == 3
-    leader = GenerationGroup(pp, dp, cp, 0, split=False, dp_rank=0, communicate=False)
+    leader = _group(pp, dp, cp, 0, order, split=False)
     assert [leader.share(10, m) for m in range(4)] == [list(range(10)), [], [], []]
-    with pytest.raises(RuntimeError, match="data-parallel coordinate is 1"):
-        GenerationGroup(pp, dp, cp, 0, split=True, dp_rank=1, communicate=False)
+    with pytest.raises(RuntimeError, match=f"data-parallel coordinate is 1, the {order} layout says 0"):
+        _group(pp, dp, cp, 0, order, dp_rank=1)
 
 
 def test_tensor_parallel_engine_groups_generate_together_and_their_first_rank_sends():
     pp, dp, cp = 2, 2, 2
-    groups = [GenerationGroup(pp, dp, cp, rank, split=True, dp_rank=(rank // cp) % dp, communicate=False,
-                              tensor_parallel=2) for rank in range(pp * dp * cp)]
+    groups = [_group(pp, dp, cp, rank, tensor_parallel=2) for rank in range(pp * dp * cp)]
     # Each coordinate's peers [0, 1, 4, 5] and [2, 3, 6, 7] make two engine groups of two.
     assert groups[0].engine_groups() == [[0, 1], [4, 5], [2, 3], [6, 7]]
     assert [g.unit for g in groups] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert groups[0].share(5) == groups[1].share(5) == [0, 2, 4] and groups[4].share(5) == [1, 3]
     assert [g.sends() for g in groups[:2]] == [True, False] and groups[0].max_share(5) == 3
     with pytest.raises(ValueError, match="must divide cp x pp = 4"):
-        GenerationGroup(pp, dp, cp, 0, split=True, dp_rank=0, communicate=False, tensor_parallel=3)
+        _group(pp, dp, cp, 0, tensor_parallel=3)
 
 
 def test_nodes_an_engine_group_spans():
-    """In the [pp, dp, cp] layout an engine group of a data-parallel coordinate's CP x PP peers
+    """In the pp_outer layout an engine group of a data-parallel coordinate's CP x PP peers
     lies on one node only without PP: the 70B layout (PP 4 x DP 4 x CP 2, TP 8) spreads each
-    group over 4 nodes of 8 GPUs; FSDP 4 x CP 2 with TP 2 keeps each in one."""
+    group over 4 nodes of 8 GPUs; dp_outer keeps each in one, as FSDP 4 x CP 2 with TP 2 is."""
     pp, dp, cp = 4, 4, 2
-    group = GenerationGroup(pp, dp, cp, 0, split=True, dp_rank=0, communicate=False, tensor_parallel=8)
+    group = _group(pp, dp, cp, 0, tensor_parallel=8)
     assert group.engine_groups()[0] == [0, 1, 8, 9, 16, 17, 24, 25]
     assert group.nodes_spanned(8) == 4 and group.nodes_spanned(32) == 1
-    assert GenerationGroup(1, 4, 2, 0, split=True, dp_rank=0, communicate=False,
-                           tensor_parallel=2).nodes_spanned(8) == 1
+    group = _group(pp, dp, cp, 0, "dp_outer", tensor_parallel=8)
+    assert group.engine_groups() == [list(range(n * 8, n * 8 + 8)) for n in range(4)]
+    assert group.nodes_spanned(8) == 1
+    assert _group(1, 4, 2, 0, tensor_parallel=2).nodes_spanned(8) == 1
 
 
 ARGS = ("--task.sft_steps", "0", "--training.steps", "1", "--training.seq_len", "64", "--rl.prompts_per_step", "4",

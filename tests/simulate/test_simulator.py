@@ -129,13 +129,16 @@ def test_offloaded_training_state_leaves_the_rollout_s_device_memory(tmp_path):
 
 
 @pytest.mark.parametrize("name, world, ranks", [("qwen3_32b_pp_cp", 16, [0, 4, 12]),
-                                                ("llama3_70b_pp_cp", 32, [0, 8, 24])])
+                                                ("llama3_70b_pp_cp", 32, [0, 2, 6])])
 def test_every_pipeline_role_is_simulated(name, world, ranks):
     """The real-scale PP configs' default simulated ranks: the embedding's PP rank, the head's
     (with the draft), and the middle rank holding the most decoder layers (17 of 64 at 32B,
-    21 of 80 at 70B: one more than the embedding's rank, two more than the head's)."""
+    21 of 80 at 70B: one more than the embedding's rank, two more than the head's). At 70B the
+    data-parallel coordinate is outermost (its engine TP 8 in a node): PP rank ``r`` starts at
+    rank ``2r``, not ``8r``."""
     from titan_cotrain.config import resolve_model_args
     from titan_cotrain.parallel.pipeline.build import plan_from_config
+    from titan_cotrain.parallel.rank_layout import rank_layout
     from titan_cotrain.simulate.run import _default_ranks, world_size_of
 
     config = load_job_config(["--job.config_file", f"train_configs/{name}.toml", "--simulate.enable"],
@@ -143,7 +146,8 @@ def test_every_pipeline_role_is_simulated(name, world, ranks):
     assert world_size_of(config) == world and _default_ranks(config, world) == ranks
     plan = plan_from_config(config, resolve_model_args(config).n_layers)
     layers = [sum(len(plan.layer_ranges[s]) for s in plan.stages_of(r)) for r in range(4)]
-    assert layers[ranks[1] // (world // 4)] == max(layers) == layers[0] + 1 == layers[-1] + 2
+    pp_ranks = [rank_layout(config, world).rank(p, 0, 0) for p in range(4)]
+    assert layers[pp_ranks.index(ranks[1])] == max(layers) == layers[0] + 1 == layers[-1] + 2
 
 
 def test_an_auto_kv_pool_keeps_the_margin_in_the_phases_that_hold_it(tmp_path):

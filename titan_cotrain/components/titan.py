@@ -18,6 +18,7 @@ the one place that resolves the device type, and where torchtitan's CPU gaps are
 """
 
 import bisect
+import functools
 import importlib
 import resource
 import sys
@@ -104,21 +105,60 @@ def init_torchtitan() -> None:
         _rebind_torchtitan_device()
 
 
-def build_parallel_dims(parallelism, world_size: int):
-    """torchtitan ``ParallelDims`` from a ``[parallelism]`` section (TP/EP fixed at 1)."""
+def build_parallel_dims(parallelism, world_size: int, mesh_ranks: Sequence[int] | None = None):
+    """torchtitan ``ParallelDims`` from a ``[parallelism]`` section (TP/EP fixed at 1).
+
+    ``mesh_ranks``: the global rank at each position of torchtitan's ``[pp, dp, cp]`` world
+    mesh (``parallel.rank_layout.RankLayout.mesh_ranks``); None or ``arange(world_size)``:
+    torchtitan's own placement. Every mesh the project reads (``pp``, ``batch``, ``cp``,
+    ``fsdp``, ``loss``) keeps torchtitan's dims and names; only the process at each
+    coordinate changes."""
     init_torchtitan()
     from torchtitan.distributed import ParallelDims
 
-    return ParallelDims(
-        dp_replicate=parallelism.data_parallel_replicate_degree,
-        dp_shard=parallelism.data_parallel_shard_degree,
-        cp=parallelism.context_parallel_degree,
-        tp=1,
-        pp=parallelism.pipeline_parallel_degree,
-        ep=1,
-        etp=1,
-        world_size=world_size,
-    )
+    degrees = dict(dp_replicate=parallelism.data_parallel_replicate_degree,
+                   dp_shard=parallelism.data_parallel_shard_degree, cp=parallelism.context_parallel_degree,
+                   tp=1, pp=parallelism.pipeline_parallel_degree, ep=1, etp=1, world_size=world_size)
+    if mesh_ranks is None or list(mesh_ranks) == list(range(world_size)):
+        return ParallelDims(**degrees)
+    return _placed_parallel_dims_class()(**degrees, mesh_ranks=tuple(mesh_ranks))
+
+
+@functools.cache
+def _placed_parallel_dims_class():
+    """``ParallelDims`` whose world mesh holds ``mesh_ranks`` instead of ``arange(world)``.
+
+    torchtitan 0.2.2's ``build_mesh`` makes the 1-D world mesh with the ``init_device_mesh``
+    of its module and unflattens every other mesh from it (``DeviceMesh._unflatten`` reshapes
+    the world mesh's rank map), so handing it a world mesh over a permuted rank tensor for
+    the length of the call places every mesh; the rest of ``build_mesh`` (names, fake
+    backends for size-1 dims, size checks) stays torchtitan's. The world dim itself keeps
+    the default group (its group ranks are global ranks, not positions); nothing reads it."""
+    import dataclasses
+
+    import torchtitan.distributed.parallel_dims as titan_parallel_dims
+    from torch.distributed.device_mesh import DeviceMesh
+
+    @dataclasses.dataclass
+    class PlacedParallelDims(titan_parallel_dims.ParallelDims):
+        mesh_ranks: tuple[int, ...] = ()
+
+        def build_mesh(self):
+            if sorted(self.mesh_ranks) != list(range(self.world_size)):
+                raise ValueError(f"mesh_ranks must hold every rank of {self.world_size} once, got {self.mesh_ranks}")
+            made_by_torchtitan = titan_parallel_dims.init_device_mesh
+
+            def world_mesh(device, shape, mesh_dim_names):
+                assert shape == (self.world_size,), shape
+                return DeviceMesh(device, torch.tensor(self.mesh_ranks), mesh_dim_names=mesh_dim_names)
+
+            titan_parallel_dims.init_device_mesh = world_mesh
+            try:
+                return super().build_mesh()
+            finally:
+                titan_parallel_dims.init_device_mesh = made_by_torchtitan
+
+    return PlacedParallelDims
 
 
 def build_optimizers(model_parts: list[nn.Module], optimizer_config, parallel_dims):

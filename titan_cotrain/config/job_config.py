@@ -67,6 +67,19 @@ class Parallelism:
     (the rank's stages' parameters) in bf16 (``titan_cotrain.parallel.fsdp.reduce_every_microbatch``):
     what a policy whose stages are large next to the GPU needs."""
 
+    rank_order: Literal["auto", "pp_outer", "dp_outer"] = "auto"
+    """Which process sits at each coordinate of the ``[pp, dp, cp]`` mesh
+    (``titan_cotrain.parallel.rank_layout``). ``pp_outer``: torchtitan's order, rank ``(p x DP
+    + b) x CP + c``; FSDP's groups (a stage's DP x CP ranks) are consecutive ranks. ``dp_outer``:
+    rank ``(b x PP + p) x CP + c``; the CP x PP ranks of one data-parallel coordinate, of which
+    ``[rollout] tensor_parallel_degree`` engine groups are made, are consecutive, so an engine
+    group stays in one node (its two all-reduces per layer and decoding round in NVLink), and
+    so do the pipeline's sends, while FSDP's gathers and reduce-scatters cross nodes. ``auto``:
+    ``dp_outer`` when ``pp_outer`` would spread an engine group over more nodes than
+    ``dp_outer`` does (node: torchrun's ``LOCAL_WORLD_SIZE``, else ``[simulate]
+    gpus_per_node``), else ``pp_outer``. The two orders are the same without PP or without
+    data parallelism."""
+
 
 @dataclass
 class ActivationCheckpoint:
@@ -292,8 +305,9 @@ class Rollout:
     ``context_parallel_degree x pipeline_parallel_degree``, and the policy's heads, KV heads,
     FFN width and vocabulary. Each rank holds ``1 / t`` of the weights and of the target's KV
     cache; the draft stays whole. The engine groups of a coordinate share its prompts out.
-    Under torchrun it may not exceed a node's processes (``LOCAL_WORLD_SIZE``); a group whose
-    ranks still lie on several nodes (PP outermost in the rank layout) is warned about at start."""
+    It may not exceed a node's processes (torchrun's ``LOCAL_WORLD_SIZE``, else ``[simulate]
+    gpus_per_node``); ``[parallelism] rank_order`` keeps a group in one node, and a group whose
+    ranks still lie on several nodes (``pp_outer`` chosen by hand) is warned about at start."""
 
     compile: bool = False
     """``torch.compile`` the engine's decoding steps (target decode / verify, the draft's chain
@@ -432,6 +446,11 @@ class Simulate:
 
     gpu_memory_gib: float = 80.0
     """Memory of one GPU, the budget every simulated rank must fit (80 for H100, 141 for H200)."""
+
+    gpus_per_node: int = 8
+    """GPUs of one node of the simulated machine, where ``[parallelism] rank_order = "auto"`` and
+    the engine-group check look for node boundaries. Any run without torchrun's
+    ``LOCAL_WORLD_SIZE`` (the simulator, ranks started by hand) uses it; torchrun's value wins."""
 
     ranks: list[int] = field(default_factory=list)
     """Ranks to simulate. Empty: rank 0 and, under PP, a rank of the last stage."""

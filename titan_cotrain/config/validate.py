@@ -133,6 +133,7 @@ def _range_errors(config) -> list[str]:
         ("task.eval_size", config.task.eval_size, config.task.eval_size >= 0, ">= 0"),
         ("task.eval_fraction", config.task.eval_fraction, 0 <= config.task.eval_fraction < 1, "in [0, 1)"),
         ("simulate.prompt_tokens", config.simulate.prompt_tokens, config.simulate.prompt_tokens >= 1, ">= 1"),
+        ("simulate.gpus_per_node", config.simulate.gpus_per_node, config.simulate.gpus_per_node >= 1, ">= 1"),
         ("task.sft_lr", config.task.sft_lr, config.task.sft_lr >= 0, ">= 0 (0 = [optimizer] lr)"),
         ("task.sft_warmup_steps", config.task.sft_warmup_steps, config.task.sft_warmup_steps >= 0, ">= 0"),
         ("task.sft_min_lr_factor", config.task.sft_min_lr_factor, 0 <= config.task.sft_min_lr_factor <= 1,
@@ -199,10 +200,13 @@ def validate_job_config(config, world_size: int, source: str = "<config>") -> No
     if tp < 1 or peers % tp:
         errors.append(f"rollout.tensor_parallel_degree ({tp}) must divide context_parallel_degree x "
                       f"pipeline_parallel_degree = {peers}: an engine group is made of ranks that train the same rows")
-    gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))  # torchrun's; unset when simulating
-    if gpus_per_node and tp > gpus_per_node:
-        errors.append(f"rollout.tensor_parallel_degree ({tp}) exceeds the {gpus_per_node} processes of a node "
-                      "(LOCAL_WORLD_SIZE): an engine group's all-reduces, two per layer and step, would cross nodes")
+    from titan_cotrain.parallel.rank_layout import gpus_per_node
+
+    node = gpus_per_node(config)
+    if tp > node:
+        errors.append(f"rollout.tensor_parallel_degree ({tp}) exceeds the {node} processes of a node "
+                      "(LOCAL_WORLD_SIZE, else simulate.gpus_per_node): an engine group's all-reduces, two per layer "
+                      "and step, would cross nodes")
     if ro.kv_cache_gib == "auto" and not ro.release_between_rollouts:
         errors.append('rollout.kv_cache_gib = "auto" needs rollout.release_between_rollouts = true: the pool takes '
                       "what the rollout leaves, and gives it back to the update, whose activations and gradients "

@@ -18,14 +18,17 @@ generating unit is an *engine group* of ``t`` consecutive members, which generat
 (``parallel.engine_tp``): unit ``u = j // t`` takes the share member ``u`` would take in a
 group of ``g / t``, and only its first member sends the results.
 
-World layout (torchtitan's ``ParallelDims``): ranks are ordered ``[pp, dp, cp]`` (tensor
-parallel 1), so the group of data-parallel coordinate ``b`` is ``{(p * DP + b) * CP + c}``.
+Which global ranks make a group is the job's rank layout (``parallel.rank_layout``,
+``[parallelism] rank_order``): the group of data-parallel coordinate ``b`` is
+``layout.dp_groups()[b]``, member ``p * CP + c`` at pipeline rank ``p`` and CP rank ``c``.
 """
 
 import hashlib
 import pickle
 
 import torch.distributed as dist
+
+from titan_cotrain.parallel.rank_layout import RankLayout, nodes_spanned
 
 __all__ = ["GenerationGroup"]
 
@@ -35,19 +38,19 @@ class GenerationGroup:
 
     ``size``: ``cp x pp`` (1: nothing to share); ``member``: this rank's index in the group;
     ``tensor_parallel``: members per engine group (it must divide ``size``); ``unit``: this
-    rank's engine group within the group. Every rank must construct it (creating the groups
-    is a collective)."""
+    rank's engine group within the group. ``dp_rank``: this rank's data-parallel coordinate
+    as the device mesh has it, checked against ``layout``. Every rank must construct it
+    (creating the groups is a collective)."""
 
-    def __init__(self, pp: int, dp: int, cp: int, rank: int, split: bool, *, dp_rank: int,
-                 communicate: bool = True, tensor_parallel: int = 1) -> None:
-        self.size, self.split, self.tensor_parallel = pp * cp, split, tensor_parallel
-        if self.size % tensor_parallel:
-            raise ValueError(f"[rollout] tensor_parallel_degree = {tensor_parallel} must divide cp x pp = "
-                             f"{self.size}: an engine group is made of ranks that train the same rows")
-        self.groups = groups = [[(p * dp + b) * cp + c for p in range(pp) for c in range(cp)] for b in range(dp)]
+    def __init__(self, layout: RankLayout, rank: int, split: bool, *, dp_rank: int, communicate: bool = True,
+                 tensor_parallel: int = 1) -> None:
+        self.layout, self.split, self.tensor_parallel = layout, split, tensor_parallel
+        self.size = layout.pp * layout.cp
+        self._engine_groups = layout.engine_groups(tensor_parallel)  # checks that t divides the size
+        self.groups = groups = layout.dp_groups()
         (self.ranks,) = [ranks for ranks in groups if rank in ranks]
         if groups.index(self.ranks) != dp_rank:
-            raise RuntimeError(f"rank {rank}: the mesh's data-parallel coordinate is {dp_rank}, the [pp, dp, cp] "
+            raise RuntimeError(f"rank {rank}: the mesh's data-parallel coordinate is {dp_rank}, the {layout.order} "
                                f"layout says {groups.index(self.ranks)}")
         self.member = self.ranks.index(rank)
         self.unit = self.member // tensor_parallel
@@ -63,13 +66,12 @@ class GenerationGroup:
     def engine_groups(self) -> list[list[int]]:
         """Every engine group of the job (``tensor_parallel`` consecutive members of each
         group), the same list on every rank."""
-        t = self.tensor_parallel
-        return [ranks[i: i + t] for ranks in self.groups for i in range(0, len(ranks), t)]
+        return self._engine_groups
 
     def nodes_spanned(self, gpus_per_node: int) -> int:
         """The most nodes one engine group's ranks lie on (ranks ``n x gpus_per_node ..`` on
         node ``n``): 1 when every tensor-parallel all-reduce of the engine stays in a node."""
-        return max(len({rank // gpus_per_node for rank in ranks}) for ranks in self.engine_groups())
+        return nodes_spanned(self._engine_groups, gpus_per_node)
 
     def share(self, n_problems: int, member: int | None = None) -> list[int]:
         """The indices (of ``n_problems``) that ``member`` (default: this rank) generates,

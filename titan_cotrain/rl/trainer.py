@@ -35,6 +35,7 @@ from titan_cotrain.parallel.engine_tp import engine_tp_mesh
 from titan_cotrain.parallel.parallelize import copy_shards, parallelize
 from titan_cotrain.parallel.pipeline import gather_state_dict, pipeline_step
 from titan_cotrain.parallel.pipeline import clip_grad_norms as pipeline_clip_grad_norms
+from titan_cotrain.parallel.rank_layout import gpus_per_node, rank_layout
 from titan_cotrain.rl.batching import Sample, pack_samples
 from titan_cotrain.rl.draft_health import DraftCollapseWatch
 from titan_cotrain.rl.draft_vocab import draft_vocab_from_generations, task_token_counts
@@ -76,7 +77,9 @@ class Trainer:
     def __init__(self, config, world_size: int, rank: int, simulation=None) -> None:
         self.config, self.rank, self.world_size = config, rank, world_size
         self.simulation = simulation
-        self.parallel_dims = dims = titan.build_parallel_dims(config.parallelism, world_size)
+        # Which process sits at each mesh coordinate: [parallelism] rank_order.
+        self.layout = layout = rank_layout(config, world_size)
+        self.parallel_dims = dims = titan.build_parallel_dims(config.parallelism, world_size, layout.mesh_ranks())
         self.device = training_device()
         if world_size > 1:
             dims.build_mesh()
@@ -115,23 +118,20 @@ class Trainer:
         self.policy, self.draft, self.reference, self.pipeline = (models.policy, models.draft, models.reference,
                                                                   models.pipeline)
         self.log_rank = 0
-        if self.pipeline is not None:
-            # PP columns differ by an offset and rank 0's starts at 0: its last stage's rank.
-            pp_ranks = dims.get_mesh("pp").mesh.flatten().tolist()
-            self.log_rank = pp_ranks[self.pipeline.plan.stage_ranks[-1]] - pp_ranks[0]
+        if self.pipeline is not None:  # the last stage's rank of data-parallel and CP coordinate 0
+            self.log_rank = layout.rank(self.pipeline.plan.stage_ranks[-1], 0, 0)
         self.cotrain = config.draft.enable  # under PP, self.draft is None off the last stage
-        self.generation = GenerationGroup(dims.pp, self.dp_degree, dims.cp, rank, config.rollout.split_prompts,
+        self.generation = GenerationGroup(layout, rank, config.rollout.split_prompts,
                                           dp_rank=self.dp_rank, communicate=simulation is None,
                                           tensor_parallel=config.rollout.tensor_parallel_degree)
         self.engine_mesh = None
         if config.rollout.tensor_parallel_degree > 1:
             self.engine_mesh = engine_tp_mesh(self.device.type, self.generation.engine_groups())
-            gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
-            nodes = self.generation.nodes_spanned(gpus_per_node) if gpus_per_node else 1
+            nodes = self.generation.nodes_spanned(gpus_per_node(config))
             if nodes > 1 and rank == 0:
                 print(f"warning: an engine group of [rollout] tensor_parallel_degree = "
-                      f"{config.rollout.tensor_parallel_degree} spans {nodes} nodes (the ranks that train the same "
-                      "rows lie on several nodes in the [pp, dp, cp] layout): its all-reduces cross nodes", flush=True)
+                      f"{config.rollout.tensor_parallel_degree} spans {nodes} nodes in the {layout.order} rank layout "
+                      "([parallelism] rank_order): its all-reduces cross nodes", flush=True)
         engine_prompts = self.generation.max_share(self.prompts_per_rank)
         rows = max(engine_prompts * config.rl.group_size, 1)
         kv_cache = kv_cache_setting(

@@ -62,13 +62,14 @@ def world_size_of(config) -> int:
 def _default_ranks(config, world_size: int) -> list[int]:
     """Rank 0 and, under PP, one rank of every other pipeline role: the PP rank of the head
     (and the draft), and of the middle ranks (no embedding, no head) the one holding the
-    most layers (torchtitan's mesh puts pp outermost, so PP rank ``r``'s first rank is
-    ``r x world / pp``)."""
+    most layers (each PP rank's rank at data-parallel and CP coordinate 0 in the job's rank
+    layout)."""
     pp = config.parallelism.pipeline_parallel_degree
     if pp == 1:
         return [0]
     from titan_cotrain.config import resolve_model_args
     from titan_cotrain.parallel.pipeline.build import plan_from_config
+    from titan_cotrain.parallel.rank_layout import rank_layout
 
     plan = plan_from_config(config, resolve_model_args(config).n_layers)
     last = plan.num_stages - 1
@@ -77,7 +78,8 @@ def _default_ranks(config, world_size: int) -> list[int]:
     layers = [sum(len(plan.layer_ranges[s]) for s in plan.stages_of(r)) for r in range(pp)]
     # Middle ranks differ only in layers: the one holding the most stands for them all.
     chosen = sorted(ends | ({max(middle, key=lambda r: layers[r])} if middle else set()))
-    return [r * (world_size // pp) for r in chosen]
+    layout = rank_layout(config, world_size)
+    return [layout.rank(r, 0, 0) for r in chosen]
 
 
 def _storages(tensors, category: str, out: dict[int, str]) -> None:

@@ -32,6 +32,18 @@ def render(folder: Path = ROOT / "assets" / "scale") -> str:
             lines.append(f"| `{report['config']}` | {report['world_size']} | {budget:g} | {rank['rank']} "
                          f"({rank['role']}) | {rank['peak_gib']:.1f} | {fits} | {weights + kv:.1f} ({weights:.1f} + "
                          f"{kv:.1f}) | {top} |")
+    lines += ["", "| config | GPU (roofline) | sequences | concurrent, median (min) | rounds | preemptions "
+              "| KV pool GiB | offloaded GiB | TP group nodes | modeled rollout s |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for path in sorted(folder.glob("*.json")):
+        report = json.loads(path.read_text())
+        model = report.get("rollout")
+        if model is None:
+            continue
+        lines.append(f"| `{report['config']}` | {model['roofline']['gpu']} | {model['requested_rows']} "
+                     f"| {model['concurrent_median']:g} ({model['concurrent_min']:g}) | {model['rounds']} "
+                     f"| {model['preemptions']} | {model['kv_pool_gib']:.1f} | {model['offloaded_gib']:.1f} "
+                     f"| {model['tp_group_nodes']} | {model['modeled_rollout_s']:.0f} |")
     return "\n".join(lines)
 
 

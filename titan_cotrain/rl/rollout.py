@@ -28,9 +28,11 @@ One round with ``k`` drafted tokens, every sequence at its own ``n``:
 Batching is continuous (``rl.kv_blocks``): the engine decodes a running batch of
 ``max_batch_size`` rows; between rounds, finished sequences leave it and waiting GRPO groups
 are prefilled into the free rows, one prefill per prompt for its ``G`` samples, which share
-the prompt's KV blocks. A round's shapes depend only on ``(rows, k, block-table width)``,
-the width a power of two of blocks; free rows ride along writing to the scratch block, so
-there is no Python loop over sequences on the device.
+the prompt's KV blocks. Sequences take blocks as they grow; when the pool runs dry the
+youngest is preempted and later recomputed from its committed tokens (``_recompute``), so a
+pool sized for a few sequences at their longest runs many at once. A round's shapes depend
+only on ``(rows, k, block-table width)``, the width a power of two of blocks; free rows ride
+along writing to the scratch block, so there is no Python loop over sequences on the device.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from titan_cotrain.models.kv_cache import PagedKV, RowsKV
 from titan_cotrain.models.transformer import Transformer
 from titan_cotrain.ops import flash
 from titan_cotrain.rl.engine_copy import copy_state, empty_copy
-from titan_cotrain.rl.kv_blocks import Admitted, BlockAllocator, Scheduler
+from titan_cotrain.rl.kv_blocks import Admitted, BlockAllocator, Resumed, Scheduler
 from titan_cotrain.rl.kv_budget import KVBudget
 from titan_cotrain.rl.rollout_state import RolloutStats, Rollouts, Sequences, StepCounters, live_bucket
 from titan_cotrain.rl.sampling import (
@@ -379,11 +381,13 @@ class RolloutEngine:
             admitted = scheduler.admit()
             if admitted:
                 with counters.timed("prefill"):
-                    self._prefill(seqs, scheduler, admitted, prompt, params, generator, drafting)
+                    if admitted.resumed:
+                        self._recompute(seqs, scheduler, admitted.resumed, prompt, prompt_lens, drafting)
+                    if len(admitted):
+                        self._prefill(seqs, scheduler, admitted, prompt, params, generator, drafting)
             round_start = time.perf_counter()
-            if max_rounds is not None:
-                scheduler.assume_longest()
-            scheduler.grow()
+            if max_rounds is None:  # a simulated round reads the widest tables instead
+                seqs.free(scheduler.grow(), self.device)
             if self.paged:
                 seqs.move(*scheduler.compact(), self.device)
             live = scheduler.live()
@@ -392,7 +396,7 @@ class RolloutEngine:
                 raise ValueError(f"the per-round choice of draft_tokens must be in 0..{k}, got {round_k}")
             # Compiled steps see one shape per k: every row, the widest table.
             rows = self.max_batch_size if self.compiled else scheduler.running_rows()
-            target_cache, draft_cache = self._caches(scheduler, drafting, rows)
+            target_cache, draft_cache = self._caches(scheduler, drafting, rows, widest=max_rounds is not None)
             running = seqs.head(rows)
             if drafting:
                 self._speculative_round(running, round_k, params, generator, target_cache, draft_cache,
@@ -413,7 +417,8 @@ class RolloutEngine:
             if progress is not None:
                 progress(scheduler.retired, total)
         stats = counters.stats(int(seqs.out_len.sum()), params.max_new_tokens, prompts=len(prompt_lens),
-                               drafting=drafting, kv_peak_bytes=allocator.peak * self.kv_block_bytes)
+                               drafting=drafting, kv_peak_bytes=allocator.peak * self.kv_block_bytes,
+                               preemptions=scheduler.preemptions, recomputed_tokens=scheduler.recomputed)
         result = seqs.result(prompt_lens.repeat_interleave(samples).to(self.device), params.max_new_tokens, stats)
         # Nothing a rollout leaves in the caches reaches the next: stale slots are masked, but
         # a non-finite one would still poison the masked products (0 * inf). One memset.
@@ -421,11 +426,13 @@ class RolloutEngine:
             cache.zero_()
         return result
 
-    def _caches(self, scheduler: Scheduler, drafting: bool, rows: int) -> tuple[PagedKV | RowsKV, DraftKVCache | None]:
+    def _caches(self, scheduler: Scheduler, drafting: bool, rows: int,
+                widest: bool = False) -> tuple[PagedKV | RowsKV, DraftKVCache | None]:
         """The views of the pools for one round over the first ``rows`` rows: their block
-        tables, or the static layout's rows."""
+        tables (as wide as a sequence at its longest when compiled or ``widest``), or the
+        static layout's rows."""
         if self.paged:
-            width = self.blocks_per_sequence if self.compiled else None
+            width = self.blocks_per_sequence if self.compiled or widest else None
             table = torch.tensor(scheduler.table(rows, width), dtype=torch.int64, device=self.device)
             views = [pool.view(table) if pool is not None else None for pool in (self.target_pool, self.draft_pool)]
         else:
@@ -450,7 +457,8 @@ class RolloutEngine:
         tokens = prompt[admitted.prompts, :width].to(device)
         n = len(admitted)
         if self.paged:
-            table = torch.tensor(scheduler.prefill_table(admitted, width), dtype=torch.int64, device=device)
+            table = torch.tensor(scheduler.padded_tables(admitted.prompt_blocks, width), dtype=torch.int64,
+                                 device=device)
             target_view = self.target_pool.view(table)
             trunk_view = self.draft_pool.view(table) if drafting else None
         else:  # waves fill rows 0 .. n - 1, which are blocks 0 .. n - 1
@@ -490,6 +498,40 @@ class RolloutEngine:
         hidden = self.draft.extend(taps_last, self._draft_embed(token.unsqueeze(1)), last[group],
                                    DraftKVCache(sample_view, *chain))
         seqs.draft_hidden[rows] = hidden[:, 0]
+
+    def _recompute(self, seqs: Sequences, scheduler: Scheduler, resumed: list[Resumed], prompt: torch.Tensor,
+                   prompt_lens: torch.Tensor, drafting: bool) -> None:
+        """Bring preempted sequences back into their new rows as decoding had left them
+        (``rl.kv_blocks``): with ``n`` committed tokens ``x_0 .. x_{n-1}`` (prompt, then the
+        response so far, read from the outputs on the device), one target forward over
+        ``x_0 .. x_{n-2}`` rewrites their KV at positions ``0 .. n-2`` and, when drafting,
+        TTT pass 1 over the same anchors (embeddings of ``x_1 .. x_{n-1}``) rewrites the
+        trunk and gives ``h1`` at anchor ``n - 2``. Nothing is drawn: the rows go on from
+        ``x_{n-1}``, their outputs untouched."""
+        if not self.paged:
+            raise RuntimeError("the static layout never preempts")
+        device = self.device
+        m = len(resumed)
+        which = [r.prompt for r in resumed]
+        lengths = torch.tensor([r.length for r in resumed], device=device)
+        starts = prompt_lens[which].to(device)  # where each response begins
+        width = max(r.length for r in resumed)
+        j = torch.arange(width, device=device)
+        from_prompt = prompt[which].to(device).gather(1, j.clamp(max=prompt.shape[1] - 1).expand(m, -1))
+        out_rows = torch.tensor([r.seq for r in resumed], device=device)
+        columns = (j - starts.unsqueeze(1)).clamp(min=0, max=seqs.tokens.shape[1] - 1)
+        tokens = torch.where(j < starts.unsqueeze(1), from_prompt, seqs.tokens[out_rows].gather(1, columns))
+        table = torch.tensor(scheduler.padded_tables([r.blocks for r in resumed], width - 1), dtype=torch.int64,
+                             device=device)
+        zeros = torch.zeros_like(lengths)
+        out = self.policy.forward_cached(tokens[:, :-1], self.target_pool.view(table), zeros,
+                                         return_taps=drafting, logits_at=lengths - 2)
+        rows = torch.tensor([r.slot for r in resumed], device=device)
+        seqs.resume(rows, out_rows, lengths, lengths - starts, tokens.gather(1, (lengths - 1).unsqueeze(1))[:, 0])
+        if drafting:
+            cache = DraftKVCache(self.draft_pool.view(table), self.chain_k[:m], self.chain_v[:m])
+            hidden = self.draft.extend(torch.cat(out.taps, -1), self._draft_embed(tokens[:, 1:]), zeros, cache)
+            seqs.draft_hidden[rows] = hidden[torch.arange(m, device=device), lengths - 2]
 
     def _decode_one_token(self, seqs: Sequences, params: SamplingParams, generator, target_cache: PagedKV | RowsKV,
                           counters: StepCounters) -> None:

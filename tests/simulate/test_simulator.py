@@ -41,6 +41,11 @@ def test_parameter_and_optimizer_bytes_match_the_analytic_count(tmp_path):
     assert after["KV cache"] > 0 and after["engine weights"] > 0
     assert rank["peak_gib"] >= sum(after.values()) * 0.99
     assert result["host_collectives"] == []
+    rollout = result["rollout"]  # the engine's schedule over this rank's share
+    assert rollout["requested_rows"] == config.rl.prompts_per_step // WORLD * config.rl.group_size
+    assert 1 <= rollout["concurrent_min"] <= rollout["concurrent_median"] <= rollout["requested_rows"]
+    assert rollout["kv_pool_gib"] == pytest.approx(rank["kv_pool_gib"]) and rollout["tp_group_nodes"] == 1
+    assert rollout["rounds"] > 0 and rollout["modeled_rollout_s"] > 0
 
 
 def test_a_dataset_task_simulates_without_its_file(tmp_path, monkeypatch):

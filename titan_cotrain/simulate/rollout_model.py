@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from titan_cotrain.rl.kv_blocks import BlockAllocator, Scheduler
 from titan_cotrain.rl.rollout import RolloutEngine, kv_bytes_per_position
 
-__all__ = ["GPU_MODELS", "GpuModel", "LengthLaw", "model_rollout"]
+__all__ = ["GPU_MODELS", "GpuModel", "LengthLaw", "gpu_model", "model_rollout"]
 
 GIB = 2**30
 
@@ -55,6 +55,11 @@ GPU_MODELS = {
     80: GpuModel("H100 SXM 80 GiB", 3.35e12, 989e12),
     141: GpuModel("H200 141 GiB", 4.8e12, 989e12),
 }
+
+
+def gpu_model(memory_gib: float) -> GpuModel:
+    """The roofline of the GPU a config's budget stands for: an H200 above 80 GiB, else an H100."""
+    return GPU_MODELS[141] if memory_gib > 80 else GPU_MODELS[80]
 
 
 @dataclass(frozen=True)
@@ -161,7 +166,6 @@ def model_rollout(engine: RolloutEngine, *, requested_groups: int, samples: int,
             active[s], lengths[s] = length[row.seq] < end, length[row.seq]
         scheduler.retire(lengths, active)
     engine_bound = waiting_live or [n]
-    pool = sum(t.numel() * t.element_size() for t in engine.cache_tensors())
     return {
         "requested_rows": n,
         "rows": engine.max_batch_size,
@@ -171,7 +175,7 @@ def model_rollout(engine: RolloutEngine, *, requested_groups: int, samples: int,
         "rounds": len(live_per_round),
         "preemptions": scheduler.preemptions,
         "recomputed_tokens": scheduler.recomputed,
-        "kv_pool_gib": pool / GIB,
+        "kv_pool_gib": engine.kv_pool_bytes / GIB,
         "kv_blocks": engine.target_pool.n_blocks - int(engine.paged),
         "block_size": bs,
         "prompt_tokens": prompt_tokens,

@@ -15,12 +15,14 @@ response is ``rollout.max_new_tokens`` long.
 
 The report is ``{"config", "world_size", "gpu_memory_gib", "ranks": [{"rank", "role",
 "peak_gib", "by_category_gib", "peak_phase", "largest_at_peak", "phase_peak_gib",
-"after_step_gib", "attention_kernels", "offloaded_gib", "kv_pool_gib"}], "host_collectives"}`` (``after_step_gib``:
+"after_step_gib", "attention_kernels", "offloaded_gib", "kv_pool_gib"}], "rollout", "host_collectives"}`` (``after_step_gib``:
 what stays alive between steps, by category; ``attention_kernels``: per phase, the flash
 kernels the accelerator path called, whose fake implementations gave the shapes;
 ``offloaded_gib``: the training state ``[rollout] offload_training_state`` keeps on the host
 during the rollout, not counted on the device then; ``kv_pool_gib``: the engine's KV pool,
-``[rollout] kv_cache_gib`` or what ``"auto"`` made of it); the job is refused (non-zero exit,
+``[rollout] kv_cache_gib`` or what ``"auto"`` made of it; ``rollout``: the engine's schedule
+over one rollout of a rank's share with its concurrency, preemptions, the most nodes an
+engine group spans and a roofline estimate of its time, ``simulate.rollout_model``); the job is refused (non-zero exit,
 naming the rank and its biggest category) when a rank's peak exceeds the budget, or when any collective was handed a host
 tensor.
 """
@@ -172,6 +174,7 @@ def simulate_rank(config, rank: int, world_size: int) -> tuple[dict, list[str]]:
             trainer.checkpoint_state_dicts()
             role = trainer.role
             kv_pool = trainer.engine.kv_pool_bytes
+            rollout = _rollout_model(trainer, config)
             after_step = tracker.breakdown()
     finally:
         dist.destroy_process_group()
@@ -188,8 +191,22 @@ def simulate_rank(config, rank: int, world_size: int) -> tuple[dict, list[str]]:
         "attention_kernels": {phase: calls for phase, calls in kernels.items() if calls},
         "offloaded_gib": offloaded / GIB,
         "kv_pool_gib": kv_pool / GIB,
+        "rollout": rollout,
     }
     return report, device.host_collectives
+
+
+def _rollout_model(trainer, config) -> dict:
+    """The engine's schedule over one rollout of this rank's share (``simulate.rollout_model``):
+    its GRPO groups, prompts at their budget, responses from the stated length law."""
+    from titan_cotrain.simulate.rollout_model import gpu_model, model_rollout
+
+    engine, ro = trainer.engine, config.rollout
+    drafting = ro.speculative and config.draft.enable
+    return model_rollout(engine, requested_groups=trainer.generation.max_share(trainer.prompts_per_rank),
+                         samples=config.rl.group_size, prompt_tokens=engine.max_seq_len - ro.max_new_tokens,
+                         max_new_tokens=ro.max_new_tokens, draft_tokens=engine.max_draft_tokens if drafting else 0,
+                         gpu=gpu_model(config.simulate.gpu_memory_gib))
 
 
 def _rank_from_args(args: list[str], world: int | str | None, rank: int, world_size: int):
@@ -239,8 +256,14 @@ def simulate(config, config_path: str, *, output: str | None = None,
         host_collectives += [f"rank {rank}: {h}" for h in host]
         print(f"simulate: rank {rank} ({report['role']}) peak {report['peak_gib']:.1f} GiB of {budget:g} "
               f"({', '.join(f'{k} {v:.1f}' for k, v in report['by_category_gib'].items())})", flush=True)
+    from titan_cotrain.parallel.rank_layout import engine_group_nodes
+
+    # The engine and its share are the same on every rank: one schedule stands for all.
+    rollout = [r.pop("rollout") for r in reports][0]
+    rollout["offloaded_gib"] = max(r["offloaded_gib"] for r in reports)
+    rollout["tp_group_nodes"] = engine_group_nodes(config, world_size, config.simulate.gpus_per_node)
     result = {"config": Path(config_path).name, "world_size": world_size, "gpu_memory_gib": budget,
-              "ranks": reports, "host_collectives": sorted(set(host_collectives))}
+              "ranks": reports, "rollout": rollout, "host_collectives": sorted(set(host_collectives))}
     path = output or config.simulate.output or os.path.join("assets", "scale", Path(config_path).stem + ".json")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
@@ -226,12 +227,13 @@ def save_hf(model: Transformer, path: PathLike, max_shard_bytes: int | None = No
 
     ``config.json`` plus ``model.safetensors``; with ``max_shard_bytes``, a model that does not
     fit is split into ``model-0000i-of-0000n.safetensors`` shards of at most that many bytes
-    (a larger tensor gets a shard to itself) plus ``model.safetensors.index.json``. Tensors
-    keep the model's dtype and are written contiguous from CPU; a tied ``lm_head`` is left out,
-    as HF re-ties it from ``tie_word_embeddings``. Weight files of an earlier save in ``path``
-    are removed first, so a stale index can never shadow the new weights. ``state``: the
-    whole tensors to write instead of ``model.state_dict()`` (a tensor-parallel copy's,
-    gathered).
+    (a larger tensor gets a shard to itself) plus ``model.safetensors.index.json``, as
+    ``huggingface_hub.split_torch_state_dict_into_shards`` lays them out. Tensors keep the
+    model's dtype and are written contiguous from CPU, one shard's worth copied to CPU at a
+    time; a tied ``lm_head`` is left out, as HF re-ties it from ``tie_word_embeddings``. Weight
+    files of an earlier save in ``path`` are removed first, so a stale index can never shadow
+    the new weights. ``state``: the whole tensors to write instead of ``model.state_dict()``
+    (a tensor-parallel copy's, gathered).
     """
     if max_shard_bytes is not None and max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
@@ -239,7 +241,7 @@ def save_hf(model: Transformer, path: PathLike, max_shard_bytes: int | None = No
     folder.mkdir(parents=True, exist_ok=True)
     args = model.args
     tensors = {
-        _hf_name(name): t.detach().to("cpu").contiguous()
+        _hf_name(name): t.detach()
         for name, t in (model.state_dict() if state is None else state).items()
         if not (args.tie_embeddings and name == "lm_head.weight")
     }
@@ -249,17 +251,19 @@ def save_hf(model: Transformer, path: PathLike, max_shard_bytes: int | None = No
     for stale in (*folder.glob("model-*-of-*.safetensors"), folder / WEIGHTS_NAME, folder / INDEX_NAME):
         stale.unlink(missing_ok=True)
     (folder / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    shards = _split(tensors, max_shard_bytes)
-    if len(shards) == 1:
-        save_file(tensors, folder / WEIGHTS_NAME, metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards, start=1):
-        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+    # The split reads only sizes: meta stand-ins give each tensor's own bytes (a view's
+    # storage could be larger) and are never mistaken for tensors sharing a storage.
+    shapes = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in tensors.items()}
+    whole = sum(t.nbytes for t in shapes.values())  # without max_shard_bytes: one file
+    split = split_torch_state_dict_into_shards(
+        shapes, max_shard_size=whole if max_shard_bytes is None else max_shard_bytes)
+    for file, names in split.filename_to_tensors.items():
+        shard = {name: tensors[name].to("cpu").contiguous() for name in names}
         save_file(shard, folder / file, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file))
-    index = {"metadata": {"total_size": sum(_nbytes(t) for t in tensors.values())}, "weight_map": weight_map}
-    (folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        del shard  # before the next shard's copies: one shard on the host at a time
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        (folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _architecture(config: Mapping[str, Any]) -> str:
@@ -401,21 +405,3 @@ def _listed(what: str, items: list[str]) -> str:
         return ""
     more = f", ... ({len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else ""
     return f"{what} ({len(items)}): {', '.join(items[:_MAX_LISTED])}{more}"
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _split(tensors: dict[str, torch.Tensor], max_bytes: int | None) -> list[dict[str, torch.Tensor]]:
-    """Greedy in order: a new shard starts when the next tensor would push this one past ``max_bytes``."""
-    if max_bytes is None:
-        return [tensors]
-    shards, size = [{}], 0
-    for name, t in tensors.items():
-        if shards[-1] and size + _nbytes(t) > max_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += _nbytes(t)
-    return shards

@@ -55,7 +55,7 @@ from titan_cotrain.models.transformer import Transformer  # noqa: E402
 from titan_cotrain.parallel.compile import apply_compile  # noqa: E402
 from titan_cotrain.rl.rollout import RolloutEngine  # noqa: E402
 from titan_cotrain.rl.sampling import SamplingParams  # noqa: E402
-from titan_cotrain.rl.trainer import next_token_loss  # noqa: E402
+from titan_cotrain.rl.grpo import next_token_loss  # noqa: E402
 
 STEP = dict(ttt_steps=3, pass_decay=0.8, draft_loss_weight=0.1)
 TIE = 0.05  # bf16 greedy paths may part where the two tokens' logits are this close (of the spread)

@@ -13,7 +13,7 @@ from titan_cotrain.models.args import model_args_for
 from titan_cotrain.models.draft import Draft, DraftArgs, draft_vocab_from_counts
 from titan_cotrain.models.transformer import Transformer, apply_rope, rope_cos_sin
 from tests.batches import synthetic_packed_batch
-from titan_cotrain.rl.trainer import next_token_loss
+from titan_cotrain.rl.grpo import next_token_loss
 
 
 def _target(seed=0, dtype=torch.float32) -> Transformer:

@@ -11,8 +11,7 @@ from titan_cotrain.cotrain.vocab import chunked_policy_head, chunked_soft_ce, sl
 from titan_cotrain.data.packing import LabelRows
 from titan_cotrain.models.transformer import RMSNorm
 from titan_cotrain.parallel.context_parallel import CPBatch
-from titan_cotrain.rl.grpo import ppo_loss
-from titan_cotrain.rl.trainer import next_token_loss
+from titan_cotrain.rl.grpo import next_token_loss, ppo_loss
 from titan_cotrain.simulate.memory import MemoryTracker
 
 B, S, H, V, V_D = 2, 13, 16, 50, 20

@@ -12,7 +12,7 @@ from titan_cotrain.models.args import model_args_for
 from titan_cotrain.models.draft import Draft, DraftArgs
 from titan_cotrain.models.transformer import Transformer
 from titan_cotrain.parallel.activation_checkpoint import apply_activation_checkpointing
-from titan_cotrain.rl.trainer import next_token_loss
+from titan_cotrain.rl.grpo import next_token_loss
 
 
 def _grads(mode: str):

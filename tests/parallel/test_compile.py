@@ -16,7 +16,7 @@ from titan_cotrain.models.draft import Draft, DraftArgs
 from titan_cotrain.models.transformer import Transformer
 from titan_cotrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_cotrain.parallel.compile import apply_compile
-from titan_cotrain.rl.trainer import next_token_loss
+from titan_cotrain.rl.grpo import next_token_loss
 
 STEP = dict(ttt_steps=3, pass_decay=0.8, draft_loss_weight=0.1)
 

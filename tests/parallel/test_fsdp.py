@@ -10,7 +10,7 @@ from titan_cotrain.models.args import model_args_for
 from titan_cotrain.models.draft import Draft, DraftArgs
 from titan_cotrain.models.transformer import Transformer
 from tests.batches import synthetic_packed_batch
-from titan_cotrain.rl.trainer import next_token_loss
+from titan_cotrain.rl.grpo import next_token_loss
 
 STEP = dict(ttt_steps=3, pass_decay=0.8, draft_loss_weight=0.5)
 
@@ -63,3 +63,29 @@ def test_fsdp_cotrain_step_matches_single_device(mesh_shape):
     grads = {k: v.clone() for k, v in _grads(policy, draft).items()}
     assert all(g.abs().sum() > 0 for g in grads.values())
     run_on_ranks(_fsdp_rank, world_size, grads, metrics, mesh_shape)
+
+
+def _local_slices_rank(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from titan_cotrain.parallel.fsdp import copy_whole_into_, local_slices
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    # torch.chunk over 3 ranks: 4 rows -> 2, 2, nothing; 5 columns -> 2, 2, 1.
+    expected = {
+        (4, 3, 0): [(slice(0, 2), slice(0, 3)), (slice(2, 4), slice(0, 3)), None],
+        (3, 5, 1): [(slice(0, 3), slice(0, 2)), (slice(0, 3), slice(2, 4)), (slice(0, 3), slice(4, 5))],
+    }
+    for (rows, cols, dim), per_rank in expected.items():
+        whole = torch.arange(rows * cols, dtype=torch.float32).view(rows, cols)
+        param = distribute_tensor(whole, mesh, [Shard(dim)])
+        assert local_slices(param) == per_rank[rank], (rows, cols, dim, local_slices(param))
+        param.to_local().zero_()
+        copy_whole_into_(param, whole)
+        assert torch.equal(param.full_tensor(), whole)
+    assert local_slices(torch.zeros(2, 3)) == (slice(None), slice(None))
+
+
+def test_local_slices_follow_uneven_chunks():
+    run_on_ranks(_local_slices_rank, 3)

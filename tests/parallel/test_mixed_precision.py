@@ -11,7 +11,7 @@ from tests.multiprocess import run_on_ranks
 from titan_cotrain.components import titan
 from titan_cotrain.config import load_job_config
 from titan_cotrain.parallel.parallelize import parallelize
-from titan_cotrain.rl.trainer import next_token_loss
+from titan_cotrain.rl.grpo import next_token_loss
 
 TINY = ("--training.seq_len", "64", "--rollout.max_new_tokens", "8", "--checkpoint.no-enable",
         "--metrics.no-enable_tensorboard")

@@ -4,7 +4,7 @@ filling sharded parameters from whole tensors one at a time (initialisation, loa
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from titan_cotrain.components.titan import fsdp_sum_gradients
 
@@ -59,19 +59,30 @@ def local_slices(param: torch.Tensor) -> tuple[slice, ...] | None:
     empty), or everything for a plain tensor. None when this rank holds nothing of it."""
     if not isinstance(param, DTensor):
         return tuple(slice(None) for _ in param.shape)
-    index = [slice(None)] * param.dim()
-    for mesh_dim, placement in enumerate(param.placements):
-        if not isinstance(placement, Shard):
-            continue
-        d, n = placement.dim, param.device_mesh.size(mesh_dim)
-        size = index[d].stop - index[d].start if index[d].start is not None else param.shape[d]
-        start = index[d].start or 0
-        chunk = -(-size // n)
-        lo = min(start + chunk * param.device_mesh.get_local_rank(mesh_dim), start + size)
-        index[d] = slice(lo, min(lo + chunk, start + size))
-    if any(s.start is not None and s.stop <= s.start for s in index):
+    shape, offset = _local_shape_and_offset(param)
+    if any(n == 0 and whole > 0 for n, whole in zip(shape, param.shape)):
         return None
-    return tuple(index)
+    return tuple(slice(start, start + n) for start, n in zip(offset, shape))
+
+
+# torch answers "which box of the whole tensor does this rank hold" (for DCP's planner) only
+# privately, in ``torch.distributed.tensor._utils``; this is our one use of it.
+_LOCAL_SHAPE_TORCH = ("2.13",)
+
+
+def _local_shape_and_offset(param: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(local shape, global offset)`` of this rank's part of ``param``, every placement
+    (uneven ``Shard``, ``_StridedShard``, nested meshes) as DTensor itself lays it out."""
+    version = torch.__version__.split("+")[0]
+    if ".".join(version.split(".")[:2]) not in _LOCAL_SHAPE_TORCH:
+        raise RuntimeError(
+            f"titan_cotrain.parallel.fsdp reads shard bounds with torch's private "
+            f"torch.distributed.tensor._utils.compute_local_shape_and_global_offset, written against "
+            f"torch {', '.join(_LOCAL_SHAPE_TORCH)}; found torch {torch.__version__}. Check it and add the version."
+        )
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
 
 
 @torch.no_grad()

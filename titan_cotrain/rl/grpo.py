@@ -1,4 +1,5 @@
-"""GRPO: group-normalised advantages and the PPO-clipped, token-level policy loss.
+"""The policy losses: GRPO's group-normalised advantages and PPO-clipped, token-level loss,
+and the warm start's next-token cross-entropy.
 
 Losses read label-aligned rows (``LabelRows``, or a CP shard's ``CPBatch``): at position
 ``t``, ``next_tokens[b, t]`` is the token the logits at ``t`` predict and
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from titan_cotrain.cotrain.step import PolicyLoss
 from titan_cotrain.data.packing import LabelRows
 
-__all__ = ["group_advantages", "next_token_logprobs", "ppo_loss"]
+__all__ = ["group_advantages", "next_token_logprobs", "next_token_loss", "ppo_loss"]
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
@@ -31,6 +32,13 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
 def next_token_logprobs(logits: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
     """``[B, S]``: log-probability of ``next_tokens[:, t]`` under ``logits[:, t]``."""
     return torch.gather(F.log_softmax(logits.float(), dim=-1), 2, next_tokens[..., None]).squeeze(-1)
+
+
+def next_token_loss(logits: torch.Tensor, rows: LabelRows) -> PolicyLoss:
+    """The warm start's loss: summed CE of each position's next token inside its document,
+    over training targets (``logits [B, S, V]``)."""
+    ce = F.cross_entropy(logits.flatten(0, 1).float(), rows.next_tokens.flatten(), reduction="none")
+    return PolicyLoss((ce * rows.next_token_mask.flatten()).sum(), rows.next_token_mask.sum())
 
 
 def ppo_loss(clip_eps_low: float, clip_eps_high: float, kl_coef: float = 0.0, temperature: float = 1.0,

@@ -41,7 +41,7 @@ from titan_cotrain.rl.draft_health import DraftCollapseWatch
 from titan_cotrain.rl.draft_vocab import draft_vocab_from_generations, task_token_counts
 from titan_cotrain.rl.export import export_job
 from titan_cotrain.rl.generation_group import GenerationGroup
-from titan_cotrain.rl.grpo import group_advantages, ppo_loss
+from titan_cotrain.rl.grpo import group_advantages, next_token_loss, ppo_loss
 from titan_cotrain.rl.nonfinite import NonfiniteStop, NonfiniteWeights, all_finite, forward_is_finite, nonfinite_flags
 from titan_cotrain.rl.kv_budget import kv_cache_setting, kv_pool_line
 from titan_cotrain.rl.offload import TrainingStateOffload
@@ -54,15 +54,9 @@ from titan_cotrain.rl.speculation import SpeculationTuner
 from titan_cotrain.rl.tasks import score
 from titan_cotrain.rl.trainer_setup import TrainerState, build_task, lr_phases, tokenizer_folder, training_device
 
-__all__ = ["Trainer", "next_token_loss"]
+__all__ = ["Trainer"]
 
 PROBE_TOKENS = 32  # the probe forward before a checkpoint or an export: a task demonstration's first tokens
-
-
-def next_token_loss(logits: torch.Tensor, rows: LabelRows) -> PolicyLoss:
-    """Summed CE of each position's next token inside its document, over training targets."""
-    ce = F.cross_entropy(logits.flatten(0, 1).float(), rows.next_tokens.flatten(), reduction="none")
-    return PolicyLoss((ce * rows.next_token_mask.flatten()).sum(), rows.next_token_mask.sum())
 
 
 class Trainer:

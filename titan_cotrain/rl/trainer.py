@@ -21,14 +21,13 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from titan_cotrain.components import titan
 from titan_cotrain.config import resolve_model_args
 from titan_cotrain.config.validate import rollout_draft_tokens
-from titan_cotrain.cotrain.step import PackedBatch, PolicyLoss, clip_grad_norms, forward_backward, step_optimizers
+from titan_cotrain.cotrain.step import PackedBatch, clip_grad_norms, forward_backward, step_optimizers
 from titan_cotrain.cotrain.vocab import chunked_token_logprobs
-from titan_cotrain.data.packing import LabelRows, layout_from_document_ids
+from titan_cotrain.data.packing import layout_from_document_ids
 from titan_cotrain.data.prompts import ChatTemplate, PromptEncoder
 from titan_cotrain.models.build import job_seed
 from titan_cotrain.parallel.engine_tp import engine_tp_mesh

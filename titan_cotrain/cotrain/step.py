@@ -17,7 +17,7 @@ skipped: the trainer skips an update whose loss or norm is not finite).
 """
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -41,6 +41,7 @@ __all__ = [
     "step_optimizers",
     "forward_backward",
     "labels_of",
+    "metric_names",
     "Microbatch",
     "add_policy_sums",
     "draft_sums",
@@ -132,26 +133,38 @@ class CotrainSums:
         return out
 
 
+def metric_names(policy_metrics: Iterable[str], ttt_steps: int | None) -> list[str]:
+    """The keys of an update's metrics, in order: ``loss/policy``, the policy loss's own
+    ``policy_metrics`` (its ``PolicyLoss.metric_sums`` keys) and, when the draft trained
+    (``ttt_steps`` not None), ``loss/draft``, ``draft/loss_pass<d>`` and ``draft/acc_pass<d>``
+    per pass, ``draft/tau``."""
+    names = ["loss/policy", *policy_metrics]
+    if ttt_steps is not None:
+        passes = (f"draft/{kind}_pass{d + 1}" for d in range(ttt_steps) for kind in ("loss", "acc"))
+        names += ["loss/draft", *passes, "draft/tau"]
+    return names
+
+
 def scales_and_metrics(sums: dict[str, torch.Tensor], ttt_steps: int, pass_decay: float,
                        draft_loss_weight: float) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
     """``(policy gradient scale, draft gradient scale or None, metrics)`` from global sums;
-    all device tensors (no host sync)."""
+    all device tensors (no host sync). The metrics' keys are ``metric_names``'."""
     count = sums["policy/count"].clamp(min=1)
-    metrics = {"loss/policy": sums["policy/sum"] / count}
-    metrics |= {name[len("metric/"):]: v / count for name, v in sums.items() if name.startswith("metric/")}
+    policy_metrics = [name[len("metric/"):] for name in sums if name.startswith("metric/")]
+    values = [sums["policy/sum"] / count, *(sums[f"metric/{name}"] / count for name in policy_metrics)]
     draft_scale = None
-    if "draft/count" in sums:
+    draft_on = "draft/count" in sums
+    if draft_on:
         ce, counts = sums["draft/ce_sum"], sums["draft/count"]
         weights = pass_weights(ttt_steps, pass_decay, device=ce.device)
         weighted_count = (weights * counts).sum().clamp(min=1e-12)
         draft_scale = draft_loss_weight / weighted_count
-        metrics["loss/draft"] = draft_loss(TTTStats(ce, counts, sums["draft/correct"]), weights, weighted_count)
         accuracy = sums["draft/correct"] / counts.clamp(min=1)
-        for d in range(ttt_steps):
-            metrics[f"draft/loss_pass{d + 1}"] = ce[d] / counts[d].clamp(min=1)
-            metrics[f"draft/acc_pass{d + 1}"] = accuracy[d]
-        metrics["draft/tau"] = tau(accuracy)
-    return 1.0 / count, draft_scale, metrics
+        values += [draft_loss(TTTStats(ce, counts, sums["draft/correct"]), weights, weighted_count),
+                   *(v for d in range(ttt_steps) for v in (ce[d] / counts[d].clamp(min=1), accuracy[d])),
+                   tau(accuracy)]
+    names = metric_names(policy_metrics, ttt_steps if draft_on else None)
+    return 1.0 / count, draft_scale, dict(zip(names, values, strict=True))
 
 
 @torch.no_grad()

@@ -17,7 +17,7 @@ Two forwards:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -37,7 +37,11 @@ from titan_cotrain.ops.attention import packed_cu_seqlens, varlen_causal_attenti
 from titan_cotrain.ops.context import active_ring
 from titan_cotrain.ops.ring_attention import ring_attention
 
-__all__ = ["RMSNorm", "init_weights_", "TargetOutput", "TrainOutput", "Transformer", "apply_rope", "rope_inv_freq"]
+__all__ = ["RMSNorm", "init_weights_", "TargetOutput", "TrainOutput", "Transformer", "apply_rope", "rope_inv_freq",
+           "run_layers"]
+
+# ``tap(layer index, its output [T, H])``: called after every layer ``run_layers`` runs.
+TapHook = Callable[[int, torch.Tensor], None]
 
 
 class TargetOutput(NamedTuple):
@@ -123,6 +127,20 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.d
     freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq.to(positions.device)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def run_layers(layers: Iterable[tuple[int, nn.Module]], rope_inv_freq: torch.Tensor, x: torch.Tensor,
+               positions: torch.Tensor, cu_seqlens: torch.Tensor, tap: TapHook | None = None) -> torch.Tensor:
+    """The training forward's layer loop, shared by ``Transformer.forward`` and a pipeline
+    stage's (so their hidden states and taps are bitwise the same): the packed stream ``x [T,
+    H]`` at in-document ``positions`` (``T`` of them, any shape) through ``layers``, ``(whole-model
+    index, DecoderLayer)`` pairs in order, with ``tap(index, output)`` after each."""
+    cos, sin = rope_cos_sin(rope_inv_freq, positions.to(x.device).reshape(-1), x.dtype)
+    for i, layer in layers:
+        x = layer(x, cos, sin, cu_seqlens)
+        if tap is not None:
+            tap(i, x)
+    return x
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -285,13 +303,14 @@ class Transformer(nn.Module):
             layout = self._layout(tokens, document_ids, cu_seqlens)
             cu_seqlens, positions = packed_cu_seqlens(layout.cu_seqlens), layout.positions
         h = self.embed_tokens(tokens)
-        cos, sin = rope_cos_sin(self.rope_inv_freq, positions.to(h.device).reshape(-1), h.dtype)
-        x = h.reshape(b * s, -1)
         taps = []
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cu_seqlens)
-            if return_taps and i in self.tap_layers:
-                taps.append(x.detach().view(b, s, -1))
+
+        def tap(layer: int, out: torch.Tensor) -> None:
+            if layer in self.tap_layers:
+                taps.append(out.detach().view(b, s, -1))
+
+        x = run_layers(enumerate(self.layers), self.rope_inv_freq, h.reshape(b * s, -1), positions, cu_seqlens,
+                       tap if return_taps else None)
         if head is not None:
             return TrainOutput(head=head(self.norm(x), self.lm_head.weight), taps=tuple(taps), embeddings=h.detach())
         # Reshape before the head so the logits are a fresh tensor, not a view (FSDP's

@@ -1,6 +1,7 @@
 """The stage module: a contiguous range of the policy's decoder layers, under their
 whole-model names, plus the embedding on the first stage and the final norm and the head on
-the last (which also holds the draft, as a model of its own).
+the last (which also holds the draft, as a model of its own). Its layers run through the
+policy's own layer loop (``models.transformer.run_layers``).
 
 Microbatch metadata (``cu_seqlens`` on the host, positions on the device, the CP shard) is
 prepared once per schedule step by ``pipeline_step`` and handed to every stage as
@@ -20,7 +21,7 @@ from torch import nn
 
 from titan_cotrain.cotrain.step import Microbatch
 from titan_cotrain.models.draft import Draft
-from titan_cotrain.models.transformer import Transformer, rope_cos_sin
+from titan_cotrain.models.transformer import Transformer, run_layers
 from titan_cotrain.ops.attention import packed_cu_seqlens
 from titan_cotrain.parallel.tap_channel import EMBEDDINGS, TapChannel
 
@@ -78,11 +79,9 @@ class TransformerStage(nn.Module):
         if self.embed_tokens is not None:
             x = self.embed_tokens(x.reshape(-1))
             self._tap(microbatch, EMBEDDINGS, x, b, s)
-        cos, sin = rope_cos_sin(self.rope_inv_freq, mb.positions.reshape(-1), x.dtype)
-        cu_seqlens = packed_cu_seqlens(mb.cu_seqlens)
-        for name, layer in self.layers.items():
-            x = layer(x, cos, sin, cu_seqlens)
-            self._tap(microbatch, int(name), x, b, s)
+        x = run_layers(((int(name), layer) for name, layer in self.layers.items()), self.rope_inv_freq, x,
+                       mb.positions, packed_cu_seqlens(mb.cu_seqlens),
+                       lambda layer, out: self._tap(microbatch, layer, out, b, s))
         if self.lm_head is None:
             return x
         return self.head(self.norm(x), self.lm_head.weight, microbatch)

@@ -17,7 +17,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titan_cotrain.cotrain.step import PackedBatch, PolicyLossFn, prepare_microbatch, scale_gradients, scales_and_metrics
+from titan_cotrain.cotrain.step import (
+    PackedBatch,
+    PolicyLossFn,
+    metric_names,
+    prepare_microbatch,
+    scale_gradients,
+    scales_and_metrics,
+)
 from titan_cotrain.data.packing import LabelRows
 from titan_cotrain.ops.context import context_parallel
 from titan_cotrain.parallel.engine_tp import whole_tensor
@@ -85,11 +92,7 @@ def _metric_names(p: Pipeline, draft_on: bool) -> list[str]:
     empty = torch.zeros(1, 0)
     rows = LabelRows(empty.long(), empty.bool(), empty, empty, empty)
     metric_sums = p.loss.policy_loss_fn(torch.zeros(1, 0, 1), rows).metric_sums
-    names = ["loss/policy", *metric_sums]
-    if draft_on:
-        d = p.loss.ttt_steps
-        names += ["loss/draft", *(f"draft/{k}_pass{i + 1}" for i in range(d) for k in ("loss", "acc")), "draft/tau"]
-    return names
+    return metric_names(metric_sums, p.loss.ttt_steps if draft_on else None)
 
 
 def _schedule_step(p: Pipeline, batch: PackedBatch, draft_on: bool) -> None:

@@ -59,6 +59,8 @@ def test_the_optimizer_state_is_counted_before_it_exists():
     draft.fc.weight.requires_grad_(False)
     trainable = sum(p.numel() for m in (target, draft) for p in m.parameters() if p.requires_grad)
     assert optimizer_state_bytes([target, draft, None], "AdamW") == 2 * 4 * trainable
+    # A module listed with its parts (a pipeline's local policy and its stages) counts once.
+    assert optimizer_state_bytes([target, *target.layers, draft], "AdamW") == 2 * 4 * trainable
     with pytest.raises(ValueError, match=r"not of \[optimizer\] name = 'SGD': set a size in GiB"):
         optimizer_state_bytes([target], "SGD")
 

@@ -100,8 +100,9 @@ def optimizer_state_bytes(modules: Iterable[nn.Module | None], optimizer: str) -
         raise ValueError(f'[rollout] kv_cache_gib = "auto" counts the optimizer state of '
                          f'{" or ".join(OPTIMIZER_MOMENTS)}, not of [optimizer] name = {optimizer!r}: '
                          "set a size in GiB")
-    elements = sum(_local(p).numel() for m in modules if m is not None for p in m.parameters()
-                   if p.requires_grad and _local(p).device.type != "meta")
+    # Each parameter once: a pipeline's local policy holds its stages, which are listed too.
+    params = {id(p): p for m in modules if m is not None for p in m.parameters()}.values()
+    elements = sum(_local(p).numel() for p in params if p.requires_grad and _local(p).device.type != "meta")
     return OPTIMIZER_MOMENTS[optimizer] * 4 * elements
 
 

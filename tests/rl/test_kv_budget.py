@@ -6,6 +6,7 @@ batch; the config takes "auto" with release_between_rollouts only."""
 import pytest
 import torch
 
+from tests.multiprocess import run_on_ranks
 from tests.rl.test_rollout import _models
 from titan_cotrain.config import ConfigError, load_job_config
 from titan_cotrain.rl.kv_budget import (
@@ -68,7 +69,7 @@ def test_the_optimizer_state_is_counted_before_it_exists():
 def test_the_transient_is_the_largest_of_prefill_verify_and_refresh():
     target, _ = _models()
     a = target.args
-    refresh = 3 * max(a.vocab_size, a.ffn_dim) * a.dim * 2
+    refresh = 4 * max(a.vocab_size, a.ffn_dim) * a.dim * 2
     assert transient_bytes(a, rows=1, prompts=1, prompt_tokens=1, draft_tokens=0, n_taps=0,
                            dtype=torch.bfloat16) == refresh
     verify = 512 * 5 * a.vocab_size * 4 * 6
@@ -100,3 +101,17 @@ def test_the_config_takes_auto_with_release_between_rollouts_only(tmp_path):
     job.write_text('[rollout]\nkv_cache_gib = "half"\n')
     with pytest.raises(ConfigError, match=r"rollout.kv_cache_gib must be float \| 'auto', got 'half'"):
         load_job_config(["--job.config_file", str(job)], world_size=1)
+
+
+def _agree(rank: int, world_size: int) -> None:
+    import torch.distributed as dist
+
+    mine = KVBudget(80 * GIB, (rank + 1) * GIB, (world_size - rank) * GIB)
+    agreed = mine.agreed(dist.group.WORLD, torch.device("cpu"))
+    assert agreed == KVBudget(80 * GIB, world_size * GIB, world_size * GIB)
+
+
+def test_a_tensor_parallel_engine_group_agrees_on_one_budget():
+    """Ranks of one engine group whose training state differs (pipeline stages) size their
+    pools alike: the largest state and transient of the group."""
+    run_on_ranks(_agree, 2)

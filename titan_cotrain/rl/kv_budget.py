@@ -58,6 +58,15 @@ class KVBudget:
         """The pool's bytes (possibly negative: nothing fits)."""
         return int((1 - KV_MARGIN_FRACTION) * self.total) - self.training_state - engine_weights - self.transient
 
+    def agreed(self, group, device: torch.device) -> KVBudget:
+        """The budget every rank of ``group`` (a tensor-parallel engine's) can hold: its
+        ranks' largest training state and transient. Their pools, and so their schedules,
+        must be the same (a collective over ``group``)."""
+        values = torch.tensor([self.training_state, self.transient], dtype=torch.int64, device=device)
+        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX, group=group)
+        state, transient = values.tolist()
+        return KVBudget(self.total, state, transient)
+
     def describe(self, engine_weights: int) -> str:
         """The sum, in GiB, for messages."""
         return (f"{1 - KV_MARGIN_FRACTION:g} x {self.total / GIB:.1f} GiB - training state {self.training_state / GIB:.2f}"
@@ -119,13 +128,14 @@ def transient_bytes(policy: ModelArgs, *, rows: int, prompts: int, prompt_tokens
       the sampler's work on them (processed logits, probabilities, a top-p sort's values
       and int64 indices, the draft's: ``~6`` fp32-sized copies);
     * the refresh: one whole parameter gathered in ``dtype`` (the largest, ``vocab x dim``
-      or ``ffn_dim x dim``), the all-gather's buffer, and the copy a pipeline broadcasts or
-      the engine slices it from: ``3`` of it.
+      or ``ffn_dim x dim``), the all-gather's buffer, the copy a pipeline broadcasts or the
+      engine slices it from, and the cast shard it was gathered from: ``4`` of it (the
+      32B simulation measured 3.5).
     """
     per_token = 6 * policy.dim + 3 * policy.ffn_dim // tensor_parallel + n_taps * policy.dim
     prefill = prompts * prompt_tokens * per_token * dtype.itemsize
     verify = rows * (draft_tokens + 1) * policy.vocab_size * 4 * 6
-    refresh = 3 * max(policy.vocab_size, policy.ffn_dim) * policy.dim * dtype.itemsize
+    refresh = 4 * max(policy.vocab_size, policy.ffn_dim) * policy.dim * dtype.itemsize
     return max(prefill, verify, refresh)
 
 

@@ -42,7 +42,7 @@ from titan_cotrain.rl.export import export_job
 from titan_cotrain.rl.generation_group import GenerationGroup
 from titan_cotrain.rl.grpo import group_advantages, next_token_loss, ppo_loss
 from titan_cotrain.rl.nonfinite import NonfiniteStop, NonfiniteWeights, all_finite, forward_is_finite, nonfinite_flags
-from titan_cotrain.rl.kv_budget import kv_cache_setting, kv_pool_line
+from titan_cotrain.rl.kv_budget import KVBudget, kv_cache_setting, kv_pool_line
 from titan_cotrain.rl.offload import TrainingStateOffload
 from titan_cotrain.rl.progress import RolloutProgress, step_line
 from titan_cotrain.rl.rollout import RolloutEngine
@@ -133,6 +133,8 @@ class Trainer:
             prompt_tokens=max_seq_len - ro.max_new_tokens, draft_tokens=rollout_draft_tokens(config),
             n_taps=len(models.engine_policy.tap_layers) if models.engine_draft is not None else 0,
             simulated_gib=simulation.gpu_memory_gib if simulation is not None else None)
+        if self.engine_mesh is not None and isinstance(kv_cache, KVBudget):
+            kv_cache = kv_cache.agreed(self.engine_mesh.get_group(), self.device)  # one schedule per engine group
         self.engine = RolloutEngine.from_models(
             models.engine_policy, models.engine_draft, device=self.device, max_batch_size=rows,
             max_seq_len=max_seq_len,

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from titan_cotrain.components import titan
 from titan_cotrain.simulate.device import SIM_BACKEND, SimulatedDevice, register_simulated_device
@@ -88,8 +89,8 @@ def _storages(tensors, category: str, out: dict[int, str]) -> None:
     for t in tensors:
         if t is None:
             continue
-        if hasattr(t, "_local_tensor"):
-            t = t._local_tensor
+        if isinstance(t, DTensor):
+            t = t.to_local()
         if t.device.type != "cpu" and t.numel() > 0:
             out.setdefault(storage_key(t), category)
 

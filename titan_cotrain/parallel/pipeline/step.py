@@ -16,6 +16,7 @@ from collections.abc import Iterator, Mapping
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titan_cotrain.cotrain.step import (
     PackedBatch,
@@ -31,10 +32,6 @@ from titan_cotrain.parallel.engine_tp import whole_tensor
 from titan_cotrain.parallel.pipeline.build import Pipeline
 
 __all__ = ["clip_grad_norms", "gather_state_dict", "pipeline_step"]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
 def pipeline_step(
@@ -119,7 +116,8 @@ def _normalise_gradients(p: Pipeline, policy_scale: torch.Tensor, draft_scale: t
     tied = p.tied_weight()
     if tied is not None:
         # This rank holds the first stage (the embedding) or the last (the head), not both.
-        dist.all_reduce(_local(tied.grad), group=p.tied_group)
+        grad = tied.grad
+        dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=p.tied_group)
     scale_gradients(p.policy_parameters(), policy_scale)
     scale_gradients(p.draft_parameters(), draft_scale)
 

@@ -22,10 +22,7 @@ def init_distributed(config) -> int:
     """The job's process group when launched by torchrun (torchtitan's init); the world size."""
     if "WORLD_SIZE" not in os.environ:
         return 1
-    titan.init_torchtitan()
-    from torchtitan.distributed.utils import init_distributed
-
-    return init_distributed(config.comm)
+    return titan.init_distributed(config.comm)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,9 @@
 """The one adapter between titan_cotrain and torchtitan (pinned 0.2.2).
 
-Everything the project takes from torchtitan goes through here: parallel dims and the
-device mesh, the optimizer and LR-schedule containers, grad-norm clipping across
-meshes, the pipeline's default layer split, and the TensorBoard logger. This is also
+Everything the project takes from torchtitan goes through here: the TOML ``JobConfig``
+and its parser, the process-group init, parallel dims and the device mesh, the optimizer
+and LR-schedule containers, grad-norm clipping across meshes, the pipeline's default layer
+split, the DCP checkpoint manager, the tokenizer and the TensorBoard logger. This is also
 the one place that resolves the device type, and where torchtitan's CPU gaps are closed
 (each skipped when CUDA is present):
 
@@ -40,10 +41,13 @@ __all__ = [
     "encode_without_special_tokens",
     "use_device_type",
     "fsdp_sum_gradients",
+    "init_distributed",
     "init_torchtitan",
     "load_tokenizer",
     "model_stateful",
+    "parse_job_config",
     "tensorboard_logger",
+    "titan_job_config_class",
 ]
 
 _initialized = False
@@ -103,6 +107,38 @@ def init_torchtitan() -> None:
     _initialized = True
     if device_type() != "cuda":
         _rebind_torchtitan_device()
+
+
+def titan_job_config_class() -> type:
+    """torchtitan's ``JobConfig`` dataclass, whose sections ``config/job_config.py`` extends."""
+    init_torchtitan()
+    from torchtitan.config import JobConfig
+
+    return JobConfig
+
+
+def parse_job_config(toml_values: dict, args: list[str]):
+    """torchtitan's ``ConfigManager.parse_args`` (its dataclasses plus ``[job]
+    custom_config_module``'s, ``--section.key value`` overrides) on already merged TOML
+    values: left to itself it would read ``--job.config_file`` alone, without what that file
+    extends."""
+    init_torchtitan()
+    from torchtitan.config import ConfigManager
+
+    class MergedTomlConfigManager(ConfigManager):
+        def _maybe_load_toml(self, args: list[str]) -> dict:
+            return toml_values
+
+    return MergedTomlConfigManager().parse_args(args)
+
+
+def init_distributed(comm_config) -> int:
+    """torchtitan's process-group init under torchrun (backend for the device, timeouts
+    from ``[comm]``); the world size."""
+    init_torchtitan()
+    from torchtitan.distributed.utils import init_distributed as titan_init_distributed
+
+    return titan_init_distributed(comm_config)
 
 
 def build_parallel_dims(parallelism, world_size: int, mesh_ranks: Sequence[int] | None = None):

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import tomli
 
+from titan_cotrain.components import titan
 from titan_cotrain.config import job_config as ours
 
 CUSTOM_CONFIG_MODULE = ours.__name__
@@ -29,10 +30,8 @@ class ConfigError(ValueError):
 
 def _section_types() -> dict[str, dict[str, Any]]:
     """``{section: {key: type}}`` of torchtitan's JobConfig merged with ours (ours wins)."""
-    from torchtitan.config import JobConfig as TitanJobConfig
-
     merged: dict[str, dict[str, Any]] = {}
-    for root in (TitanJobConfig, ours.JobConfig):
+    for root in (titan.titan_job_config_class(), ours.JobConfig):
         for section in dataclasses.fields(root):
             merged.setdefault(section.name, {}).update(typing.get_type_hints(section.type))
     return merged
@@ -161,18 +160,6 @@ def read_job_toml(path: Path, _chain: tuple[Path, ...] = ()) -> dict:
     return _merge_tables(base_values, raw)
 
 
-def _parse_with_torchtitan(toml_values: dict, args: list[str]):
-    """torchtitan's ``ConfigManager.parse_args`` on the already merged TOML values (it would
-    otherwise read ``--job.config_file`` itself, without what that file extends)."""
-    from torchtitan.config import ConfigManager
-
-    class MergedTomlConfigManager(ConfigManager):
-        def _maybe_load_toml(self, args: list[str]) -> dict:
-            return toml_values
-
-    return MergedTomlConfigManager().parse_args(args)
-
-
 def load_job_config(args: list[str] | None = None, world_size: int | None = None):
     """Parse ``args`` (``--job.config_file F`` plus overrides) into a validated JobConfig.
 
@@ -185,7 +172,7 @@ def load_job_config(args: list[str] | None = None, world_size: int | None = None
     raw = read_job_toml(path)
     if not raw.get("job", {}).get("custom_config_module"):
         args = [*args, "--job.custom_config_module", CUSTOM_CONFIG_MODULE]
-    config = _parse_with_torchtitan(raw, args)
+    config = titan.parse_job_config(raw, args)
     if world_size == "config":  # the simulator: the world the config's degrees describe
         p = config.parallelism
         world_size = (p.data_parallel_replicate_degree * max(p.data_parallel_shard_degree, 1)

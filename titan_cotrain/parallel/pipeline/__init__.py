@@ -4,7 +4,7 @@ Layout, for ``pp`` ranks and ``v`` stages per rank (``pp * v`` stages)::
 
     stage 0                 stage 1 .. n-2          stage n-1
     embed_tokens            layers [a, b)           layers [c, L), norm, lm_head (chunked),
-    layers [0, a)                                   draft (a submodule), CotrainLoss
+    layers [0, a)                                   draft (held, not a submodule), CotrainLoss
       |  taps of the layers a stage owns (and the embedding output) --TapChannel--> |
 
 ``plan`` (which layers where), ``stage`` (the stage module), ``loss`` (the last stage's half
@@ -14,9 +14,10 @@ rows; each microbatch's attention metadata is prepared once per schedule step. C
 parallelism composes: every stage zigzag-shards its microbatch over the CP group (the same
 cut on every stage), the TapChannel runs per PP column, so the taps of (stage s, CP rank c)
 go to (last stage, CP rank c) already sharded. Data parallelism FSDP-shards the stages.
-Tied embeddings (Qwen-3's small sizes): the first and the last stage hold the same weight;
-its two gradient halves are summed over a two-rank group after the step, and clipping
-counts it once.
+The draft is held by the last stage, not registered as its submodule: an FSDP root of its
+own, run inside the loss (``stage.TransformerStage``). Tied embeddings (Qwen-3's small
+sizes): the first and the last stage hold the same weight; its two gradient halves are
+summed over a two-rank group after the step, and clipping counts it once.
 """
 
 from titan_cotrain.parallel.pipeline.build import Pipeline, build_pipeline, build_schedule, make_pipeline

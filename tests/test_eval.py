@@ -38,6 +38,7 @@ def test_pass_at_k_is_the_unbiased_estimator():
         pass_at_k(4, 1, 5)
 
 
+@pytest.mark.slow
 def test_math_dataset_trains_and_evaluates_end_to_end(tmp_path):
     tokenizer = tmp_path / "tokenizer"
     shutil.copytree(REPO / "assets" / "tokenizer", tokenizer)

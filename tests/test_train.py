@@ -48,6 +48,7 @@ def _assert_repeated_exactly(uninterrupted: list[dict], resumed: list[dict]) -> 
                 assert b[key] == value, (a["step"], key, value, b[key])
 
 
+@pytest.mark.slow
 def test_main_job_trains_logs_checkpoints_and_resumes_exactly(tmp_path):
     full = tmp_path / "full"
     result = _run(*SHORT, "--job.dump_folder", str(full))
@@ -83,6 +84,7 @@ def _resume(full: Path, step: int, args, dump: Path) -> list[dict]:
     return _metrics(dump)
 
 
+@pytest.mark.slow
 def test_a_resume_inside_the_rl_phase_repeats_the_run_exactly(tmp_path):
     """The run stops after the checkpoint of an RL step and a new process resumes from it
     (a kill -9 leaves it no more): the next RL steps repeat the uninterrupted run's bit for
@@ -115,6 +117,7 @@ def test_bad_config_fails_with_one_message(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_context_parallel_job_matches_one_process(tmp_path):
     """``[parallelism] context_parallel_degree = 2``: two ranks train zigzag shards of the
     same rows; losses and gradient norms match a one-process run of the same job."""
@@ -128,6 +131,7 @@ def test_context_parallel_job_matches_one_process(tmp_path):
             assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(a[key])), (a["step"], key, a[key], b[key])
 
 
+@pytest.mark.slow
 def test_a_compiled_job_with_fsdp_and_context_parallelism_matches_the_eager_one(tmp_path):
     """``[compile] enable`` (inductor, per block, before FSDP2) on two CP ranks: the warm-start
     and RL losses and gradient norms are the eager one-process job's."""
@@ -140,6 +144,7 @@ def test_a_compiled_job_with_fsdp_and_context_parallelism_matches_the_eager_one(
     _assert_match(tmp_path / "eager", tmp_path / "compiled")
 
 
+@pytest.mark.slow
 def test_a_tensor_parallel_engine_job_matches_one_process_and_exports_whole_weights(tmp_path):
     """``[rollout] tensor_parallel_degree = 2`` over the two CP ranks: one engine group splits
     the policy's copy and generates the one-process job's rollouts; the export gathers it."""
@@ -158,6 +163,7 @@ def test_a_tensor_parallel_engine_job_matches_one_process_and_exports_whole_weig
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 def test_pipeline_parallel_job_matches_one_process_and_resumes_exactly(tmp_path):
     """``[parallelism] pipeline_parallel_degree = 2``: two stages (1F1B, microbatches of one
     row, two per schedule step, so a minibatch runs several accumulated schedule steps)
@@ -202,6 +208,7 @@ def _assert_match(reference: Path, run: Path) -> None:
                 assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(a[key])), (a["step"], key, a[key], b[key])
 
 
+@pytest.mark.slow
 def test_pipeline_with_context_parallelism_matches_one_process(tmp_path):
     """pp=2 x cp=2 on 4 ranks: rows packed in the CP layout (each document padded to a
     multiple of 2 cp, so every row shards to ``seq_len``), every stage on the ring; the
@@ -215,6 +222,7 @@ def test_pipeline_with_context_parallelism_matches_one_process(tmp_path):
     _assert_match(tmp_path / "single", tmp_path / "pp_cp")
 
 
+@pytest.mark.slow
 def test_pipeline_with_data_parallelism_matches_fsdp_and_resumes_exactly(tmp_path):
     """pp=2 x dp=2 on 4 ranks: the stages are replicated over the data-parallel ranks, which
     generate and train their own rollouts and sum their gradients. Data-parallel ranks draw
@@ -237,6 +245,7 @@ def test_pipeline_with_data_parallelism_matches_fsdp_and_resumes_exactly(tmp_pat
     _assert_repeated_exactly(_metrics(tmp_path / "pp_dp")[1:], _metrics(resumed))
 
 
+@pytest.mark.slow
 def test_a_step_a_rank_cannot_run_stops_every_rank_with_one_message(tmp_path):
     """Nothing trainable after packing (every demonstration longer than the rows), or a
     prompt that leaves no room for the rollout: each rank raises the same error naming the

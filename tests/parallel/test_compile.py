@@ -39,6 +39,7 @@ def _step(policy, draft, batch):
     return metrics, grads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
 def test_compiled_blocks_match_eager_without_graph_breaks_or_recompiles(checkpointing):
     torch._dynamo.reset()

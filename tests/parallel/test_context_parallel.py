@@ -347,6 +347,7 @@ def cp_run(tmp_path_factory):
     return {tuple((name, int(w))) for name, w in (line.split() for line in done if line)}, failure
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cp_size", [2, 4])
 @pytest.mark.parametrize("check", list(CHECKS))
 def test_matches_single_device(cp_run, check, cp_size):

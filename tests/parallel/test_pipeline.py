@@ -430,6 +430,7 @@ def _check_sharded_stages(mesh, replicas, fsdp_mesh, reference, what: str, every
     _check_grads(pipe, ref_grads, what)
 
 
+@pytest.mark.slow
 def test_pipeline_composes_with_context_or_data_parallelism():
     """fp64, as the CP tests: the ring sums attention in another order, and fp32 rounding
     through 8 layers would hide a real error of 1e-5 (see ``TOL_FP64``)."""
@@ -451,6 +452,7 @@ def _pp_dp_cp_rank(rank, world_size, reference):
                           cp_mesh=mesh["cp"], cp_row_len=CP_ROW_LEN)
 
 
+@pytest.mark.slow
 def test_pipeline_composes_with_data_and_context_parallelism_at_once():
     policy, draft = (m.double() for m in _models())
     with one_thread():
@@ -492,6 +494,7 @@ def _placed_mesh_ranks(rank, world_size, reference):
                               dims.get_mesh("loss").get_group(), dims.get_mesh("fsdp"), reference, f"pp x dp, {order}")
 
 
+@pytest.mark.slow
 def test_pipeline_on_torchtitans_mesh_in_either_rank_order():
     policy, draft = (m.double() for m in _models())
     with one_thread():

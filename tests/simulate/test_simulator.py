@@ -101,6 +101,7 @@ def test_check_at_start_refuses_a_job_that_does_not_fit(tmp_path, capsys):
     assert not (tmp_path / "out" / "metrics.jsonl").exists()  # refused before training
 
 
+@pytest.mark.slow
 def test_pipeline_ranks_are_simulated_each_in_a_fresh_process(tmp_path):
     """PP 2 x FSDP 2 (world 4): rank 0 (first stage) and rank 2 (the last stage, with the
     draft) are both simulated, each in a process of its own, with every collective on the

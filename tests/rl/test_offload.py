@@ -103,3 +103,31 @@ def test_a_second_away_is_refused_and_host_buffers_follow_the_storages():
     offload.back()
     keys = {p.untyped_storage()._cdata for p in model.parameters()}
     assert set(offload._host) == keys
+
+
+def test_in_two_stages_the_parameters_stay_for_the_refresh_then_follow():
+    torch.manual_seed(2)
+    model = _Tied()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 1, None)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = [v.clone() for s in opt.state.values() for v in s.values()]
+    offload = TrainingStateOffload([model], [opt], torch.device("cpu"))
+    offload.away(weights=False)
+    # The refresh reads the parameters; the gradients and the optimizer's state are gone.
+    assert all(p.untyped_storage().nbytes() for p in model.parameters())
+    assert not any(p.grad.untyped_storage().nbytes() for p in model.parameters())
+    assert not any(v.untyped_storage().nbytes() for s in opt.state.values() for v in s.values())
+    partial = offload.host_bytes
+    offload.away()
+    assert not any(p.untyped_storage().nbytes() for p in model.parameters())
+    assert offload.host_bytes == partial + sum(p.numel() * 4 for p in {id(p): p for p in model.parameters()}.values())
+    try:
+        offload.away()
+    except RuntimeError as e:
+        assert "already off the device" in str(e)
+    else:
+        raise AssertionError("a third away() was accepted")
+    offload.back()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    assert all(torch.equal(a, b) for a, b in zip((v for s in opt.state.values() for v in s.values()), moments))

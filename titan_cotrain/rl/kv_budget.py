@@ -6,11 +6,12 @@ On one rank, while the pool exists::
 
 "auto" needs ``[rollout] release_between_rollouts``: the pool then lives from the weight
 refresh to the end of the rollout and is freed, with the engine's weights, for the update,
-whose activations and gradients no count made at start knows. From the refresh on, the
-training state is on the device (the refresh reads it), with ``offload_training_state`` too,
-so it is counted whole: the fp32 shards and buffers of every trained module (counted from
-the storages) and the optimizers' state (not yet created at start: two fp32 moments per
-trainable element for Adam and AdamW, the only optimizers "auto" accepts). The engine's
+whose activations and gradients no count made at start knows. The refresh reads the
+parameters, so the fp32 shards and buffers of every trained module are counted (from the
+storages); the optimizers' state (not yet created at start: two fp32 moments per trainable
+element for Adam and AdamW, the only optimizers "auto" accepts) is counted unless
+``offload_training_state`` moves it to the host before the refresh (``rl.offload``), which
+it does: then the pool takes its room. The engine's
 weights are counted from its copy; the transient is estimated (``transient_bytes``: the
 larger of the rollout's activations and the refresh's gathered tensors). The scale simulator
 runs this same resolution and then measures every phase: it is the check that the estimate
@@ -154,7 +155,9 @@ def kv_cache_setting(config, modules: list[nn.Module | None], device: torch.devi
     total = gpu_total_bytes(device, simulated_gib)
     if total is None:
         return 0.0
-    state = device_bytes(modules, device) + optimizer_state_bytes(modules, config.optimizer.name)
+    state = device_bytes(modules, device)
+    if not ro.offload_training_state:  # else it is on the host while the pool exists
+        state += optimizer_state_bytes(modules, config.optimizer.name)
     transient = transient_bytes(policy, rows=rows, prompts=prompts, prompt_tokens=prompt_tokens,
                                 draft_tokens=draft_tokens, n_taps=n_taps, dtype=torch.bfloat16,
                                 tensor_parallel=ro.tensor_parallel_degree)

@@ -38,7 +38,12 @@ class TrainingStateOffload:
     """The device storages of ``modules``' parameters and gradients and of ``optimizers``'
     state (torch optimizers, or containers with an ``optimizers`` list), which ``away()``
     moves to the host and ``back()`` restores. ``copy = False`` (the simulator) only frees and
-    re-sizes them. Tensors off ``device`` (an optimizer's host-side step count) stay."""
+    re-sizes them. Tensors off ``device`` (an optimizer's host-side step count) stay.
+
+    In two stages where something between reads the parameters: ``away(weights=False)``
+    moves the gradients and the optimizers' state, ``away()`` then the parameters. The RL
+    step refreshes the engine (which gathers the policy's shards) between the two, so the
+    engine's KV pool, allocated by the refresh, never sits beside the optimizers' state."""
 
     def __init__(self, modules: Iterable[nn.Module], optimizers: Iterable, device: torch.device, *,
                  copy: bool = True) -> None:
@@ -50,13 +55,15 @@ class TrainingStateOffload:
         self.pinned = device.type == "cuda"
         self._host: dict[int, torch.Tensor] = {}  # storage key -> host bytes, kept across steps
         self._away: list[tuple[torch.UntypedStorage, int, int]] = []  # (storage, key, bytes)
+        self._weights_away = False
         self.host_bytes = 0  # what the last away() moved
         self.seconds = 0.0  # the wall time of the last away() and back()
 
-    def _tensors(self) -> Iterable[torch.Tensor]:
+    def _tensors(self, weights: bool = True) -> Iterable[torch.Tensor]:
         for module in self.modules:
             for p in module.parameters():
-                yield _local(p)
+                if weights:
+                    yield _local(p)
                 if p.grad is not None:
                     yield _local(p.grad)
         for opt in self.optimizers:
@@ -65,10 +72,10 @@ class TrainingStateOffload:
                     if isinstance(value, torch.Tensor):
                         yield _local(value)
 
-    def _storages(self) -> list[tuple[torch.UntypedStorage, int, int]]:
-        """Every distinct non-empty storage on the device, once."""
+    def _storages(self, weights: bool = True) -> list[tuple[torch.UntypedStorage, int, int]]:
+        """Every distinct non-empty storage on the device, once (the parameters' with ``weights``)."""
         seen, out = set(), []
-        for t in self._tensors():
+        for t in self._tensors(weights):
             if t.device.type != self.device.type:
                 continue
             storage = t.untyped_storage()
@@ -83,14 +90,17 @@ class TrainingStateOffload:
         return bool(self._away)
 
     @torch.no_grad()
-    def away(self) -> None:
-        """Copy every storage to the host and free it on the device."""
-        if self._away:
+    def away(self, weights: bool = True) -> None:
+        """Copy the gradients' and optimizers' storages and, with ``weights``, the parameters'
+        (those not moved yet) to the host and free them on the device."""
+        if self._weights_away or (self._away and not weights):
             raise RuntimeError("the training state is already off the device")
         t0 = time.perf_counter()
-        storages = self._storages()
-        keys = {key for _, key, _ in storages}
-        self._host = {key: host for key, host in self._host.items() if key in keys}  # storages since replaced
+        moved = {key for _, key, _ in self._away}
+        if not moved:  # drop the buffers of storages since replaced
+            keys = {key for _, key, _ in self._storages()}
+            self._host = {key: host for key, host in self._host.items() if key in keys}
+        storages = [entry for entry in self._storages(weights) if entry[1] not in moved]
         if self.copy:
             for storage, key, nbytes in storages:
                 host = self._host.get(key)
@@ -101,9 +111,10 @@ class TrainingStateOffload:
                 torch.cuda.current_stream(self.device).synchronize()  # the copies have read the storages
         for storage, _, _ in storages:
             storage.resize_(0)
-        self._away = storages
-        self.host_bytes = sum(nbytes for _, _, nbytes in storages)
-        self.seconds = time.perf_counter() - t0
+        self._away += storages
+        self._weights_away = weights
+        self.host_bytes = sum(nbytes for _, _, nbytes in self._away)
+        self.seconds = (self.seconds if moved else 0.0) + time.perf_counter() - t0
 
     @torch.no_grad()
     def back(self) -> None:
@@ -114,4 +125,5 @@ class TrainingStateOffload:
             if self.copy:
                 storage.copy_(self._host[key].untyped_storage(), non_blocking=self.pinned)
         self._away = []
+        self._weights_away = False
         self.seconds += time.perf_counter() - t0

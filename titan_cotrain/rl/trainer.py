@@ -329,11 +329,12 @@ class Trainer:
     def rl_step(self, step: int) -> dict[str, float]:
         """Refresh the engine, generate and score (``rollout_phase``), update (``update_phase``)."""
         t0 = time.perf_counter()
-        self.refresh_engine()
-        if self.reference is not None and step == self.config.task.sft_steps + 1:
-            copy_shards(self.policy, self.reference)  # the reference of the KL term: the policy RL starts from
-        t_refresh = time.perf_counter() - t0
-        with self.training_state_away():
+        with self.training_state_away() as parameters_away:
+            self.refresh_engine()
+            if self.reference is not None and step == self.config.task.sft_steps + 1:
+                copy_shards(self.policy, self.reference)  # the reference of the KL term: the policy RL starts from
+            t_refresh = time.perf_counter() - t0
+            parameters_away()
             samples, metrics = self.rollout_phase(step)
         if self.offload is not None:
             metrics |= {"time/offload_s": self.offload.seconds, "memory/offloaded_gib": self.offload.host_bytes / 2**30}
@@ -346,13 +347,16 @@ class Trainer:
     @contextlib.contextmanager
     def training_state_away(self):
         """With ``[rollout] offload_training_state``, the training state off the device for
-        the block (the rollout) and back after it, also after an error; else nothing."""
+        the block and back after it, also after an error; else nothing. The gradients and
+        the optimizers' state leave first; the block refreshes the engine (which reads the
+        parameters) and then calls the function this yields, which moves the parameters too:
+        the KV pool the refresh allocates never sits beside the optimizers' state."""
         if self.offload is None:
-            yield
+            yield lambda: None
             return
-        self.offload.away()
+        self.offload.away(weights=False)
         try:
-            yield
+            yield self.offload.away
         finally:
             self.offload.back()
 
@@ -614,10 +618,11 @@ class Trainer:
         whole copies, refreshed for it: the next step refreshes them anyway)."""
         self._check_finite(what, self.policy, self.draft, self.reference)
         if self.simulation is None:
-            self.refresh_engine()
-            self._check_probe(what)
-            if self.config.rollout.release_between_rollouts:
-                self.engine.release()
+            with self.training_state_away():  # the refreshed pool beside the parameters only
+                self.refresh_engine()
+                self._check_probe(what)
+                if self.config.rollout.release_between_rollouts:
+                    self.engine.release()
 
     def _check_probe(self, what: str) -> None:
         """Refuse to write ``what`` unless one forward of a probe (the first ``PROBE_TOKENS``

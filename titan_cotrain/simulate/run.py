@@ -157,9 +157,12 @@ def simulate_rank(config, rank: int, world_size: int) -> tuple[dict, list[str]]:
             if released:
                 trainer.engine.release()
             _warm_optimizers(trainer)
-            if released:
-                trainer.engine.restore()
-            with trainer.training_state_away():  # the rollout phase starts without the offloaded state
+            # As the RL step runs it: the refresh allocates the pool beside the parameters (the
+            # offloaded gradients and optimizer state already gone), then the rollout without them.
+            with trainer.training_state_away() as parameters_away:
+                if released:
+                    trainer.engine.restore()
+                parameters_away()
                 tracker.phase("rollout")
                 kernels = {"construction": dict(device.attention_kernels)}
                 samples, _ = trainer.rollout_phase(step)
@@ -170,7 +173,10 @@ def simulate_rank(config, rank: int, world_size: int) -> tuple[dict, list[str]]:
             trainer.update_phase(step, samples)
             kernels["update"] = dict(device.attention_kernels - before)
             tracker.phase("refresh")
-            trainer.refresh_engine()
+            with trainer.training_state_away():  # the next step's refresh, as the RL step runs it
+                trainer.refresh_engine()
+                if released:  # freed after its rollout, before the state comes back
+                    trainer.engine.release()
             tracker.phase("checkpoint")
             trainer.checkpoint_state_dicts()
             role = trainer.role

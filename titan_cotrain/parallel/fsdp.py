@@ -66,8 +66,10 @@ def local_slices(param: torch.Tensor) -> tuple[slice, ...] | None:
 
 
 # torch answers "which box of the whole tensor does this rank hold" (for DCP's planner) only
-# privately, in ``torch.distributed.tensor._utils``; this is our one use of it.
-_LOCAL_SHAPE_TORCH = ("2.13",)
+# privately, in ``torch.distributed.tensor._utils``; this is our one use of it. Its signature
+# ``(global_shape, mesh, placements)`` is the same from 2.5 on; the project runs on 2.11-2.13
+# (the GPU machines have 2.11), where every real job's weight loading reads it.
+_LOCAL_SHAPE_TORCH = ("2.11", "2.12", "2.13")
 
 
 def _local_shape_and_offset(param: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:

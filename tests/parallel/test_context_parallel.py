@@ -13,6 +13,7 @@ as one token and the TTT halo of a chunk edge spans several chunks and ranks.
 from __future__ import annotations
 
 import copy
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -28,11 +29,13 @@ from titan_cotrain.models.draft import Draft, DraftArgs, draft_vocab_from_counts
 from titan_cotrain.models.transformer import Transformer
 from titan_cotrain.rl.grpo import next_token_loss
 from titan_cotrain.ops import branch_attention, varlen_causal_attention
-from titan_cotrain.ops.context import context_parallel
 from titan_cotrain.ops.ring_attention import RingComm, ring_attention
 from titan_cotrain.parallel.context_parallel import (
+    apply_context_parallel,
     check_cp_degree,
+    init_cp_mesh,
     plan_padded_rows,
+    prepare_cp_microbatch,
     shard_batch_for_cp,
     shard_packed_rows,
 )
@@ -78,13 +81,28 @@ def _global_sum(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
+_CP_MESHES = {}
+
+
+def _cp_mesh(group):
+    """The 1-D CP mesh whose ranks are ``group``'s (``init_cp_mesh``'s blocks of ranks), made once."""
+    size = dist.get_world_size(group)
+    if size not in _CP_MESHES:
+        _CP_MESHES[size] = init_cp_mesh(size)
+    return _CP_MESHES[size]
+
+
 def cp_forward_backward(policy, draft, batch, group):
-    """The trainer's co-training step with ``cp_group`` set, plus the unsharded logits of
-    the policy's context-parallel forward."""
+    """The trainer's co-training step as ``parallelize`` sets it up under CP (the models hooked
+    from outside, the microbatches zigzag-sharded), plus the unsharded logits of the policy's
+    context-parallel forward."""
+    mesh = _cp_mesh(group)
+    apply_context_parallel(mesh, policy, draft)
     metrics = forward_backward(policy, draft, batch, next_token_loss, ttt_steps=TTT_STEPS, pass_decay=PASS_DECAY,
-                               draft_loss_weight=DRAFT_WEIGHT, group=group, cp_group=group)
-    with torch.no_grad(), context_parallel(group):
-        cp_batch, shard = shard_batch_for_cp(batch, group)
+                               draft_loss_weight=DRAFT_WEIGHT, group=group,
+                               prepare=partial(prepare_cp_microbatch, group=mesh))
+    with torch.no_grad():
+        cp_batch, shard = shard_batch_for_cp(batch, mesh)
         logits = shard.unshard(policy(cp_batch.tokens, cu_seqlens=shard.cu_seqlens, positions=shard.positions))
     return metrics, logits
 
@@ -205,7 +223,7 @@ def check_halo(group, refs):
     x = torch.randn(2, SEQ_LEN, 3, generator=torch.Generator().manual_seed(5))
     ids = torch.arange(2 * SEQ_LEN).view(2, SEQ_LEN)
     halo = shard.ttt_halo(TTT_STEPS)
-    x_ext, ids_ext = halo.exchange(shard.shard(x).flatten(0, 1), shard.shard(ids).flatten())
+    x_ext, ids_ext = halo.extend(shard.shard(x).flatten(0, 1), shard.shard(ids).flatten())
     for d in range(1, TTT_STEPS + 2):
         assert torch.equal(halo.shift(x_ext, d), shard.shard_shifted(x, d).flatten(0, 1))
         assert torch.equal(halo.shift(ids_ext, d, fill=-1), shard.shard_shifted(ids, d, fill=-1).flatten())
@@ -216,10 +234,9 @@ def check_dtensor_dispatch(group, refs):
     """The model's own ops on DTensor Shard(seq) inputs, routed by torch's CP dispatcher."""
     from torch.distributed.tensor import DTensor, Shard
 
-    from titan_cotrain.parallel.cp_dispatch import context_parallel_dispatch
-    from titan_cotrain.parallel.context_parallel import init_cp_mesh
+    from titan_cotrain.parallel.cp_dispatch import enable_cp_dispatch
 
-    mesh = init_cp_mesh(dist.get_world_size(group))
+    mesh = _cp_mesh(group)
     shard = shard_packed_rows(_document_ids(), mesh)
     inputs, cotangent = _packed_qkv(seed=20, branch_sets=2)
     full = [x.clone().requires_grad_() for x in inputs]
@@ -229,11 +246,11 @@ def check_dtensor_dispatch(group, refs):
     local += [torch.stack([shard.shard(xp) for xp in x]).flatten(1, 2).requires_grad_() for x in inputs[3:]]
     dtensors = [DTensor.from_local(x, mesh, [Shard(0 if i < 3 else 1)], run_check=False) for i, x in enumerate(local)]
     valid = shard.valid.flatten()[:, None, None]
-    with context_parallel_dispatch():
-        out = branch_attention(*dtensors, shard.cu_seqlens)
-        assert isinstance(out, DTensor) and out.placements == (Shard(0),)
-        out.to_local().backward(shard.shard(cotangent).flatten(0, 1) * valid)
-        trunk = varlen_causal_attention(*dtensors[:3], shard.cu_seqlens)
+    enable_cp_dispatch()
+    out = branch_attention(*dtensors, shard.cu_seqlens)
+    assert isinstance(out, DTensor) and out.placements == (Shard(0),)
+    out.to_local().backward(shard.shard(cotangent).flatten(0, 1) * valid)
+    trunk = varlen_causal_attention(*dtensors[:3], shard.cu_seqlens)
     want = shard.shard(ref.detach().view(2, SEQ_LEN, 4, 8)).flatten(0, 1)
     torch.testing.assert_close(out.to_local() * valid, want, **TOL)
     for x, x_full in zip(local[:3], full[:3]):
@@ -251,11 +268,10 @@ def check_torch_context_parallel_sdpa(group, refs):
     from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental._attention import context_parallel_unshard
 
-    from titan_cotrain.parallel.context_parallel import init_cp_mesh
     from titan_cotrain.parallel.cp_dispatch import register_cp_handlers
 
     register_cp_handlers()
-    mesh = init_cp_mesh(dist.get_world_size(group))
+    mesh = _cp_mesh(group)
     g = torch.Generator().manual_seed(7)
     q, k, v, cotangent = (torch.randn(2, 4, 32, 8, generator=g) for _ in range(4))
     full = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -357,27 +373,30 @@ def test_matches_single_device(cp_run, check, cp_size):
 
 # ---- in-process: W = 1 and bad input ----------------------------------------------------------
 
-@one_thread()
-def test_cp_machinery_at_w1_is_the_single_device_step():
-    """Without a process group the CP path (padding to 2-token chunks, halo, ring of one)
-    reproduces ``forward_backward``: the same code, run as a ring of one."""
-    refs = _references()["reduced-vocab"]
+def _w1_check(rank: int, world_size: int, refs) -> None:
     policy, draft = _models("reduced-vocab")
     policy.load_state_dict(refs["policy_state"])
     draft.load_state_dict(refs["draft_state"])
-    cp_batch, shard = shard_batch_for_cp(_batch(), None)
+    mesh = init_cp_mesh(1)
+    apply_context_parallel(mesh, policy, draft)  # a ring of one rank
+    cp_batch, shard = shard_batch_for_cp(_batch(), mesh)
     assert shard.world == 1 and shard.row_len > SEQ_LEN  # documents padded to even lengths
     b, n = cp_batch.tokens.shape
-    with context_parallel(RingComm(None)):  # a ring of one rank
-        out = policy(cp_batch.tokens, cu_seqlens=shard.cu_seqlens, positions=shard.positions, return_taps=True)
-        torch.testing.assert_close(shard.unshard(out.logits.detach()), refs["logits"], **TOL_FP64)
-        stats = ttt_unroll(
-            draft, taps=torch.cat(out.taps, -1).reshape(b * n, -1), embeddings=out.embeddings.reshape(b * n, -1),
-            tokens=cp_batch.tokens.reshape(-1), positions=shard.positions.reshape(-1), cu_seqlens=shard.cu_seqlens,
-            teacher_logits=out.logits.reshape(b * n, -1), loss_region=cp_batch.loss_mask.reshape(-1),
-            ttt_steps=TTT_STEPS, cp=shard,
-        )
+    out = policy(cp_batch.tokens, cu_seqlens=shard.cu_seqlens, positions=shard.positions, return_taps=True)
+    torch.testing.assert_close(shard.unshard(out.logits.detach()), refs["logits"], **TOL_FP64)
+    stats = ttt_unroll(
+        draft, taps=torch.cat(out.taps, -1).reshape(b * n, -1), embeddings=out.embeddings.reshape(b * n, -1),
+        tokens=cp_batch.tokens.reshape(-1), positions=shard.positions.reshape(-1), cu_seqlens=shard.cu_seqlens,
+        teacher_logits=out.logits.reshape(b * n, -1), loss_region=cp_batch.loss_mask.reshape(-1),
+        ttt_steps=TTT_STEPS, shift=shard.ttt_halo(TTT_STEPS),
+    )
     assert stats.count.float().tolist() == refs["count"]
+
+
+def test_cp_machinery_at_w1_is_the_single_device_step():
+    """On one rank the CP path (padding to 2-token chunks, halo, the models hooked from
+    outside, a ring of one) reproduces ``forward_backward``: the same code, run as a ring of one."""
+    run_on_ranks(_w1_check, 1, _references()["reduced-vocab"])
 
 
 def test_a_document_longer_than_the_row_is_rejected():
@@ -415,6 +434,7 @@ def test_bad_local_layouts_and_shifts_are_rejected():
 def test_cp_dispatch_refuses_unsupported_torch():
     from titan_cotrain.parallel.cp_dispatch import check_torch_version
 
-    check_torch_version("2.13.0+cpu")
-    with pytest.raises(RuntimeError, match="found torch 2.12.1"):
-        check_torch_version("2.12.1")
+    for supported in ("2.11.0+cu130", "2.12.1", "2.13.0+cpu"):
+        check_torch_version(supported)
+    with pytest.raises(RuntimeError, match="found torch 2.10.1"):
+        check_torch_version("2.10.1")

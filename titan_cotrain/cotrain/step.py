@@ -28,16 +28,16 @@ from torch.distributed.tensor import DTensor
 from titan_cotrain.components import titan
 from titan_cotrain.cotrain.ttt import TTTStats, draft_loss, pass_weights, tau, ttt_unroll
 from titan_cotrain.cotrain.vocab import chunked_policy_head
-from titan_cotrain.data.packing import LabelRows, layout_from_document_ids
+from titan_cotrain.data.packing import DocumentShift, LabelRows, layout_from_document_ids
 from titan_cotrain.models.draft import Draft
 from titan_cotrain.models.transformer import Transformer
-from titan_cotrain.ops.context import context_parallel
 
 __all__ = [
     "CotrainSums",
     "PackedBatch",
     "PolicyLoss",
     "PolicyLossFn",
+    "PrepareMicrobatch",
     "clip_grad_norms",
     "step_optimizers",
     "forward_backward",
@@ -45,6 +45,7 @@ __all__ = [
     "metric_names",
     "Microbatch",
     "add_policy_sums",
+    "check_draft_loss_on",
     "draft_sums",
     "microbatch_sums",
     "policy_head",
@@ -181,14 +182,16 @@ def scale_gradients(params, scale: torch.Tensor) -> None:
 class Microbatch:
     """One microbatch as the objective sees it, on the device: label-aligned ``labels``
     (``LabelRows``, or a CP shard's ``CPBatch``), ``tokens``, ``positions [b, s]``, the draft's
-    loss ``region [b, s]``, host ``cu_seqlens``, and the CP ``shard`` (None without CP)."""
+    loss ``region [b, s]``, host ``cu_seqlens``, and ``shift``, where every token's TTT
+    successors live (``data.packing.DocumentShift``, or under CP the shard's ``TTTHalo``).
+    Whoever prepares it decides the layout (``PrepareMicrobatch``); the objective reads it."""
 
     labels: LabelRows
     tokens: torch.Tensor
     positions: torch.Tensor
     region: torch.Tensor
     cu_seqlens: torch.Tensor
-    shard: object | None
+    shift: object
 
     def packing(self) -> dict:
         """The model's packing kwargs: ``cu_seqlens`` (the CP shard's local ones under CP) as
@@ -197,27 +200,29 @@ class Microbatch:
         return {"cu_seqlens": tuple(self.cu_seqlens.tolist()), "positions": self.positions}
 
 
-def prepare_microbatch(batch: PackedBatch, device, *, cp_group=None, row_len: int | None = None,
-                       draft_loss_on: str = "response") -> Microbatch:
-    """Attention metadata of host rows ``batch`` computed on the host (``cu_seqlens``, the CP
-    plan, positions), then the model inputs moved to ``device``. With ``cp_group`` the rows
-    (the same on every rank of that group) are zigzag-sharded over it (padded to ``row_len``)."""
+# (host rows, device, *, ttt_steps, draft_loss_on) -> Microbatch: ``prepare_microbatch``, or
+# under context parallelism ``parallel.context_parallel.prepare_cp_microbatch`` with its
+# group bound (``parallel.parallelize`` picks it).
+PrepareMicrobatch = Callable[..., Microbatch]
+
+
+def check_draft_loss_on(draft_loss_on: str) -> None:
     if draft_loss_on not in ("response", "all"):
         raise ValueError(f"draft_loss_on must be 'response' or 'all', got {draft_loss_on!r}")
-    if cp_group is not None:
-        from titan_cotrain.parallel.context_parallel import shard_batch_for_cp
 
-        labels, shard = shard_batch_for_cp(batch, cp_group, row_len=row_len)
-        tokens, positions, cu_seqlens = labels.tokens, shard.positions, shard.cu_seqlens
-        region = labels.loss_mask if draft_loss_on == "response" else shard.valid
-    else:
-        layout = layout_from_document_ids(batch.document_ids)
-        labels, shard = labels_of(batch), None
-        tokens, positions, cu_seqlens = batch.tokens, layout.positions, layout.cu_seqlens
-        region = batch.loss_mask if draft_loss_on == "response" else torch.ones_like(batch.loss_mask)
+
+def prepare_microbatch(batch: PackedBatch, device, *, ttt_steps: int, draft_loss_on: str = "response") -> Microbatch:
+    """Attention metadata of host rows ``batch`` computed on the host (``cu_seqlens``,
+    positions, the TTT shifts of ``ttt_steps`` passes), then the model inputs moved to
+    ``device``: every row whole on this rank."""
+    check_draft_loss_on(draft_loss_on)
+    layout = layout_from_document_ids(batch.document_ids)
+    labels = labels_of(batch)
+    region = batch.loss_mask if draft_loss_on == "response" else torch.ones_like(batch.loss_mask)
     labels = dataclasses.replace(labels, **{f.name: getattr(labels, f.name).to(device)
                                             for f in dataclasses.fields(labels) if getattr(labels, f.name) is not None})
-    return Microbatch(labels, tokens.to(device), positions.to(device), region.to(device), cu_seqlens, shard)
+    return Microbatch(labels, batch.tokens.to(device), layout.positions.to(device), region.to(device),
+                      layout.cu_seqlens, DocumentShift(layout.cu_seqlens, ttt_steps + 1, device))
 
 
 def policy_head(mb: Microbatch, policy_loss_fn: PolicyLossFn, draft: Draft | None, chunk_tokens: int):
@@ -254,7 +259,7 @@ def draft_sums(draft: Draft, mb: Microbatch, taps: torch.Tensor, embeddings: tor
     stats = ttt_unroll(
         draft, taps=taps, embeddings=embeddings, tokens=mb.tokens.reshape(-1), positions=mb.positions.reshape(-1),
         cu_seqlens=mb.cu_seqlens, teacher=(head_out.teacher_logprobs, head_out.teacher_in_vocab),
-        loss_region=mb.region.reshape(-1), ttt_steps=ttt_steps, cp=mb.shard, chunk_tokens=chunk_tokens,
+        loss_region=mb.region.reshape(-1), ttt_steps=ttt_steps, shift=mb.shift, chunk_tokens=chunk_tokens,
     )
     sums.add("draft/ce_sum", stats.ce_sum)
     sums.add("draft/count", stats.count)
@@ -265,22 +270,17 @@ def draft_sums(draft: Draft, mb: Microbatch, taps: torch.Tensor, embeddings: tor
 def microbatch_sums(
     policy: Transformer,
     draft: Draft | None,
-    batch: PackedBatch,
+    mb: Microbatch,
     policy_loss_fn: PolicyLossFn,
     sums: CotrainSums,
     *,
     ttt_steps: int,
     pass_decay: float,
-    draft_loss_on: str = "response",
-    cp_group=None,
-    device: torch.device | str | None = None,
     chunk_tokens: int = 2048,
 ) -> torch.Tensor:
-    """Forward one microbatch of host rows through the policy (and the draft's TTT), add its
+    """Forward one prepared microbatch through the policy (and the draft's TTT), add its
     detached sums to ``sums`` and return the loss *sum* to backpropagate
     (``policy_sum + sum_d w_d ce_sum_d``; scaled after the update, see the module docstring)."""
-    mb = prepare_microbatch(batch, device or policy.embed_tokens.weight.device, cp_group=cp_group,
-                            draft_loss_on=draft_loss_on)
     out = policy(mb.tokens, return_taps=draft is not None, head=policy_head(mb, policy_loss_fn, draft, chunk_tokens),
                  **mb.packing())
     loss = add_policy_sums(sums, out.head)
@@ -310,7 +310,7 @@ def forward_backward(
     draft_loss_weight: float,
     draft_loss_on: str = "response",
     group=None,
-    cp_group=None,
+    prepare: PrepareMicrobatch = prepare_microbatch,
     device: torch.device | str | None = None,
     microbatch_rows: int = 0,
     max_microbatches: int | None = None,
@@ -321,19 +321,19 @@ def forward_backward(
 
     ``group`` holds every rank whose tokens share the global token mean: the data-parallel
     ranks times the context-parallel ones (None: the default group, or no communication
-    when not distributed). With ``cp_group``, every microbatch (the same on every rank of
-    that group) is zigzag-sharded over it. Every rank must run the same number of
+    when not distributed). ``prepare`` turns each microbatch's host rows into this rank's
+    model inputs (``ParallelModels.prepare_microbatch``: under CP, the zigzag shard of rows
+    that are the same on every rank of the CP group). Every rank must run the same number of
     microbatches (FSDP's collectives). ``max_microbatches`` stops early (the simulator's
     bound; the scales then cover only the microbatches run).
     """
     sums = CotrainSums()
-    parts = microbatches(batch, microbatch_rows)[:max_microbatches]
-    with context_parallel(cp_group):  # forward and backward: recomputes attend over the ring too
-        for mb in parts:
-            loss = microbatch_sums(policy, draft, mb, policy_loss_fn, sums, ttt_steps=ttt_steps,
-                                   pass_decay=pass_decay, draft_loss_on=draft_loss_on, cp_group=cp_group,
-                                   device=device, chunk_tokens=chunk_tokens)
-            loss.backward()
+    device = device or policy.embed_tokens.weight.device
+    for rows in microbatches(batch, microbatch_rows)[:max_microbatches]:
+        mb = prepare(rows, device, ttt_steps=ttt_steps, draft_loss_on=draft_loss_on)
+        loss = microbatch_sums(policy, draft, mb, policy_loss_fn, sums, ttt_steps=ttt_steps, pass_decay=pass_decay,
+                               chunk_tokens=chunk_tokens)
+        loss.backward()
     policy_scale, draft_scale, metrics = scales_and_metrics(sums.all_reduce(group), ttt_steps, pass_decay,
                                                             draft_loss_weight)
     scale_gradients(policy.parameters(), policy_scale)

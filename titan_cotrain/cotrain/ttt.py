@@ -14,7 +14,9 @@ mask        ``i + d + 1 < n``, ``x_{i+d+1}`` in the loss region, teacher argmax 
 
 The teacher renormalises the policy's logits over the draft vocabulary (gather, then
 softmax); with ``V_d = V`` it is the policy's own distribution. Every shift by ``d``
-stays inside a document (``titan_cotrain.data.packing.shift_in_document``). The passes
+stays inside a document: the unroll reads ``x_{i+d}`` through the microbatch's shift
+(``titan_cotrain.data.packing.DocumentShift``; for a context-parallel shard its ``TTTHalo``,
+which fetches the positions past each chunk edge), not knowing which it has. The passes
 themselves run inside ``Draft.forward`` (one module call, so FSDP's hooks see them).
 """
 
@@ -25,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from titan_cotrain.cotrain.vocab import chunked_soft_ce
-from titan_cotrain.data.packing import shift_in_document
+from titan_cotrain.data.packing import DocumentShift, shift_in_document
 from titan_cotrain.models.draft import Draft
 
 __all__ = ["TTTStats", "draft_loss", "pass_weights", "ttt_masks", "ttt_unroll", "tau"]
@@ -55,7 +57,7 @@ def ttt_masks(
     ``teacher_in_vocab [T]``: the policy's argmax at ``t`` is in the draft vocabulary.
     Pass ``d`` at ``t`` needs ``x_{t+d+1}`` in the document and in the loss region, and the
     teacher at ``t + d`` in vocab. ``shift(x, d, fill)`` defaults to ``shift_in_document``
-    (under context parallelism: the TTT halo's, on halo-extended inputs).
+    (``ttt_unroll`` passes its shift's: a context-parallel shard's reads halo-extended inputs).
     """
     shift = shift or partial(shift_in_document, cu_seqlens=cu_seqlens)
     masks = []
@@ -75,7 +77,7 @@ def ttt_unroll(
     cu_seqlens: torch.Tensor,
     loss_region: torch.Tensor,
     ttt_steps: int,
-    cp=None,
+    shift=None,
     *,
     teacher_logits: torch.Tensor | None = None,
     teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -94,10 +96,11 @@ def ttt_unroll(
     chunks of ``chunk_tokens`` anchors inside ``Draft.forward``, at every anchor weighted by
     its mask: static shapes, no ``[T, V_d]`` draft logits beyond one chunk.
 
-    Context parallel (``cp`` a ``CPShard``, inside ``context_parallel`` of its group): every
-    input is this rank's shard (``positions`` global, from ``cp.positions``); the shifted
-    inputs past each chunk edge come from one halo exchange, and the returned sums cover the
-    local anchors (sum them over the group).
+    ``shift``: where each anchor's successors live, ``extend(*xs)`` and ``shift(x, d, fill)``
+    over ``D + 1`` positions (default: ``DocumentShift`` of ``cu_seqlens``). A context-parallel
+    shard's (``CPShard.ttt_halo``) fetches the successors past each chunk edge in one halo
+    exchange; the inputs are then this rank's shard (``positions`` global) and the returned
+    sums cover the local anchors (sum them over the group).
     """
     taps, embeddings = taps.detach(), embeddings.detach()
     if teacher is None:
@@ -108,24 +111,21 @@ def ttt_unroll(
         teacher = (F.log_softmax(teacher_logits.float()[:, draft_ids], dim=-1),
                    draft.t2d[teacher_logits.argmax(dim=-1)])
     teacher_logprobs, teacher_in_vocab = (t.detach() for t in teacher)
-    if cp is None:
-        shift = partial(shift_in_document, cu_seqlens=cu_seqlens)
-    else:
-        halo = cp.ttt_halo(ttt_steps)
-        tokens, embeddings, teacher_logprobs, teacher_in_vocab, loss_region = halo.exchange(
-            tokens, embeddings, teacher_logprobs, teacher_in_vocab, loss_region
-        )
-        shift = halo.shift
-    masks = ttt_masks(cu_seqlens, loss_region, teacher_in_vocab, ttt_steps, shift)
+    shift = shift or DocumentShift(cu_seqlens, ttt_steps + 1, tokens.device)
+    tokens, embeddings, teacher_logprobs, teacher_in_vocab, loss_region = shift.extend(
+        tokens, embeddings, teacher_logprobs, teacher_in_vocab, loss_region
+    )
+    masks = ttt_masks(cu_seqlens, loss_region, teacher_in_vocab, ttt_steps, shift.shift)
     rows = torch.arange(teacher_logprobs.shape[0], device=teacher_logprobs.device)
 
     def score(d: int, hidden: torch.Tensor, head) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return chunked_soft_ce(hidden, head, teacher_logprobs, shift(rows, d), masks[d - 1], chunk_tokens=chunk_tokens)
+        return chunked_soft_ce(hidden, head, teacher_logprobs, shift.shift(rows, d), masks[d - 1],
+                               chunk_tokens=chunk_tokens)
 
     # Python ints, so FSDP's moving of the root's tensor inputs to the device leaves them on the host.
     host_cu = tuple(cu_seqlens.tolist()) if cu_seqlens.device.type == "cpu" else cu_seqlens
     ce_sums, corrects, counts = zip(*draft(taps, embeddings, tokens, positions, host_cu, masks, score=score,
-                                           shift=None if cp is None else shift))
+                                           shift_rows=shift.rows))
     return TTTStats(torch.stack(ce_sums), torch.stack(counts), torch.stack(corrects))
 
 

@@ -13,12 +13,15 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "DocumentShift",
     "LabelRows",
     "PackedLayout",
     "layout_from_cu_seqlens",
     "layout_from_document_ids",
     "layout_one_doc_per_row",
     "shift_in_document",
+    "successor_rows",
+    "take_rows",
 ]
 
 
@@ -109,15 +112,55 @@ def _doc_end(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return torch.repeat_interleave(cu[1:], cu[1:] - cu[:-1], output_size=total)
 
 
+def take_rows(x: torch.Tensor, rows: torch.Tensor, fill=0) -> torch.Tensor:
+    """``out[t] = x[rows[t]]``, ``fill`` where ``rows[t] == -1``; ``x [N, ...]``, ``rows: int64 [T]``
+    on ``x``'s device. Differentiable in ``x``."""
+    picked = x[rows.clamp(min=0)]
+    keep = (rows >= 0).view(-1, *([1] * (x.dim() - 1)))
+    return torch.where(keep, picked, torch.full((), fill, dtype=x.dtype, device=x.device))
+
+
+def successor_rows(cu_seqlens: torch.Tensor, d: int, total: int) -> torch.Tensor:
+    """int64 ``[T]``: ``t + d`` while that is in ``t``'s document, else -1 (host)."""
+    idx = torch.arange(total) + d
+    return torch.where(idx < _doc_end(cu_seqlens.cpu(), total), idx, -1)
+
+
 def shift_in_document(x: torch.Tensor, d: int, cu_seqlens: torch.Tensor, fill=0) -> torch.Tensor:
     """``out[t] = x[t + d]`` when ``t + d`` is in ``t``'s document, else ``fill``; ``x [T, ...]``.
 
-    The draft's TTT shifts (inputs ``e(x_{i+d})``, teacher at ``i + d``) all go through
-    here; under context parallelism the tokens past a chunk edge come from a halo.
+    The draft's TTT shifts (inputs ``e(x_{i+d})``, teacher at ``i + d``) all follow this
+    rule (``DocumentShift``); under context parallelism the tokens past a chunk edge come
+    from a halo (``titan_cotrain.parallel.context_parallel.TTTHalo``).
     """
-    total = x.shape[0]
-    idx = torch.arange(total, device=x.device) + d
-    valid = idx < _doc_end(cu_seqlens, total).to(x.device)
-    shifted = x[idx.clamp(max=total - 1)]
-    fill_t = torch.full((), fill, dtype=x.dtype, device=x.device)
-    return torch.where(valid.view(-1, *([1] * (x.dim() - 1))), shifted, fill_t)
+    return take_rows(x, successor_rows(cu_seqlens, d, x.shape[0]).to(x.device), fill)
+
+
+class DocumentShift:
+    """Where each token's ``width`` successors live, for the draft's TTT shifts over a packed
+    batch that holds whole documents: ``rows: int64 [width, T]`` on ``device``,
+    ``rows[d - 1, t]`` the row of ``x_{t+d}`` (``shift_in_document``'s), -1 past ``t``'s
+    document.
+
+    The TTT unroll reads ``x_{t+d}`` of several per-token tensors through this interface:
+    ``extend(*xs)`` returns the tensors the rows index (here the tensors themselves) and
+    ``shift(x, d)`` reads them. A context-parallel shard's ``TTTHalo``
+    (``titan_cotrain.parallel.context_parallel``) has the same interface, its rows reaching
+    into halo rows that ``extend`` fetches from the other ranks.
+    """
+
+    def __init__(self, cu_seqlens: torch.Tensor, width: int, device: torch.device | str | None = None) -> None:
+        cu = torch.as_tensor(cu_seqlens)
+        total = int(cu[-1])
+        self.width = width
+        self.rows = torch.stack([successor_rows(cu, d, total) for d in range(1, width + 1)]).to(device)
+
+    def extend(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The tensors ``rows`` index: the local ones, detached (the shifted inputs carry no gradient back)."""
+        return tuple(x.detach() for x in xs)
+
+    def shift(self, x: torch.Tensor, d: int, fill=0) -> torch.Tensor:
+        """``x [T, ...]`` read at ``t + d`` inside ``t``'s document, ``fill`` elsewhere; ``1 <= d <= width``."""
+        if not 1 <= d <= self.width:
+            raise ValueError(f"the shift holds {self.width} successors per token; cannot shift by {d}")
+        return take_rows(x, self.rows[d - 1].to(x.device), fill)

@@ -19,13 +19,12 @@ exporter maps them one to one.
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
-from titan_cotrain.data.packing import shift_in_document
+from titan_cotrain.data.packing import DocumentShift, take_rows
 from titan_cotrain.models.args import ModelArgs, RopeScaling
 from titan_cotrain.models.kv_cache import KVPool, PagedKV, RowsKV
 from titan_cotrain.models.transformer import (
@@ -36,11 +35,8 @@ from titan_cotrain.models.transformer import (
     rope_cos_sin,
     rope_inv_freq,
 )
-from titan_cotrain.ops import branch_attention
 from titan_cotrain.ops.attention import merge_attention, packed_cu_seqlens
-from titan_cotrain.ops.branch_attention import branch_forward
-from titan_cotrain.ops.context import active_ring
-from titan_cotrain.ops.ring_attention import ring_branch_attention
+from titan_cotrain.ops.branch_attention import BranchAttention, branch_forward
 
 __all__ = ["MIN_SEEN_FRACTION", "Draft", "DraftArgs", "DraftKVCache", "count_tokens", "draft_vocab_from_counts",
            "identity_vocab_maps", "set_vocab_maps_"]
@@ -149,6 +145,7 @@ class DraftAttention(nn.Module):
         self.k_proj = nn.Linear(2 * args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.v_proj = nn.Linear(2 * args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.inner_attention = BranchAttention()
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """``x [T, 2H]`` -> rotated ``q [T, Hq, Dh]``, ``k, v [T, Hkv, Dh]``."""
@@ -280,8 +277,8 @@ class Draft(nn.Module):
         ``embeds, hidden: [T, H]`` (``e(x_{i+d})`` and ``h^{d-1}_i``), ``positions: [T]`` the
         RoPE positions of this pass. ``trunk_kv`` is pass 1's ``(k, v)`` (None on pass 1,
         which then provides it); ``branch_kv`` the ``(k, v)`` of passes ``2..d-1``. Returns
-        the pass output ``h^d [T, H]`` and this pass's own ``(k, v) [T, Hkv, Dh]``. Inside
-        ``context_parallel`` the trunk attention runs over the ring.
+        the pass output ``h^d [T, H]`` and this pass's own ``(k, v) [T, Hkv, Dh]``. Under CP
+        (applied from outside to ``self_attn.inner_attention``) the trunk runs over the ring.
         """
         layer = self.midlayer
         cos, sin = self.rope(positions, hidden.dtype)
@@ -295,11 +292,7 @@ class Draft(nn.Module):
             branch_v = torch.stack([bv for _, bv in branch])
         else:
             branch_k = branch_v = k.new_zeros((0, *k.shape))
-        ring = active_ring()
-        if ring is None:
-            out = branch_attention(q, trunk_kv[0], trunk_kv[1], branch_k, branch_v, cu_seqlens)
-        else:
-            out = ring_branch_attention(q, *trunk_kv, branch_k, branch_v, cu_seqlens, ring.name, layout=ring.layout)
+        out = layer.self_attn.inner_attention(q, *trunk_kv, branch_k, branch_v, cu_seqlens)
         return layer.finish(hidden, out), (k, v)
 
     def forward(
@@ -311,7 +304,7 @@ class Draft(nn.Module):
         cu_seqlens: torch.Tensor,
         select: torch.Tensor,
         score: Callable[[int, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]], Any] | None = None,
-        shift: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+        shift_rows: torch.Tensor | None = None,
     ) -> list:
         """The TTT unroll: ``D = select.shape[0]`` passes with teacher forcing.
 
@@ -326,21 +319,24 @@ class Draft(nn.Module):
         here, inside the draft's forward, where FSDP has the head (``head``: ``[c, H] ->
         [c, V_d]`` fp32 logits) gathered (the chunked soft CE of ``ttt_unroll``).
 
-        ``shift(x, d)``: ``x`` at ``i + d`` of each anchor's document (default
-        ``shift_in_document``). Context parallel (inside ``context_parallel``): all tensors
-        are this rank's shard, except ``target_embeddings`` and ``tokens``, which carry the
-        TTT halo rows after the local ones, and ``shift`` is the halo's (``ttt_unroll`` passes
-        it); attention runs over the ring.
+        ``shift_rows: int64 [>= D, T']`` (a ``DocumentShift``'s or a ``TTTHalo``'s ``rows``, on
+        the device): pass ``d`` reads its input embedding at row ``shift_rows[d - 1, i]`` of
+        ``tokens`` / ``target_embeddings`` (``[T', ...]``, ``T' >= T``), zeros where it is -1.
+        Default: the rows of ``t + d`` inside each document (``T' = T``). Under context
+        parallelism the tensors are this rank's shard, ``tokens`` and ``target_embeddings``
+        carry the TTT halo's rows after the local ones and ``shift_rows`` reaches into them
+        (``ttt_unroll`` passes a ``TTTHalo``'s); the model itself is the same.
         """
         cu_seqlens = packed_cu_seqlens(cu_seqlens)  # host metadata, maybe passed as ints
         embeds = self.embed(tokens, target_embeddings)
         hidden = self.fuse(taps)
-        shift = shift or partial(shift_in_document, cu_seqlens=cu_seqlens)
+        if shift_rows is None:
+            shift_rows = DocumentShift(cu_seqlens, select.shape[0], hidden.device).rows
         # A new tuple per pass, never a list appended to: an activation-checkpointed pass
         # recomputes from the very inputs it was given.
         trunk_kv, branch_kv, logits = None, (), []
         for d in range(1, select.shape[0] + 1):
-            embeds_d = shift(embeds, d)
+            embeds_d = take_rows(embeds, shift_rows[d - 1])
             hidden, kv = self.forward_pass(embeds_d, hidden, positions + (d - 1), cu_seqlens, trunk_kv, branch_kv)
             if trunk_kv is None:
                 trunk_kv = kv

@@ -1,13 +1,13 @@
 """The target decoder (Llama-3 / Qwen-3 family) with taps and a KV-cache forward.
 
-Plain PyTorch, no parallelism inside: FSDP and PP wrap it from ``titan_cotrain.parallel``, and
-CP enters through the attention context (``titan_cotrain.ops.context``).
+Plain PyTorch, no parallelism inside: FSDP, PP and CP wrap it from ``titan_cotrain.parallel``
+(CP hooks every layer's ``self_attn.inner_attention``, a ``VarlenAttention``).
 Parameter names follow the Hugging Face layout (``embed_tokens``, ``layers.N.self_attn.q_proj``,
 ``mlp.gate_proj``, ...) so the HF adapter only adds or strips the ``model.`` prefix.
 
 Two forwards:
 * ``forward(tokens [B, S], ...)``: training over packed rows, all attention through
-  ``titan_cotrain.ops.varlen_causal_attention`` on the flattened ``[B*S, H, Dh]`` tokens;
+  ``titan_cotrain.ops.VarlenAttention`` on the flattened ``[B*S, H, Dh]`` tokens;
   returns logits ``[B, S, V]``, or a ``TargetOutput`` with the taps.
 * ``forward_cached(tokens [B, s], cache, start_pos [B])``: prefill / multi-token decode
   against a paged KV cache (``models.kv_cache``) at per-sequence offsets (the rollout
@@ -33,9 +33,7 @@ from titan_cotrain.data.packing import (
 from titan_cotrain.models.args import ModelArgs, RopeScaling
 from titan_cotrain.models.kv_cache import KVPool, PagedKV, RowsKV
 from titan_cotrain.models.taps import default_tap_layers, validate_tap_layers
-from titan_cotrain.ops.attention import packed_cu_seqlens, varlen_causal_attention
-from titan_cotrain.ops.context import active_ring
-from titan_cotrain.ops.ring_attention import ring_attention
+from titan_cotrain.ops.attention import VarlenAttention, packed_cu_seqlens
 
 __all__ = ["RMSNorm", "init_weights_", "TargetOutput", "TrainOutput", "Transformer", "apply_rope", "rope_inv_freq",
            "run_layers"]
@@ -163,6 +161,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.inner_attention = VarlenAttention()
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """``x [..., dim]`` -> rotated ``q [..., Hq, Dh]``, ``k, v [..., Hkv, Dh]``: the heads
@@ -176,15 +175,9 @@ class Attention(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        """Packed ``x [T, dim]``, ``cos/sin [T, Dh]``; inside ``context_parallel`` the local
-        shard, attending over the ring."""
+        """Packed ``x [T, dim]``, ``cos/sin [T, Dh]`` (under CP: this rank's zigzag shard)."""
         q, k, v = self._qkv(x, cos, sin)
-        ring = active_ring()
-        if ring is None:
-            out = varlen_causal_attention(q, k, v, cu_seqlens)
-        else:
-            out = ring_attention(q, k, v, cu_seqlens, ring.name, layout=ring.layout)
-        return self.o_proj(out.flatten(-2))
+        return self.o_proj(self.inner_attention(q, k, v, cu_seqlens).flatten(-2))
 
     def forward_cached(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKV | RowsKV, layer: int, positions: torch.Tensor
@@ -289,10 +282,10 @@ class Transformer(nn.Module):
         gathered) and its result comes back as ``TrainOutput.head``; no ``[B, S, V]``
         logits are made (the chunked losses of ``titan_cotrain.cotrain.vocab``).
 
-        Context parallel: inside ``titan_cotrain.ops.context.context_parallel``, ``tokens``
-        are this rank's ``[B, local_len]`` zigzag shard, given with the shard's local
-        ``cu_seqlens`` and global ``positions`` (a ``CPShard``'s), and every attention runs
-        over the ring.
+        Context parallel (applied by ``parallel.context_parallel.apply_context_parallel``):
+        ``tokens`` are this rank's ``[B, local_len]`` zigzag shard, given with the shard's
+        local ``cu_seqlens`` and global ``positions`` (a ``CPShard``'s); the model does not
+        know, its attention modules are hooked from outside.
         """
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [B, S], got shape {tuple(tokens.shape)}")

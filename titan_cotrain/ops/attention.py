@@ -15,7 +15,10 @@ Two layers live here:
   ``lse: [T, Hq]`` (fp32; fp64 for fp64 inputs) of every query row; backwards take an
   ``(out, lse)`` pair that may come from a *merged* attention (branch attention, ring
   attention), which is how merged attentions reuse these kernels for their backward;
-* ``varlen_causal_attention``, the differentiable op the target model calls.
+* ``varlen_causal_attention``, the differentiable op, and ``VarlenAttention``, the module the
+  target model calls it through: the one place context parallelism is applied from outside
+  (``titan_cotrain.parallel.context_parallel.apply_context_parallel``, as torchtitan applies
+  its CP to ``inner_attention``).
 
 On the accelerator (any device but the CPU) the kernels are ATen's varlen flash kernels
 (``aten::_flash_attention_forward`` / ``_backward``, private, behind ``titan_cotrain.ops.flash``;
@@ -33,11 +36,13 @@ branch and ring attention.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from titan_cotrain.ops import flash
 
 __all__ = [
     "BlockSegments",
+    "VarlenAttention",
     "block_backward",
     "block_forward",
     "fold_grad_lse",
@@ -388,3 +393,13 @@ def varlen_causal_attention(
         scale = q.shape[-1] ** -0.5
     out, _ = _varlen_causal_attention(q, k, v, host_cu_seqlens(cu_seqlens), float(scale))
     return out
+
+
+class VarlenAttention(nn.Module):
+    """``varlen_causal_attention(q, k, v, cu_seqlens)`` as a module without parameters: the
+    target's ``inner_attention``. Context parallelism hooks this module from outside
+    (``parallel.context_parallel.apply_context_parallel``): its ``q, k, v`` then enter as
+    ``Shard(0)`` DTensors of the zigzag shard and torch's CP dispatcher runs the ring."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        return varlen_causal_attention(q, k, v, cu_seqlens)

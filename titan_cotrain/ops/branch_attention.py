@@ -24,12 +24,14 @@ which then produces its share of the exact gradient.
 
 ``branch_forward`` / ``branch_backward`` are the branch kernels, shaped like the trunk
 kernels so that ring attention can merge the branch into its own result.
-``branch_attention`` is the differentiable op the draft calls.
+``branch_attention`` is the differentiable op; ``BranchAttention`` the module the draft calls
+it through, where context parallelism is applied from outside (as for ``VarlenAttention``).
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from titan_cotrain.ops.attention import (
     check_packed,
@@ -42,6 +44,7 @@ from titan_cotrain.ops.attention import (
 )
 
 __all__ = [
+    "BranchAttention",
     "branch_attention",
     "branch_attention_with_lse",
     "branch_backward",
@@ -237,3 +240,15 @@ def branch_attention(
     """
     out, _ = branch_attention_with_lse(q, k, v, branch_k, branch_v, cu_seqlens, scale)
     return out
+
+
+class BranchAttention(nn.Module):
+    """``branch_attention(q, k, v, branch_k, branch_v, cu_seqlens)`` as a module without
+    parameters: the draft's ``inner_attention``. Under context parallelism
+    (``parallel.context_parallel.apply_context_parallel``) ``q, k, v`` enter as ``Shard(0)``
+    and ``branch_k, branch_v`` as ``Shard(1)`` DTensors, and torch's CP dispatcher runs the
+    trunk over the ring with the branch merged in rank-locally."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, branch_k: torch.Tensor,
+                branch_v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        return branch_attention(q, k, v, branch_k, branch_v, cu_seqlens)

@@ -11,8 +11,10 @@ What keeps a block in one graph and out of recompiles:
 * attention is one opaque custom op with a fake implementation: the trunk
   (``titan_cotrain::varlen_causal_attention``), the draft's branch, and under CP the whole
   ring (``titan_cotrain::ring_attention``: its messages and its host-side document plan never
-  enter a graph; the ring is named by a string, and ``ops.context`` reuses one ``Ring`` per
-  group so the guard on it holds from step to step);
+  enter a graph; the ring is named by a string, one per process group, so the guard on it
+  holds from step to step). Under CP the attention module's hooks make DTensors of its
+  inputs and torch's CP dispatcher turns the op into the ring op on the local shards
+  (``parallel.cp_dispatch``), inside the traced block;
 * the packed layout's metadata is built once per batch on the host before the blocks run:
   ``cu_seqlens`` (an int32 host tensor, its length the batch's document count, marked
   dynamic by ``packed_cu_seqlens``) and the positions' RoPE tables (``[T, Dh]``, static);

@@ -1,4 +1,14 @@
-"""Context parallelism (CP) over packed rows: the zigzag shard, its inverse, and the TTT halo.
+"""Context parallelism (CP) over packed rows: applied to the models from outside, the zigzag
+shard of a batch, its inverse, and the TTT halo.
+
+Applying it (``apply_context_parallel``, called by ``parallel.parallelize``): every attention
+module of the policy and the draft (``ops.VarlenAttention``, ``ops.BranchAttention``) is
+hooked with the ``RingAttention`` parallel style, torch's ``parallelize_module`` way, and
+torch's CP dispatcher is turned on with our ring handlers (``parallel.cp_dispatch``): the
+hooked modules' inputs become DTensors sharded on the token dimension, the dispatcher routes
+their attention op to the ring, and the outputs come back as local tensors. The model code
+never asks whether it runs sharded. ``prepare_cp_microbatch`` is the matching data side:
+host rows in, this rank's shard of a ``Microbatch`` out, with the TTT halo as its shift.
 
 Sharding (the picture is at the top of ``titan_cotrain.ops.ring_attention``). A CP group of
 ``W`` ranks splits every packed row ``[S]`` of a batch:
@@ -20,7 +30,7 @@ The TTT halo. Pass ``d`` of the draft reads ``e(x_{i+d})`` and scores against th
 at ``i + d`` (its mask against the loss region at ``i + d + 1``; docs/DESIGN.md section 3); for
 the last tokens of a chunk those live in the next chunk of the document, on another rank
 (or on this one: chunk ``W-1``'s successor is chunk ``W``; with chunks shorter than ``D``,
-on several). For every local chunk, ``TTTHalo.exchange`` fetches the ``D + 1`` positions
+on several). For every local chunk, ``TTTHalo.extend`` fetches the ``D + 1`` positions
 that follow it from wherever they live, for any number of per-token tensors at once (the
 TTT unroll sends token ids, the policy's embeddings, the draft-vocabulary teacher, its
 in-vocabulary flag and the loss region) as raw bytes in one ``all_to_all`` per step;
@@ -30,26 +40,84 @@ single-device semantics of ``shift_in_document`` (``fill`` past a document's tru
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from titan_cotrain.data.packing import LabelRows, layout_from_document_ids
+from titan_cotrain.cotrain.step import Microbatch, PackedBatch, check_draft_loss_on
+from titan_cotrain.data.packing import LabelRows, layout_from_document_ids, take_rows
+from titan_cotrain.ops import BranchAttention, VarlenAttention
 from titan_cotrain.ops.ring_attention import chunks_per_document, local_chunks
 
 __all__ = [
     "CPBatch",
     "CPShard",
+    "RingAttention",
     "TTTHalo",
+    "apply_context_parallel",
     "check_cp_degree",
     "init_cp_mesh",
     "plan_padded_rows",
+    "prepare_cp_microbatch",
     "shard_batch_for_cp",
     "shard_packed_rows",
 ]
+
+
+class RingAttention(ParallelStyle):
+    """The parallel style of an attention module under CP (torch's ``_ContextParallel`` for
+    our packed ops): a forward pre-hook makes ``q, k, v`` (the first three positional inputs,
+    ``[T, H, Dh]``) DTensors ``Shard(0)`` and, for a ``BranchAttention``, ``branch_k, branch_v``
+    (``[P, T, Hkv, Dh]``) ``Shard(1)`` on the 1-D CP mesh; ``cu_seqlens`` stays a plain host
+    tensor. A forward hook hands the output back as the local tensor. In between, torch's CP
+    dispatcher runs our handlers (``parallel.cp_dispatch``).
+
+    torch's own ``_ContextParallel`` style wraps *every* tensor input as ``Shard(seq_dim)``:
+    it would move the host ``cu_seqlens`` onto the mesh's device (a copy per layer, and a
+    device-to-host read in the ring to plan its blocks) and label the branch's token
+    dimension wrongly; this style is the same hooks with the placements our ops take.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if device_mesh.ndim != 1:
+            raise ValueError(f"the CP mesh must be 1-D, got a {device_mesh.ndim}-D mesh")
+        placements = [Shard(0)] * 3 + ([Shard(1)] * 2 if isinstance(module, BranchAttention) else [])
+
+        def shard_inputs(_module, args):
+            sharded = [DTensor.from_local(x, device_mesh, [p], run_check=False) for x, p in zip(args, placements)]
+            return (*sharded, *args[len(placements):])
+
+        def local_output(_module, _args, out):
+            return out.to_local()
+
+        module.register_forward_pre_hook(shard_inputs)
+        module.register_forward_hook(local_output)
+        return module
+
+
+def apply_context_parallel(cp_mesh, *models: nn.Module | None) -> None:
+    """Context parallelism over the 1-D ``cp_mesh`` for ``models`` (the policy, the draft; None
+    skipped): every ``VarlenAttention`` / ``BranchAttention`` inside gets the ``RingAttention``
+    style and torch's CP dispatcher is turned on with our ring handlers, for good (as
+    torchtitan's ``apply_cp_to_attention_module``). From then on these models take this rank's
+    zigzag shard (``prepare_cp_microbatch``) in every packed forward; models left out (the KL
+    reference, the rollout engine's copies) attend locally."""
+    from titan_cotrain.parallel.cp_dispatch import enable_cp_dispatch
+
+    enable_cp_dispatch()
+    for model in models:
+        if model is None:
+            continue
+        for module in model.modules():
+            if isinstance(module, (VarlenAttention, BranchAttention)):
+                parallelize_module(module, cp_mesh, RingAttention())
 
 
 def check_cp_degree(cp_degree: int, world_size: int) -> None:
@@ -161,7 +229,7 @@ class CPShard:
         self._local_start = torch.cumsum(local_lengths, 0) - local_lengths
         cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(local_lengths, 0)])
         self.cu_seqlens = cu.to(torch.int32).to(device)
-        self._halos: dict[int, TTTHalo] = {}
+        self._halos: dict[tuple[int, torch.device], TTTHalo] = {}
 
         doc, slot, offset, pos = self._tokens(self.rank)
         self._doc, self._slot, self._offset, self._pos = doc, slot, offset, pos
@@ -229,30 +297,30 @@ class CPShard:
             out[source[keep]] = part.reshape(-1, *x.shape[2:])[keep]
         return out.view(self.batch, self.seq_len, *x.shape[2:])
 
-    def ttt_halo(self, ttt_steps: int) -> TTTHalo:
+    def ttt_halo(self, ttt_steps: int, device: torch.device | str | None = None) -> TTTHalo:
         """The halo of a ``ttt_steps``-pass TTT unroll (``D + 1`` positions per chunk edge:
-        pass ``d`` reads inputs at ``i + d`` and loss masks at ``i + d + 1``). Cached."""
-        if ttt_steps not in self._halos:
-            self._halos[ttt_steps] = TTTHalo(self, ttt_steps + 1)
-        return self._halos[ttt_steps]
+        pass ``d`` reads inputs at ``i + d`` and loss masks at ``i + d + 1``), its rows on
+        ``device`` (default: the shard's). Cached."""
+        device = torch.device(device if device is not None else self.device)
+        if (ttt_steps, device) not in self._halos:
+            self._halos[ttt_steps, device] = TTTHalo(self, ttt_steps + 1, device)
+        return self._halos[ttt_steps, device]
 
 
 class TTTHalo:
     """The ``width`` positions after the end of every local chunk, from wherever they live.
 
     An *extended* tensor is a local ``[T, ...]`` tensor (``T = B * local_len``) followed
-    by its halo rows, ``[T + n_halo, ...]``: ``exchange`` builds them, ``shift`` reads them.
+    by its halo rows, ``[T + n_halo, ...]``: ``extend`` builds them, ``shift`` reads them,
+    through ``rows: int64 [width, T]`` (on ``device``; ``rows[d - 1, t]`` the extended row of
+    ``x_{t+d}``, -1 past ``t``'s document). The interface of the single-device
+    ``titan_cotrain.data.packing.DocumentShift``, which the TTT unroll takes either of.
     """
 
-    def __init__(self, shard: CPShard, width: int) -> None:
+    def __init__(self, shard: CPShard, width: int, device: torch.device | str | None = None) -> None:
         self.shard, self.width = shard, width
         s = shard
         n_local = s.batch * s.local_len
-        c = s._chunk[s._doc]
-        # Row of the halo that follows local token t's chunk: (doc * n_slots + slot) * width.
-        halo_base = n_local + (s._doc * s._n_slots + s._slot) * width
-        self._offset, self._chunk_len, self._halo_base = s._offset, c, halo_base
-        self._room = s._true_len[s._doc] - s._pos  # shift d is inside the document iff d < room
         owner, owner_row, wanted = zip(*(self._requests(rank) for rank in range(s.world)))
         me = s.rank
         # What this rank sends to rank o: its own rows that o's halo wants, in o's halo order.
@@ -261,6 +329,17 @@ class TTTHalo:
         halo_rows = torch.arange(owner[me].numel())
         self._recv = [halo_rows[wanted[me] & (owner[me] == o)] for o in range(s.world)]
         self.n_halo = owner[me].numel()
+        # rows[d - 1, t]: the extended row holding x_{t+d}: in t's chunk, or in the halo that
+        # follows it (its first row: n_local + (doc * n_slots + slot) * width); -1 past the
+        # document's true end.
+        chunk_len, offset = s._chunk[s._doc], s._offset
+        halo_base = n_local + (s._doc * s._n_slots + s._slot) * width
+        room = s._true_len[s._doc] - s._pos
+        rows = []
+        for d in range(1, width + 1):
+            index = torch.where(offset + d < chunk_len, torch.arange(n_local) + d, halo_base + offset + d - chunk_len)
+            rows.append(torch.where(d < room, index, -1))
+        self.rows = torch.stack(rows).to(device)
 
     def _requests(self, rank: int):
         """``rank``'s halo rows (document, slot, 0..width-1): owner rank, row on the owner,
@@ -284,7 +363,7 @@ class TTTHalo:
         return owner_of[owner_chunk], owner_row, wanted
 
     @torch.no_grad()
-    def exchange(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def extend(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Extend local tensors ``[T, ...]`` (any dtypes) with their halo rows, all in one
         ``all_to_all`` of raw bytes. Positions past a document's end arrive as zeros. The
         halo carries data, not gradients: the inputs are detached."""
@@ -318,13 +397,7 @@ class TTTHalo:
         an extended ``x [T + n_halo, ...]``; returns ``[T, ...]``. ``1 <= d <= width``."""
         if not 1 <= d <= self.width:
             raise ValueError(f"the halo holds {self.width} positions per chunk edge; cannot shift by {d}")
-        device = x.device
-        n_local = self._offset.numel()
-        inside_chunk = self._offset + d < self._chunk_len
-        from_halo = self._halo_base + self._offset + d - self._chunk_len
-        index = torch.where(inside_chunk, torch.arange(n_local) + d, from_halo)
-        valid = (d < self._room).to(device).view(-1, *([1] * (x.dim() - 1)))
-        return torch.where(valid, x[index.to(device)], torch.full((), fill, dtype=x.dtype, device=device))
+        return take_rows(x, self.rows[d - 1].to(x.device), fill)
 
 
 def shard_packed_rows(
@@ -365,11 +438,12 @@ class CPBatch(LabelRows):
 
 def shard_batch_for_cp(batch, group=None, *, row_len: int | None = None) -> tuple[CPBatch, CPShard]:
     """Zigzag-shard a ``PackedBatch`` (``[B, S]`` fields, the same on every rank of the CP
-    ``group``) for this rank. Inside ``titan_cotrain.ops.context.context_parallel(group)``, run
+    ``group``) for this rank. With CP applied to the models (``apply_context_parallel``), run
     the policy as ``policy(cp_batch.tokens, cu_seqlens=shard.cu_seqlens,
-    positions=shard.positions, return_taps=True)`` and the draft as ``ttt_unroll(..., cp=shard)`` with
-    ``positions=shard.positions``, ``cu_seqlens=shard.cu_seqlens`` and the local outputs;
-    normalise losses by counts summed over the CP (x data-parallel) group."""
+    positions=shard.positions, return_taps=True)`` and the draft as ``ttt_unroll(...,
+    shift=shard.ttt_halo(D))`` with ``positions=shard.positions``, ``cu_seqlens=shard.cu_seqlens``
+    and the local outputs; normalise losses by counts summed over the CP (x data-parallel)
+    group. ``prepare_cp_microbatch`` does all of this for the co-training step."""
     shard = shard_packed_rows(batch.document_ids, group, row_len=row_len)
 
     def next_of(x):
@@ -385,3 +459,19 @@ def shard_batch_for_cp(batch, group=None, *, row_len: int | None = None) -> tupl
         next_ref_logprobs=next_of(getattr(batch, "ref_logprobs", None)),
     )
     return cp_batch, shard
+
+
+def prepare_cp_microbatch(batch: PackedBatch, device, *, ttt_steps: int, draft_loss_on: str = "response",
+                          group=None, row_len: int | None = None) -> Microbatch:
+    """``cotrain.step.prepare_microbatch`` for a model under CP: host rows ``batch`` (the
+    same on every rank of the CP ``group``, a ProcessGroup or 1-D mesh) zigzag-sharded for
+    this rank (padded to ``row_len``, see ``plan_padded_rows``), the model inputs moved to
+    ``device``, and the shard's ``TTTHalo`` as the microbatch's ``shift``. ``parallelize``
+    hands the trainer this function with ``group`` and ``row_len`` bound."""
+    check_draft_loss_on(draft_loss_on)
+    labels, shard = shard_batch_for_cp(batch, group, row_len=row_len)
+    region = labels.loss_mask if draft_loss_on == "response" else shard.valid
+    labels = dataclasses.replace(labels, **{f.name: getattr(labels, f.name).to(device)
+                                            for f in dataclasses.fields(labels) if getattr(labels, f.name) is not None})
+    return Microbatch(labels, labels.tokens, shard.positions.to(device), region.to(device), shard.cu_seqlens,
+                      shard.ttt_halo(ttt_steps, device))

@@ -2,34 +2,33 @@
 
 ``torch.distributed.tensor.experimental`` implements CP as a table of DTensor op handlers
 (``_context_parallel._attention.custom_ops``) that it installs into DTensor's dispatcher
-while CP is on (inside ``context_parallel(...)``, or between
-``_enable_context_parallel_dispatcher()`` and ``_disable_...``). Its table covers the
-CUDA SDPA ops only. ``register_cp_handlers`` adds, all running our ring
-(``titan_cotrain.ops.ring_attention``) on the local shards:
+while CP is on (``_enable_context_parallel_dispatcher()``, which torchtitan calls once when it
+applies CP and never undoes; or inside ``context_parallel(...)``). Its table covers the CUDA
+SDPA ops only. ``enable_cp_dispatch`` adds ours and turns the dispatcher on:
 
 * ``titan_cotrain::varlen_causal_attention`` and ``titan_cotrain::branch_attention``
   (forward and backward ops): ``q, k, v`` DTensors ``Shard(0)`` (packed ``[T, H, Dh]``)
   and ``branch_k, branch_v`` ``Shard(1)`` (``[P, T, Hkv, Dh]``) on a 1-D CP mesh, holding
   the zigzag shard of ``titan_cotrain.parallel.context_parallel``; ``cu_seqlens`` a plain
-  tensor of the *local* documents (the same on every rank). The model keeps calling
-  ``varlen_causal_attention`` / ``branch_attention``; DTensor inputs route them here;
+  host tensor of the *local* documents (the same on every rank). The models keep calling
+  ``VarlenAttention`` / ``BranchAttention``; ``apply_context_parallel`` hooks those modules
+  so that their inputs arrive as such DTensors, and the handlers below run the ring ops
+  (``titan_cotrain::ring_attention`` and its backward, on the local shards, so that a
+  compiled block and the scale simulator see the one opaque ring op);
 * ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, the CPU SDPA ops
   stock torch lacks: ``[B, H, L, E]`` ``Shard(2)``, one document per row, in torch's
   head-tail layout (= our zigzag), or contiguous when ``_cp_options.enable_load_balance``
   is off. With these, ``context_parallel(mesh, buffers=...)`` runs on gloo/CPU too.
 
-The pipeline-stage path needs none of this: ``ring_attention`` / ``ring_branch_attention``
-take local tensors and a process group. This module is the only user of the private
-names; it checks the torch version at import.
+This module is the only user of the private names (the same in torch 2.11, 2.12 and 2.13);
+it checks the torch version at import.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-SUPPORTED_TORCH = ("2.13",)
+SUPPORTED_TORCH = ("2.11", "2.12", "2.13")
 
 
 def check_torch_version(version: str = torch.__version__) -> None:
@@ -39,8 +38,8 @@ def check_torch_version(version: str = torch.__version__) -> None:
         raise RuntimeError(
             f"titan_cotrain.parallel.cp_dispatch hooks torch's private context-parallel dispatcher "
             f"(torch.distributed.tensor.experimental._context_parallel), written against torch "
-            f"{', '.join(SUPPORTED_TORCH)}; found torch {version}. Use the local-tensor entry points "
-            f"(titan_cotrain.ops.ring_attention.ring_attention) or port this module."
+            f"{', '.join(SUPPORTED_TORCH)}; found torch {version}. Context parallelism needs it: port this module "
+            f"(the handler table custom_ops and _enable_context_parallel_dispatcher)."
         )
 
 
@@ -49,10 +48,15 @@ check_torch_version()
 from torch.distributed.tensor import DTensor, Shard  # noqa: E402
 from torch.distributed.tensor.experimental._context_parallel import _attention as _torch_cp  # noqa: E402
 
-from titan_cotrain.ops.branch_attention import branch_backward, branch_forward  # noqa: E402
-from titan_cotrain.ops.ring_attention import RingComm, ring_backward, ring_forward  # noqa: E402
+from titan_cotrain.ops.ring_attention import (  # noqa: E402
+    DEFAULT_PIECES,
+    RingComm,
+    ring_backward,
+    ring_forward,
+    ring_name,
+)
 
-__all__ = ["check_torch_version", "context_parallel_dispatch", "register_cp_handlers"]
+__all__ = ["check_torch_version", "enable_cp_dispatch", "register_cp_handlers"]
 
 aten = torch.ops.aten
 
@@ -89,54 +93,42 @@ def _plain(x) -> torch.Tensor:
 
 
 def _shard(x: torch.Tensor, mesh, dim: int) -> DTensor:
-    return DTensor.from_local(x, mesh, (Shard(dim),), run_check=False)
+    return DTensor.from_local(x.contiguous(), mesh, (Shard(dim),), run_check=False)
 
 
 def _comm(mesh) -> RingComm:
     return RingComm(mesh.get_group())
 
 
-def _trunk(op, args, kwargs):
-    a = _bind(op, args, kwargs)
+def _ring_op(a: dict, with_branch: bool) -> tuple:
+    """The ring op's arguments for bound arguments ``a`` of one of our attention ops."""
     mesh = a["q"].device_mesh
     q, k, v = (_local(a[n], 0, n) for n in ("q", "k", "v"))
-    out, lse = ring_forward(q, k, v, _plain(a["cu_seqlens"]), a["scale"], _comm(mesh))
+    branch = tuple(_local(a[n], 1, n) for n in ("branch_k", "branch_v")) if with_branch else (None, None)
+    return mesh, (q, k, v, *branch, _plain(a["cu_seqlens"]), a["scale"], ring_name(mesh.get_group()), "zigzag",
+                  DEFAULT_PIECES)
+
+
+def _attention(op, args, kwargs):
+    """``varlen_causal_attention`` / ``branch_attention`` -> the ring (the branch merged in rank-locally)."""
+    a = _bind(op, args, kwargs)
+    mesh, ring_args = _ring_op(a, "branch_k" in a)
+    out, lse = torch.ops.titan_cotrain.ring_attention(*ring_args)
     return _shard(out, mesh, 0), _shard(lse, mesh, 0)
 
 
-def _trunk_backward(op, args, kwargs):
+def _attention_backward(op, args, kwargs):
     a = _bind(op, args, kwargs)
-    mesh = a["q"].device_mesh
-    t = {n: _local(a[n], 0, n) for n in ("grad_out", "q", "k", "v", "out", "lse")}
-    grads = ring_backward(t["grad_out"], t["q"], t["k"], t["v"], t["out"], t["lse"], _plain(a["cu_seqlens"]),
-                          a["scale"], _comm(mesh))
-    return tuple(_shard(g, mesh, 0) for g in grads)
-
-
-def _branch(op, args, kwargs):
-    a = _bind(op, args, kwargs)
-    mesh = a["q"].device_mesh
-    q, k, v = (_local(a[n], 0, n) for n in ("q", "k", "v"))
-    branch_k, branch_v = (_local(a[n], 1, n) for n in ("branch_k", "branch_v"))
-    initial = branch_forward(q, branch_k, branch_v, a["scale"])
-    out, lse = ring_forward(q, k, v, _plain(a["cu_seqlens"]), a["scale"], _comm(mesh), initial=initial)
-    return _shard(out.contiguous(), mesh, 0), _shard(lse.contiguous(), mesh, 0)
-
-
-def _branch_backward(op, args, kwargs):
-    a = _bind(op, args, kwargs)
-    mesh = a["q"].device_mesh
-    t = {n: _local(a[n], 0, n) for n in ("grad_out", "q", "k", "v", "out", "lse")}
-    branch_k, branch_v = (_local(a[n], 1, n) for n in ("branch_k", "branch_v"))
-    grad_lse = None if a["grad_lse"] is None else _local(a["grad_lse"], 0, "grad_lse")
-    dq, dk, dv = ring_backward(t["grad_out"], t["q"], t["k"], t["v"], t["out"], t["lse"], _plain(a["cu_seqlens"]),
-                               a["scale"], _comm(mesh), grad_lse=grad_lse)
-    dq_branch, dbranch_k, dbranch_v = branch_backward(
-        t["grad_out"], t["q"], branch_k, branch_v, t["out"], t["lse"], a["scale"], grad_lse
-    )
-    return (_shard((dq + dq_branch).contiguous(), mesh, 0), _shard(dk.contiguous(), mesh, 0),
-            _shard(dv.contiguous(), mesh, 0), _shard(dbranch_k.contiguous(), mesh, 1),
-            _shard(dbranch_v.contiguous(), mesh, 1))
+    with_branch = "branch_k" in a
+    if a.get("grad_lse") is not None:
+        raise NotImplementedError("context-parallel branch attention: the ring's backward takes no gradient of the "
+                                  "lse (use branch_attention, whose lse feeds nothing)")
+    mesh, (q, k, v, branch_k, branch_v, cu, scale, ring, layout, pieces) = _ring_op(a, with_branch)
+    grad_out, out, lse = (_local(a[n], 0, n) for n in ("grad_out", "out", "lse"))
+    grads = torch.ops.titan_cotrain.ring_attention_backward(grad_out, q, k, v, branch_k, branch_v, out, lse, cu,
+                                                            scale, ring, layout, pieces)
+    placed = [_shard(g, mesh, 0) for g in grads[:3]]
+    return tuple(placed + [_shard(g, mesh, 1) for g in grads[3:]])
 
 
 def _sdpa_layout() -> str:
@@ -187,10 +179,10 @@ def _sdpa_cpu_backward(op, args, kwargs):
 def _handlers() -> dict:
     ops = torch.ops.titan_cotrain
     return {
-        ops.varlen_causal_attention.default: _trunk,
-        ops.varlen_causal_attention_backward.default: _trunk_backward,
-        ops.branch_attention.default: _branch,
-        ops.branch_attention_backward.default: _branch_backward,
+        ops.varlen_causal_attention.default: _attention,
+        ops.varlen_causal_attention_backward.default: _attention_backward,
+        ops.branch_attention.default: _attention,
+        ops.branch_attention_backward.default: _attention_backward,
         aten._scaled_dot_product_flash_attention_for_cpu.default: _sdpa_cpu,
         aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _sdpa_cpu_backward,
     }
@@ -208,14 +200,10 @@ def register_cp_handlers() -> None:
         live.update(handlers)
 
 
-@contextlib.contextmanager
-def context_parallel_dispatch():
-    """Within the block, DTensor (``Shard(seq)``) inputs to our attention ops and to CPU
-    SDPA run the ring. (torch's ``context_parallel(mesh, buffers=...)`` works as well once
-    ``register_cp_handlers`` has run.)"""
+def enable_cp_dispatch() -> None:
+    """Register our handlers and turn torch's CP dispatcher on, for good (torchtitan's
+    ``apply_cp_to_attention_module`` does the same for SDPA). Only DTensor inputs reach the
+    handlers, so attention on plain tensors (the reference model, the rollout engine) is
+    unaffected. Idempotent."""
     register_cp_handlers()
     _torch_cp._enable_context_parallel_dispatcher()
-    try:
-        yield
-    finally:
-        _torch_cp._disable_context_parallel_dispatcher()

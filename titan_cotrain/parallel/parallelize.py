@@ -1,6 +1,9 @@
 """``parallelize``: the trainer's models built, parallelised from outside and filled, once.
 
-In torchtitan's order, on models built on the meta device: activation checkpointing, then
+In torchtitan's order, on models built on the meta device: context parallelism (torch's CP
+dispatcher running our ring, hooked onto every attention module of the policy and the draft,
+``parallel.context_parallel.apply_context_parallel``; the batch side is the returned
+``prepare_microbatch``), then activation checkpointing, then
 ``torch.compile`` per block (``[compile] enable``), then FSDP2 (the compute and reduce dtypes
 of ``[training] mixed_precision_*``) over ``dp_shard x cp`` (HSDP's ``dp_replicate x fsdp``
 with replicas), or over this rank alone when only the compute dtype asks for it;
@@ -14,17 +17,20 @@ parallelism.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from titan_cotrain.cotrain.step import PrepareMicrobatch, prepare_microbatch
 from titan_cotrain.models.build import build_draft, build_target, init_draft_, init_target_
 from titan_cotrain.models.draft import Draft
 from titan_cotrain.models.transformer import Transformer, rope_inv_freq
 from titan_cotrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_cotrain.parallel.compile import apply_compile
+from titan_cotrain.parallel.context_parallel import apply_context_parallel, prepare_cp_microbatch
 from titan_cotrain.parallel.fsdp import apply_fsdp, copy_whole_into_, reduce_every_microbatch
 from titan_cotrain.parallel.pipeline import Pipeline, build_pipeline
 
@@ -38,7 +44,9 @@ class ParallelModels:
     ``draft``: None when off, and under PP off the last stage's rank; ``reference``: the KL
     reference, sharded like the policy (None without KL); ``pipeline`` under PP;
     ``engine_policy`` / ``engine_draft``: what the rollout engine copies its shapes (and,
-    when ``engine_loadable``, its weights) from."""
+    when ``engine_loadable``, its weights) from; ``prepare_microbatch``: how the update's host
+    rows become this rank's model inputs (``forward_backward``'s ``prepare``: under CP the
+    zigzag shard the hooked models expect, else the rows whole)."""
 
     policy: nn.Module
     draft: Draft | None
@@ -47,6 +55,7 @@ class ParallelModels:
     engine_policy: Transformer
     engine_draft: Draft | None
     engine_loadable: bool
+    prepare_microbatch: PrepareMicrobatch = prepare_microbatch
 
 
 def fsdp_mesh(parallel_dims):
@@ -88,6 +97,11 @@ def parallelize(config, parallel_dims, world_size: int, device: torch.device, *,
                          'reductions are kept)')
     policy = build_target(config, device="meta")
     draft = build_draft(config, policy, token_counts=token_counts, device="meta")
+    prepare = prepare_microbatch
+    if parallel_dims.cp_enabled and not parallel_dims.pp_enabled:  # under PP, build_pipeline applies it
+        cp_mesh = parallel_dims.get_mesh("cp")
+        apply_context_parallel(cp_mesh, policy, draft)
+        prepare = partial(prepare_cp_microbatch, group=cp_mesh)
     apply_activation_checkpointing(policy, config.activation_checkpoint.mode, draft)
     if config.compile.enable:
         apply_compile(policy, draft, config.compile.components, config.compile.backend)
@@ -119,7 +133,8 @@ def parallelize(config, parallel_dims, world_size: int, device: torch.device, *,
             init_draft_(draft, config, policy, fill=copy_whole_into_)
         if reference is not None:
             init_target_(reference, config, fill=copy_whole_into_)
-    return ParallelModels(policy, draft, reference, None, policy, draft, engine_loadable=True)
+    return ParallelModels(policy, draft, reference, None, policy, draft, engine_loadable=True,
+                          prepare_microbatch=prepare)
 
 
 def _pipelined(config, dims, device, policy: Transformer, draft: Draft | None, shard, policy_loss_fn,
@@ -150,7 +165,7 @@ def _pipelined(config, dims, device, policy: Transformer, draft: Draft | None, s
             part.rope_inv_freq.copy_(rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling))
     # The engine copies the whole models' shapes; its weights come from the stages at refresh.
     return ParallelModels(pipeline.local_policy, pipeline.draft, None, pipeline, policy, draft,
-                          engine_loadable=False)
+                          engine_loadable=False, prepare_microbatch=pipeline.prepare)
 
 
 def _take_host_buffers(module: nn.Module) -> dict[str, torch.Tensor]:

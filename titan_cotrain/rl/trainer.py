@@ -78,7 +78,6 @@ class Trainer:
             dims.build_mesh()
         # Context-parallel and pipeline peers train the same rows: they draw the same prompts
         # (everything random is keyed by dp rank) and share out their generation.
-        self.cp_group = dims.get_mesh("cp").get_group() if dims.cp_enabled else None
         self.dp_degree = dims.dp_replicate * dims.dp_shard
         self.dp_rank = dims.get_mesh("batch").get_local_rank() if dims.dp_enabled else 0
         self.seed = job_seed(config)
@@ -110,6 +109,7 @@ class Trainer:
                              token_counts=counts, fill=simulation is None)
         self.policy, self.draft, self.reference, self.pipeline = (models.policy, models.draft, models.reference,
                                                                   models.pipeline)
+        self.prepare_microbatch = models.prepare_microbatch  # under CP: this rank's zigzag shard
         self.log_rank = 0
         if self.pipeline is not None:  # the last stage's rank of data-parallel and CP coordinate 0
             self.log_rank = layout.rank(self.pipeline.plan.stage_ranks[-1], 0, 0)
@@ -295,7 +295,8 @@ class Trainer:
             if self.pipeline is None:
                 out = forward_backward(self.policy, draft, minibatch, loss_fn, ttt_steps=cfg.draft.ttt_steps,
                                        pass_decay=cfg.draft.pass_decay, draft_loss_weight=cfg.draft.loss_weight,
-                                       draft_loss_on=cfg.draft.loss_on, cp_group=self.cp_group, device=self.device,
+                                       draft_loss_on=cfg.draft.loss_on, prepare=self.prepare_microbatch,
+                                       device=self.device,
                                        microbatch_rows=cfg.training.local_batch_size,
                                        max_microbatches=sim.microbatches if sim is not None else None)
                 out |= clip_grad_norms(self.policy, draft, cfg.training.max_norm, cfg.draft.grad_clip)

@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -21,9 +22,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, get_schedule_class
 
-from titan_cotrain.cotrain.step import PolicyLossFn
+from titan_cotrain.cotrain.step import PolicyLossFn, PrepareMicrobatch, prepare_microbatch
 from titan_cotrain.models.draft import Draft
 from titan_cotrain.models.transformer import Transformer
+from titan_cotrain.parallel.context_parallel import apply_context_parallel, prepare_cp_microbatch
 from titan_cotrain.parallel.pipeline.loss import CotrainLoss
 from titan_cotrain.parallel.pipeline.plan import PipelinePlan, layers_per_stage_from_fqns, plan_pipeline
 from titan_cotrain.parallel.pipeline.stage import LocalPolicy, TransformerStage
@@ -59,7 +61,8 @@ class Pipeline:
     ``PipelineStage`` around each part; ``loss``: the last stage's loss (present on every
     rank, only called where the last stage runs); ``channel``: None when the draft is off.
     ``loss_group``: the data-parallel x CP ranks of this PP coordinate, which share the global
-    token counts (None: neither); ``device``: where microbatches go.
+    token counts (None: neither); ``device``: where microbatches go; ``prepare``: how a
+    microbatch's host rows become this rank's inputs (under CP: its zigzag shard).
     """
 
     schedule: PipelineScheduleSingle | PipelineScheduleMulti
@@ -77,8 +80,7 @@ class Pipeline:
     device: torch.device
     draft_loss_on: str = "response"
     loss_group: dist.ProcessGroup | None = None
-    cp_group: dist.ProcessGroup | None = None
-    cp_row_len: int | None = None
+    prepare: PrepareMicrobatch = prepare_microbatch
     tied_group: dist.ProcessGroup | None = field(default=None, repr=False)
 
     @property
@@ -165,8 +167,10 @@ def make_pipeline(
     (``shard(module)`` is applied to the draft, then to every stage module: FSDP2), and
     ``activation_dtype`` is the dtype the stages compute in (FSDP's mixed precision;
     default the parameters'). ``cp_mesh``: this rank's 1-D ``cp`` mesh for context
-    parallelism, with ``cp_row_len``, the fixed padded row length every microbatch is sharded
-    to (see ``titan_cotrain.parallel.context_parallel.plan_padded_rows``). ``device``: where
+    parallelism, applied here to the policy's and the draft's attention
+    (``parallel.context_parallel.apply_context_parallel``), with ``cp_row_len``, the fixed
+    padded row length every microbatch is sharded to (see
+    ``titan_cotrain.parallel.context_parallel.plan_padded_rows``). ``device``: where
     microbatches and taps live (default: the policy's; pass it when the policy is on meta).
     The stage modules reference the policy's modules (no copy); the layers of other stages
     are not referenced and go away with the caller's ``policy``. ``tap_prefetch`` and
@@ -177,13 +181,14 @@ def make_pipeline(
     pp_group = pp_mesh.get_group()
     if plan.pp != pp:
         raise ValueError(f"the plan is for {plan.pp} PP ranks, the mesh has {pp}")
-    cp_group, local_len = None, seq_len
-    cp_size = 1
+    local_len, cp_size, prepare = seq_len, 1, prepare_microbatch
     if cp_mesh is not None:
         if not cp_row_len or cp_row_len % (2 * cp_mesh.size()):
             raise ValueError(f"context parallelism needs a fixed cp_row_len, a multiple of 2 x cp = "
                              f"{2 * cp_mesh.size()}; got {cp_row_len}")
-        cp_group, local_len, cp_size = cp_mesh.get_group(), cp_row_len // cp_mesh.size(), cp_mesh.size()
+        local_len, cp_size = cp_row_len // cp_mesh.size(), cp_mesh.size()
+        apply_context_parallel(cp_mesh, policy, draft)  # every stage's attention, and the draft's
+        prepare = partial(prepare_cp_microbatch, group=cp_mesh, row_len=cp_row_len)
     if loss_group is not None and dist.get_world_size(loss_group) > cp_size and shard is None:
         raise ValueError("data parallelism under PP shards the stages: pass shard (FSDP over the data-parallel "
                          "x CP mesh)")
@@ -230,7 +235,7 @@ def make_pipeline(
     return Pipeline(schedule=sched, stages=stages, model_parts=parts, local_policy=LocalPolicy(parts), loss=loss,
                     channel=channel, plan=plan, pp_mesh=pp_mesh, pp_group=pp_group, microbatch_size=microbatch_size,
                     n_microbatches=n_microbatches, draft_loss_weight=draft_loss_weight, device=device,
-                    draft_loss_on=draft_loss_on, loss_group=loss_group, cp_group=cp_group, cp_row_len=cp_row_len,
+                    draft_loss_on=draft_loss_on, loss_group=loss_group, prepare=prepare,
                     tied_group=tied_group)
 
 

@@ -22,12 +22,10 @@ from titan_cotrain.cotrain.step import (
     PackedBatch,
     PolicyLossFn,
     metric_names,
-    prepare_microbatch,
     scale_gradients,
     scales_and_metrics,
 )
 from titan_cotrain.data.packing import LabelRows
-from titan_cotrain.ops.context import context_parallel
 from titan_cotrain.parallel.engine_tp import whole_tensor
 from titan_cotrain.parallel.pipeline.build import Pipeline
 
@@ -96,8 +94,8 @@ def _schedule_step(p: Pipeline, batch: PackedBatch, draft_on: bool) -> None:
     """One run of the schedule over ``batch`` (exactly one schedule step's host rows);
     gradients accumulate unscaled. Every microbatch's metadata is prepared here, once."""
     mb_rows = p.microbatch_size
-    microbatches = [prepare_microbatch(batch.map(lambda t, i=i: t[i * mb_rows:(i + 1) * mb_rows]), p.device,
-                                       cp_group=p.cp_group, row_len=p.cp_row_len, draft_loss_on=p.draft_loss_on)
+    microbatches = [p.prepare(batch.map(lambda t, i=i: t[i * mb_rows:(i + 1) * mb_rows]), p.device,
+                              ttt_steps=p.loss.ttt_steps, draft_loss_on=p.draft_loss_on)
                     for i in range(p.n_microbatches)]
     if draft_on:
         p.channel.begin_step(p.n_microbatches)
@@ -106,8 +104,7 @@ def _schedule_step(p: Pipeline, batch: PackedBatch, draft_on: bool) -> None:
         part.begin_schedule_step(microbatches)
     args = (torch.cat([mb.tokens for mb in microbatches]),) if p.has_first_stage else ()
     rows = torch.arange(p.n_microbatches * mb_rows)
-    with context_parallel(p.cp_group):  # every stage's attention (and the draft's) over the CP ring
-        p.schedule.step(*args, target=rows if p.has_last_stage else None, return_outputs=False)
+    p.schedule.step(*args, target=rows if p.has_last_stage else None, return_outputs=False)
     if draft_on:
         p.channel.finish_step()
 

@@ -261,16 +261,13 @@ def test_a_step_a_rank_cannot_run_stops_every_rank_with_one_message(tmp_path):
 
 
 def _fail_on_rank_one(rank, world_size):
-    from types import MethodType, SimpleNamespace
+    from titan_cotrain.rl.host_sync import HostSync
+    from titan_cotrain.rl.real_run import RealRun
 
-    from titan_cotrain.rl.trainer import Trainer
-
-    fake = SimpleNamespace(state=SimpleNamespace(step=4), device=torch.device("cpu"), simulation=None)
-    fake._all_reduce = MethodType(Trainer._all_reduce, fake)
-    fake._to_host = MethodType(Trainer._to_host, fake)
-    Trainer._stop_if_any_rank_failed(fake, None)  # nobody failed: every rank goes on
+    sync = HostSync(torch.device("cpu"), RealRun())
+    sync.stop_if_any_rank_failed(None, 5)  # nobody failed: every rank goes on
     with pytest.raises(ValueError) as err:
-        Trainer._stop_if_any_rank_failed(fake, "boom" if rank == 1 else None)
+        sync.stop_if_any_rank_failed("boom" if rank == 1 else None, 5)
     assert str(err.value) == "step 5: rank 1: boom"
 
 

@@ -100,8 +100,9 @@ def evaluate(trainer, samples: int, ks: list[int]) -> dict:
     prompts = [ids for ids in encoded for _ in range(samples // group)]
     generator = torch.Generator(device=trainer.device).manual_seed(trainer.seed)
     progress = RolloutProgress()
-    rollouts = trainer.engine.generate(prompts, trainer.sampling_params(), samples_per_prompt=group,
-                                       generator=generator, progress=progress, draft_tokens=trainer.draft_tokens)
+    rollouts = trainer.engine.generate(prompts, trainer.rollouts.sampling_params(), samples_per_prompt=group,
+                                       generator=generator, progress=progress,
+                                       draft_tokens=trainer.rollouts.speculation.k_max)
     progress.close()
     lengths = rollouts.response_lens.tolist()
     texts = [trainer.tokenizer.decode(rollouts.tokens[i, :n].tolist()) for i, n in enumerate(lengths)]
@@ -118,7 +119,7 @@ def evaluate(trainer, samples: int, ks: list[int]) -> dict:
         "pass_at_k": {str(k): sum(pass_at_k(samples, c, k) for c in per_prompt) / len(per_prompt) for k in ks},
         "pass_at_k_curve": [sum(pass_at_k(samples, c, k) for c in per_prompt) / len(per_prompt)
                             for k in range(1, samples + 1)],
-        "draft_tokens": trainer.draft_tokens, "acceptance_length": stats.acceptance_length,
+        "draft_tokens": trainer.rollouts.speculation.k_max, "acceptance_length": stats.acceptance_length,
         "acceptance_rate": list(stats.acceptance_rate), "response_len": sum(lengths) / len(lengths),
         "tokens_per_s": stats.tokens_per_s,
     }

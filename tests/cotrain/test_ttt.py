@@ -239,7 +239,7 @@ def test_policy_and_draft_are_clipped_separately():
     batch = synthetic_packed_batch(2, 24, 256, torch.Generator().manual_seed(3))
     forward_backward(target, draft, batch, next_token_loss, ttt_steps=2, pass_decay=0.8, draft_loss_weight=1.0)
     policy_opt, draft_opt = _NormRecorder(target.parameters()), _NormRecorder(draft.parameters())
-    norms = clip_grad_norms(target, draft, policy_max_norm=1e-3, draft_max_norm=5e-4)
+    norms = clip_grad_norms(target.parameters(), draft.parameters(), policy_max_norm=1e-3, draft_max_norm=5e-4)
     step_optimizers(policy_opt, draft_opt)
     assert norms["grad_norm/policy"] > 1e-2 and norms["grad_norm/draft"] > 1e-2  # pre-clip norms
     assert policy_opt.norms[0] == pytest.approx(1e-3, rel=1e-4)

@@ -84,7 +84,7 @@ def _split_rollouts(rank: int, world_size: int, folder: str) -> None:
     trainer.engine.generate = recording
     trainer.refresh_engine()
     samples, metrics = trainer.rollout_phase(1)
-    _, prompts = trainer._prompts(1)
+    _, prompts = trainer.rollouts.prompts(1)
     # This rank generated its share only: its problems (of 4), each prefilled once for both samples.
     assert len(generated) == 1 and generated[0] == ([prompts[i] for i in (2 * rank, 4 + 2 * rank)], 2)
     # Every peer holds the whole batch, in problem order, the same on both ranks.
@@ -102,7 +102,7 @@ def _split_rollouts(rank: int, world_size: int, folder: str) -> None:
 
     # Peers that drew different prompts cannot share rollouts: every one of them stops.
     if rank == 1:
-        trainer._prompts = lambda step, real=trainer._prompts: real(step + 1)
+        trainer.rollouts.prompts = lambda step, real=trainer.rollouts.prompts: real(step + 1)
     with pytest.raises(RuntimeError, match=r"the ranks \[0, 1\], which train the same rows, drew different prompts"):
         trainer.rollout_phase(1)
 

@@ -34,10 +34,10 @@ def test_a_dataset_task_goes_through_its_training_split_in_epochs():
 def test_the_ranks_take_consecutive_parts_of_each_steps_slice_of_the_stream():
     from types import SimpleNamespace
 
-    from titan_cotrain.rl.trainer import Trainer
+    from titan_cotrain.rl.problems import ProblemStream
 
     positions = [p for index in range(3) for rank in range(2)
-                 for p in Trainer.stream_positions(SimpleNamespace(dp_degree=2, dp_rank=rank), index, 4)]
+                 for p in ProblemStream.positions(SimpleNamespace(dp_degree=2, dp_rank=rank), index, 4)]
     assert positions == list(range(24))
 
 

@@ -73,18 +73,19 @@ def test_nan_loss_on_one_rank_skips_the_policy_update_on_every_rank_then_stops(t
 
 
 def _nan_gradient_on_rank_1(rank: int, world_size: int, folder: str) -> None:
-    import titan_cotrain.rl.trainer as trainer_module
+    import titan_cotrain.rl.update_step as update_module
 
     trainer = _trainer(world_size, rank, folder)
     if rank == 1:
-        real = trainer_module.clip_grad_norms
+        real = update_module.clip_grad_norms
 
-        def poisoned(policy, draft, *args):
-            grad = next(p.grad for p in draft.parameters() if p.grad is not None)
+        def poisoned(policy_params, draft_params, *args):
+            draft_params = list(draft_params)
+            grad = next(p.grad for p in draft_params if p.grad is not None)
             (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("nan")
-            return real(policy, draft, *args)
+            return real(policy_params, draft_params, *args)
 
-        trainer_module.clip_grad_norms = poisoned
+        update_module.clip_grad_norms = poisoned
     policy, draft = _local_copies(trainer.policy), _local_copies(trainer.draft)
     _run_until_stopped(trainer)
     assert _unchanged(draft, trainer.draft)
@@ -123,18 +124,19 @@ def test_nonfinite_weights_are_never_checkpointed_or_exported_and_their_metrics_
 
 def _last_update_skipped(rank: int, world_size: int, folder: str) -> None:
     """Step 1 warm-starts normally; the gradient of the last step's (RL) update is NaN."""
-    import titan_cotrain.rl.trainer as trainer_module
+    import titan_cotrain.rl.update_step as update_module
 
     trainer = _trainer(world_size, rank, folder, "--task.sft_steps", "1")
-    real = trainer_module.clip_grad_norms
+    real = update_module.clip_grad_norms
 
-    def poisoned(policy, draft, *args):
+    def poisoned(policy_params, draft_params, *args):
+        policy_params = list(policy_params)
         if trainer.state.step == trainer.total_steps - 1:
-            grad = next(p.grad for p in policy.parameters() if p.grad is not None)
+            grad = next(p.grad for p in policy_params if p.grad is not None)
             (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("nan")
-        return real(policy, draft, *args)
+        return real(policy_params, draft_params, *args)
 
-    trainer_module.clip_grad_norms = poisoned
+    update_module.clip_grad_norms = poisoned
     with pytest.raises(RuntimeError, match="at step 2, the job's last: the update of the policy was skipped") as err:
         trainer.run()
     assert "nothing is exported" in str(err.value)

@@ -184,7 +184,7 @@ def _a_bad_draft_is_switched_off(rank, world_size, folder):
     # not pay: plain decoding, or (a tiny draft's catch-up costs about nothing here, so the two
     # are a coin toss on these cores) the draft follows and its rounds draft 0, but for the
     # exploration of k = 1 in one round of explore_every.
-    tuner = trainer.speculation
+    tuner = trainer.rollouts.speculation
     assert tuner.pooled[0] < 0.3, tuner.pooled
     assert chosen[0] > 1 and chosen[1] == 0.0, chosen
     assert all(k <= 1.5 / tuner.explore_every for k in chosen[2:]), chosen
@@ -199,8 +199,10 @@ def test_the_trainer_switches_a_draft_that_does_not_pay_off(tmp_path):
 def _every_rank_learns_the_sum(rank, world_size):
     from types import SimpleNamespace
 
+    from titan_cotrain.rl.host_sync import HostSync
+    from titan_cotrain.rl.real_run import RealRun
+    from titan_cotrain.rl.rollout_phase import RolloutPhase
     from titan_cotrain.rl.rollout_state import RolloutStats
-    from titan_cotrain.rl.trainer import Trainer
 
     # Each rank's call measured something else: rank r ran r + 1 rounds of 2 live rows at k = 2,
     # (r + 1) seconds each; drafted token 1 was judged 2 (r + 1) times, accepted r + 1 times.
@@ -211,10 +213,8 @@ def _every_rank_learns_the_sum(rank, world_size):
     stats = RolloutStats(new_tokens=40, target_forwards=10, acceptance_length=1.0, acceptance_rate=[0.5],
                          prefill_s=float(rank + 1), draft_s=0.0, verify_s=0.0, total_s=10.0, rounds=table)
     host = SimpleNamespace(speculation=SpeculationTuner(k_max=K), generation=SimpleNamespace(sends=lambda: True),
-                           engine=SimpleNamespace(max_batch_size=4), device=torch.device("cpu"),
-                           _to_host=lambda values: {k: float(v) for k, v in values.items()})
-    host._all_reduce = lambda values: Trainer._all_reduce(host, values)
-    Trainer._observe_speculation(host, SimpleNamespace(stats=stats), True)
+                           engine=SimpleNamespace(max_batch_size=4), sync=HostSync(torch.device("cpu"), RealRun()))
+    RolloutPhase._observe_speculation(host, SimpleNamespace(stats=stats), True)
     assert host.speculation.round_s[1, 3] == pytest.approx((1 + 4) / (1 + 2))  # the job's seconds per round
     assert host.speculation.prefill_s[True] == pytest.approx(1.5)  # the mean prefill of a call
     assert host.speculation.acceptance[1][0] == pytest.approx(3 / 6)

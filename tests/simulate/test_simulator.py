@@ -76,15 +76,15 @@ def test_a_rank_over_budget_is_refused_naming_its_biggest_category(tmp_path):
 
 
 def test_a_collective_on_a_host_tensor_is_flagged_with_its_caller(tmp_path, monkeypatch):
-    from titan_cotrain.rl import trainer
+    from titan_cotrain.rl.host_sync import HostSync
 
     def host_all_reduce(self, values, op=dist.ReduceOp.SUM):
         t = torch.tensor(values, dtype=torch.float64)  # stays on the host: what NCCL rejects
         dist.all_reduce(t, op=op)
         return values
 
-    monkeypatch.setattr(trainer.Trainer, "_all_reduce", host_all_reduce)
-    with pytest.raises(SimulationFailed, match=r"collective on a host tensor: rank 0: c10d\.allreduce_.* at .*test_simulator\.py:\d+|trainer\.py:\d+"):
+    monkeypatch.setattr(HostSync, "all_reduce", host_all_reduce)
+    with pytest.raises(SimulationFailed, match=r"collective on a host tensor: rank 0: c10d\.allreduce_.* at .*test_simulator\.py:\d+|rl/batching\.py:\d+"):
         simulate(_config(tmp_path), "debug_cpu.toml")
 
 

@@ -17,7 +17,7 @@ skipped: the trainer skips an update whose loss or norm is not finite).
 """
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -343,16 +343,26 @@ def forward_backward(
 
 
 def clip_grad_norms(
-    policy: Transformer,
-    draft: Draft | None,
+    policy_params: Iterable[torch.Tensor],
+    draft_params: Iterable[torch.Tensor] | None,
     policy_max_norm: float,
     draft_max_norm: float,
+    *,
+    pp_mesh=None,
+    clipped_alike: Sequence[torch.Tensor] = (),
 ) -> dict[str, torch.Tensor]:
-    """Clip the policy's and the draft's gradient norms separately; the global norms before
-    clipping (device scalars, ``grad_norm/policy`` and ``grad_norm/draft``)."""
-    metrics = {"grad_norm/policy": titan.clip_grad_norm_(policy.parameters(), policy_max_norm)}
-    if draft is not None:
-        metrics["grad_norm/draft"] = titan.clip_grad_norm_(draft.parameters(), draft_max_norm)
+    """Clip the policy's and the draft's gradient norms separately (``draft_params`` None: no
+    draft trained here); the global norms before clipping (device scalars, ``grad_norm/policy``
+    and ``grad_norm/draft``), over the PP column with ``pp_mesh`` (every PP rank calls it).
+    ``clipped_alike``: policy parameters clipped by the policy's factor but not counted in its
+    norm (a tied embedding's second copy under PP, counted on the rank of the first stage)."""
+    counted = [p for p in policy_params if not any(p is q for q in clipped_alike)]
+    norm = titan.clip_grad_norm_(counted, policy_max_norm, pp_mesh=pp_mesh)
+    if clipped_alike:
+        torch.nn.utils.clip_grads_with_norm_(list(clipped_alike), policy_max_norm, norm)
+    metrics = {"grad_norm/policy": norm}
+    if draft_params is not None:
+        metrics["grad_norm/draft"] = titan.clip_grad_norm_(draft_params, draft_max_norm, pp_mesh=pp_mesh)
     return metrics
 
 

@@ -21,10 +21,11 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from titan_cotrain.cotrain.step import PackedBatch
 
-__all__ = ["Sample", "pack_samples"]
+__all__ = ["Sample", "pack_rank_batch", "pack_samples"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,3 +97,25 @@ def pack_samples(
             pos += span(sample)
         document_ids[r, pos:] = len(row)  # the padding tail is a document of its own
     return PackedBatch(tokens, document_ids, loss_mask, advantages, old_logprobs)
+
+
+def pack_rank_batch(samples: list[Sample], config, sync, step: int) -> PackedBatch:
+    """This rank's samples packed on the host for step ``step`` (in the CP layout under CP), then
+    padded with empty rows to the most rows any rank has: FSDP's and the pipeline's
+    collectives need the same number of forwards everywhere. ``sync``: the job's
+    ``HostSync`` (every rank calls this). The batch stays on the host: the update moves each
+    microbatch to the device after computing its attention metadata."""
+    cp = config.parallelism.context_parallel_degree
+    batch = error = None
+    try:
+        batch = pack_samples(samples, config.training.seq_len, pad_id=0,
+                             rows_multiple_of=config.rl.updates_per_step, pad_to=2 * cp if cp > 1 else 1)
+    except ValueError as e:  # nothing trainable on this rank
+        error = str(e)
+    sync.stop_if_any_rank_failed(error, step)
+    rows = batch.tokens.shape[0]
+    # At least this rank's own: a device whose values are unknown reads 0.
+    extra = max(rows, int(sync.all_reduce([rows], dist.ReduceOp.MAX)[0])) - rows
+    if extra:
+        batch = batch.map(lambda t: torch.cat([t, t.new_zeros(extra, t.shape[1])]))
+    return batch

@@ -22,8 +22,8 @@ def export_job(trainer) -> None:
     # Every rank holds the same whole copies (or, tensor-parallel, its slices: then all
     # ranks vote): each checks its own, so all stop alike.
     tp = trainer.engine.tensor_parallel > 1
-    trainer._check_finite("the export", trainer.engine.policy, trainer.engine.draft, collective=tp)
-    trainer._check_probe("the export")
+    trainer.guard.weights("the export", trainer.engine.policy, trainer.engine.draft, collective=tp)
+    trainer.guard.probe("the export", trainer.engine.policy, trainer.engine.draft)
     policy, draft = trainer.engine.policy, trainer.engine.draft
     state = whole_host_state(policy, keep=trainer.rank == trainer.log_rank) if tp else None
     if trainer.rank != trainer.log_rank:

@@ -13,13 +13,14 @@ finite and every activation inf. So before a checkpoint or an export the trainer
 first thing a user of the export would do.
 """
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["NonfiniteStop", "NonfiniteWeights", "all_finite", "forward_is_finite", "nonfinite_flags"]
+__all__ = ["NonfiniteStop", "NonfiniteWeights", "SaveGuard", "all_finite", "count_skipped_updates",
+           "forward_is_finite", "nonfinite_flags"]
 
 
 class NonfiniteStop(RuntimeError):
@@ -89,3 +90,61 @@ def _on_every_rank(ok: torch.Tensor, collective: bool) -> bool:
     if collective and dist.is_initialized():
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     return bool(ok.item())
+
+
+def count_skipped_updates(state, step: int, metrics: dict[str, float], limit: int, last_step: bool,
+                          announce: Callable[[str], None]) -> None:
+    """Count consecutive steps with a skipped update in ``state.nonfinite_steps`` (a
+    ``TrainerState``), and ``announce`` the skip when step ``step`` had one. Raises
+    ``NonfiniteStop`` at ``limit`` such steps in a row, or at once when the job's last step had
+    one: nothing is checkpointed or exported then (every rank alike: the verdicts are the same
+    on every rank)."""
+    skipped = [part for part in ("policy", "draft") if metrics.get(f"nonfinite/{part}", 0.0) > 0]
+    if not skipped:
+        state.nonfinite_steps = 0
+        return
+    state.nonfinite_steps += 1
+    announce(f"step {step}: non-finite loss or gradient norm of the {' and the '.join(skipped)}: update "
+             f"skipped ({state.nonfinite_steps} in a row, the job stops at {limit})")
+    if state.nonfinite_steps >= limit:
+        raise NonfiniteStop(
+            f"at step {step}: {limit} consecutive steps had a non-finite loss or gradient norm "
+            f"(training.max_nonfinite_steps = {limit}); the weights are those of the last finite update, the "
+            "last checkpoint is before it. Lower the learning rates (optimizer.lr, draft.lr, task.sft_lr, draft.sft_lr) or the "
+            "gradient clips (training.max_norm, draft.grad_clip).")
+    if last_step:
+        raise NonfiniteStop(
+            f"at step {step}, the job's last: the update of the {' and the '.join(skipped)} was skipped "
+            f"(non-finite loss or gradient norm, {state.nonfinite_steps} step(s) in a row), so the weights "
+            "are not trained to the end: nothing is exported and this step is not checkpointed. Resume from an "
+            "earlier checkpoint, if there is one, with lower learning rates (optimizer.lr, draft.lr) or gradient "
+            "clips (training.max_norm, draft.grad_clip).")
+
+
+class SaveGuard:
+    """Refuses to write weights (a checkpoint, the export) that are not finite, or whose forward
+    on a probe is not. ``probe()``: the probe's token ids (read when first needed);
+    ``active``: False where device values are unknown (the simulator: nothing is checked)."""
+
+    def __init__(self, device: torch.device, probe: Callable[[], list[int]], active: bool = True) -> None:
+        self.device, self._probe, self.active = device, probe, active
+
+    def weights(self, what: str, *modules: nn.Module | None, collective: bool = True) -> None:
+        """Every parameter and buffer of ``modules`` finite (``all_finite``), or raise."""
+        if self.active and not all_finite(modules, self.device, collective=collective):
+            raise NonfiniteWeights(f"{what} is not written: the weights are not finite")
+
+    def probe(self, what: str, policy: nn.Module, draft: nn.Module | None) -> None:
+        """One forward of the probe through the whole copies ``policy`` and ``draft`` finite on
+        every rank (a collective; ``forward_is_finite``), or raise. The weights must be finite
+        already."""
+        if not self.active:
+            return
+        tokens = torch.tensor([self._probe()], device=self.device)
+        if not forward_is_finite(policy, draft, tokens):
+            models = "the policy and the draft" if draft is not None else "the policy"
+            raise NonfiniteWeights(
+                f"{what} is not written: the weights are finite, but a forward of {models} on a probe of "
+                f"{tokens.shape[1]} tokens is not (the last updates made them unusable). Lower the learning rates "
+                "(optimizer.lr, draft.lr, task.sft_lr, draft.sft_lr) or the gradient clips (training.max_norm, "
+                "draft.grad_clip).")

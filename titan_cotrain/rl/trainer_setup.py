@@ -7,7 +7,7 @@ import os
 import torch
 
 from titan_cotrain.components import titan
-from titan_cotrain.data.prompts import PromptEncoder, load_prompt_splits, synthetic_prompt_splits
+from titan_cotrain.data.prompts import PromptEncoder
 from titan_cotrain.rl.tasks import DATASET_TASKS, get_task
 
 __all__ = ["TrainerState", "build_task", "lr_phases", "tokenizer_folder", "training_device"]
@@ -49,11 +49,9 @@ def training_device() -> torch.device:
     return torch.device(kind, 0) if kind != "cpu" else torch.device("cpu")
 
 
-def tokenizer_folder(config, simulation=None) -> str:
-    path = config.model.hf_path or config.model.hf_assets_path
-    if not path and simulation is not None:
-        # The simulator needs token ids, not the real vocabulary: the project's own tokenizer.
-        path = os.path.join(os.path.dirname(__file__), "..", "..", "assets", "tokenizer")
+def tokenizer_folder(config, fallback: str | None = None) -> str:
+    """``[model] hf_path`` or ``hf_assets_path``, else ``fallback`` (``RealRun.tokenizer_fallback``)."""
+    path = config.model.hf_path or config.model.hf_assets_path or fallback
     if not path:
         raise ValueError("no tokenizer: set [model] hf_path (a Hugging Face folder with tokenizer.json) "
                          "or [model] hf_assets_path")
@@ -63,13 +61,9 @@ def tokenizer_folder(config, simulation=None) -> str:
     return path
 
 
-def build_task(config, encode: PromptEncoder, max_prompt_tokens: int, seed: int, simulation=None):
-    """The ``[task]``; a dataset task's prompts from its file, or synthetic ones of
-    ``[simulate] prompt_tokens`` under the simulator (which never reads the file), its epochs
-    shuffled by the job's ``seed``."""
+def build_task(config, encode: PromptEncoder, max_prompt_tokens: int, seed: int, run):
+    """The ``[task]``; a dataset task's prompts from ``run.prompt_splits`` (``RealRun``: its
+    file; the simulator's: synthetic), its epochs shuffled by the job's ``seed``."""
     t = config.task
-    prompts = None
-    if t.name in DATASET_TASKS:
-        prompts = (synthetic_prompt_splits(encode, min(simulation.prompt_tokens, max_prompt_tokens))
-                   if simulation is not None else load_prompt_splits(t, encode, max_prompt_tokens))
+    prompts = run.prompt_splits(t, encode, max_prompt_tokens) if t.name in DATASET_TASKS else None
     return get_task(t.name, prompts, t.format_reward, seed), prompts

@@ -13,7 +13,7 @@ What differs from CUDA, and how the simulator treats it:
 * reading a device tensor on the host (``.item()``, ``.tolist()``, ``bool(t)``, a
   data-dependent shape) raises ``DataDependentOutputException``: its value is unknown. The
   GPU hot path must not sync; the few legitimate reads (once-per-step metrics) go through
-  a seam the simulator overrides (``Trainer._to_host``);
+  a seam the simulator overrides (``RealRun.host_values``, ``simulate.Simulation``'s);
 * ``torch.autograd`` on fake *cuda* tensors aborts a CPU-only torch build, which is why a
   renamed PrivateUse1 device stands in for CUDA rather than ``cuda`` itself;
 * kernels run their meta (shape) implementations: ``aten._flash_attention_forward`` has

@@ -137,6 +137,7 @@ def _warm_optimizers(trainer) -> None:
 def simulate_rank(config, rank: int, world_size: int) -> tuple[dict, list[str]]:
     """Run one rank's step on the simulated device; returns its report and host collectives."""
     from titan_cotrain.rl.trainer import Trainer
+    from titan_cotrain.simulate.simulation import Simulation
 
     register_simulated_device()
     titan.use_device_type("simgpu")
@@ -149,7 +150,7 @@ def simulate_rank(config, rank: int, world_size: int) -> tuple[dict, list[str]]:
     try:
         with SimulatedDevice(on_alloc=tracker) as device:
             tracker.phase("construction")
-            trainer = holder["trainer"] = Trainer(config, world_size, rank, simulation=sim_cfg)
+            trainer = holder["trainer"] = Trainer(config, world_size, rank, mode=Simulation(sim_cfg))
             step = config.task.sft_steps + 1
             tracker.phase("optimizer state")
             # A job creates it in its first update, where release_between_rollouts has freed the engine.

@@ -22,6 +22,7 @@ from titan_cotrain.cotrain.step import (
     PackedBatch,
     PolicyLossFn,
     metric_names,
+    clip_grad_norms as shared_clip_grad_norms,
     scale_gradients,
     scales_and_metrics,
 )
@@ -126,29 +127,21 @@ def clip_grad_norms(
     *,
     train_draft: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """``titan_cotrain.cotrain.step.clip_grad_norms`` for one PP rank: clip the policy's and
-    the draft's gradient norms separately, each the *global* norm over the PP column (the
-    same value on every rank, returned as the metrics). The optimizers are stepped by
-    ``titan_cotrain.cotrain.step.step_optimizers``.
+    """``titan_cotrain.cotrain.step.clip_grad_norms`` over one PP rank's parameters: the
+    policy's and the draft's gradient norms clipped separately, each the *global* norm over
+    the PP column (the same value on every rank, returned as the metrics). The optimizers are
+    stepped by ``titan_cotrain.cotrain.step.step_optimizers``.
 
     Every PP rank calls it. ``train_draft`` says whether the draft was trained this step (as in
     ``pipeline_step``). A tied embedding is counted once in the norm (on the first stage)
     and clipped on both ranks by the same factor, so its two copies stay equal.
     """
-    from titan_cotrain.components import titan
-
     p = pipeline
     tied = p.tied_weight()
-    counted = p.policy_parameters()
-    if tied is not None and not p.has_first_stage:
-        counted = [param for param in counted if param is not tied]
-    norm = titan.clip_grad_norm_(counted, policy_max_norm, pp_mesh=p.pp_mesh)
-    if tied is not None and not p.has_first_stage:
-        torch.nn.utils.clip_grads_with_norm_([tied], policy_max_norm, norm)
-    metrics = {"grad_norm/policy": norm}
-    if train_draft and p.channel is not None:
-        metrics["grad_norm/draft"] = titan.clip_grad_norm_(p.draft_parameters(), draft_max_norm, pp_mesh=p.pp_mesh)
-    return metrics
+    second_copy = [tied] if tied is not None and not p.has_first_stage else []
+    return shared_clip_grad_norms(p.policy_parameters(), p.draft_parameters() if train_draft and p.channel is not None
+                                  else None, policy_max_norm, draft_max_norm, pp_mesh=p.pp_mesh,
+                                  clipped_alike=second_copy)
 
 
 class _BroadcastState(Mapping):

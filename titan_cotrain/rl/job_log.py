@@ -1,0 +1,44 @@
+"""The job's outputs on its logging rank (rank 0; under PP the last stage's rank of rank 0's
+column): TensorBoard, one JSON line per step in ``<dump_folder>/metrics.jsonl``, one console
+line per step, and the warnings. Other ranks' calls do nothing."""
+
+import json
+import os
+
+from titan_cotrain.components import titan
+from titan_cotrain.rl.progress import step_line
+
+__all__ = ["JobLog"]
+
+
+class JobLog:
+    """``active``: this is the logging rank; ``writes``: it writes files (the dump folder and
+    TensorBoard; not on a simulated device)."""
+
+    def __init__(self, config, active: bool, writes: bool) -> None:
+        self.config, self.active = config, active
+        self.tb = None
+        if active and writes:
+            os.makedirs(config.job.dump_folder, exist_ok=True)
+            if config.metrics.enable_tensorboard:
+                self.tb = titan.tensorboard_logger(os.path.join(config.job.dump_folder, config.metrics.save_tb_folder))
+
+    def say(self, line: str) -> None:
+        if self.active:
+            print(line, flush=True)
+
+    def step(self, step: int, phase: str, metrics: dict[str, float]) -> None:
+        """Step ``step``'s metrics; ``phase``: ``"sft"`` or ``"rl "`` (padded for the console)."""
+        if not self.active:
+            return
+        if self.tb is not None:
+            self.tb.log(metrics, step)
+        with open(os.path.join(self.config.job.dump_folder, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps({"step": step, "phase": phase.strip(), **metrics}) + "\n")
+        sft_steps = self.config.task.sft_steps
+        done, total = (step, sft_steps) if phase.strip() == "sft" else (step - sft_steps, self.config.training.steps)
+        print(step_line(phase, done, total, metrics), flush=True)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()

@@ -1,0 +1,57 @@
+"""How the trainer meets its device: ``RealRun``, the real job's answers (the default).
+
+The scale simulator runs the same trainer on a device whose values are unknown; it hands the
+trainer a ``titan_cotrain.simulate.Simulation`` instead, which answers every question below
+for that device. The trainer asks the object and never which of the two it holds.
+"""
+
+import torch
+
+from titan_cotrain.data.prompts import load_prompt_splits
+from titan_cotrain.rl.batching import Sample
+
+__all__ = ["RealRun"]
+
+
+class RealRun:
+    """The real job: device values are read back, weights filled, rollouts generated,
+    scored and exchanged, outputs written."""
+
+    values_known = True
+    """The device's values mean something: weights are filled from their source, generations
+    are read back and exchanged, weights and probe forwards are checked before they are saved,
+    the tuner learns from measured timings, and the logging rank writes its outputs."""
+    gpu_memory_gib: float | None = None
+    """The accelerator's memory for the KV budget (``kv_cache_gib = "auto"``); None: measured."""
+    tokenizer_fallback: str | None = None
+    """The tokenizer folder when the config names none (None: the config must name one)."""
+    decode_rounds: int | None = None
+    """The most decoding rounds of a rollout (None: until every response ends)."""
+    max_updates: int | None = None
+    """The most optimizer updates of a step (None: ``rl.updates_per_step``)."""
+    max_microbatches: int | None = None
+    """The most microbatches of an update without PP (None: all)."""
+    max_schedule_steps: int | None = None
+    """The most pipeline schedule steps of an update (None: all)."""
+
+    def prompt_splits(self, task_config, encode, max_prompt_tokens: int):
+        """A dataset task's prompts: its file's."""
+        return load_prompt_splits(task_config, encode, max_prompt_tokens)
+
+    def host_values(self, values: dict[str, torch.Tensor | float], device: torch.device) -> dict[str, float]:
+        """Device scalars -> floats in one transfer (the step's one host sync for metrics)."""
+        names = list(values)
+        if not names:
+            return {}
+        flat = torch.stack([torch.full((), values[k], dtype=torch.float32, device=device)
+                            if not isinstance(values[k], torch.Tensor) else values[k].float().reshape(())
+                            for k in names])
+        return dict(zip(names, flat.tolist()))
+
+    def rollout_generator(self, seed: int, device: torch.device) -> torch.Generator | None:
+        """The generator of a rollout's draws."""
+        return torch.Generator(device=device).manual_seed(seed)
+
+    def stand_in_samples(self, prompts: list[list[int]], max_new_tokens: int) -> list[Sample] | None:
+        """Samples to train on in place of the scored rollouts (None: the rollouts' own)."""
+        return None

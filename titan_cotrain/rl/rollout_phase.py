@@ -1,0 +1,151 @@
+"""A step's rollout phase: this data-parallel coordinate's prompts generated (each CP x PP
+peer its share, ``rl.generation_group``), scored into GRPO samples, exchanged, and the rollout
+metrics reduced over the job; the speculation tuner learns from what each call measured."""
+
+import time
+
+import torch
+
+from titan_cotrain.config.validate import rollout_draft_tokens
+from titan_cotrain.rl.batching import Sample
+from titan_cotrain.rl.grpo import group_advantages
+from titan_cotrain.rl.progress import RolloutProgress
+from titan_cotrain.rl.rollout_metrics import rollout_metrics
+from titan_cotrain.rl.rollout_state import RoundTable, live_bucket
+from titan_cotrain.rl.sampling import SamplingParams
+from titan_cotrain.rl.speculation import SpeculationTuner
+from titan_cotrain.rl.tasks import score
+
+__all__ = ["RolloutPhase"]
+
+
+class RolloutPhase:
+    """``phase(step)``: step ``step``'s GRPO samples (host lists, the same on every CP and PP
+    peer) and its rollout metrics (reduced over every rank, each rollout counted once).
+
+    ``engine``: the ``RolloutEngine``; ``generation``: the ``GenerationGroup``; ``problems``:
+    the ``ProblemStream``; ``sync``: the ``HostSync``; ``run``: the ``RealRun``;
+    ``show_progress``: draw the progress bar (the logging rank)."""
+
+    def __init__(self, config, engine, generation, problems, sync, run, device, prompts_per_rank: int,
+                 show_progress: bool) -> None:
+        self.config, self.engine, self.generation, self.problems = config, engine, generation, problems
+        self.device = device
+        self.sync, self.run, self.prompts_per_rank = sync, run, prompts_per_rank
+        self.show_progress = show_progress and run.values_known
+        self.speculation = SpeculationTuner(rollout_draft_tokens(config))
+
+    def sampling_params(self) -> SamplingParams:
+        """The ``[rollout]`` sampling settings (responses end at the tokenizer's EOS)."""
+        ro = self.config.rollout
+        return SamplingParams(temperature=ro.temperature, top_k=ro.top_k, top_p=ro.top_p,
+                              max_new_tokens=ro.max_new_tokens, eos_token_id=self.problems.tokenizer.eos_id)
+
+    def prompts(self, step: int):
+        """Step ``step``'s problems for this data-parallel rank, and their prompts, each
+        repeated ``rl.group_size`` times (every rank stops if one's is too long)."""
+        cfg, stream = self.config, self.problems
+        rng = stream.rng(step, "prompts")
+        positions = stream.positions(step - cfg.task.sft_steps - 1, self.prompts_per_rank)
+        problems = [stream.task.sample(rng, position) for position in positions]
+        encoded = [stream.encode_prompt(p.prompt) for p in problems]
+        prompts = [ids for ids in encoded for _ in range(cfg.rl.group_size)]
+        longest = max(map(len, prompts))
+        self.sync.stop_if_any_rank_failed(
+            f"a prompt of {longest} tokens plus rollout.max_new_tokens = {cfg.rollout.max_new_tokens} exceeds "
+            f"the engine's {self.engine.max_seq_len} positions (training.seq_len, or rollout.max_prompt_tokens "
+            f"+ max_new_tokens)"
+            if longest + cfg.rollout.max_new_tokens > self.engine.max_seq_len else None, step)
+        return problems, prompts
+
+    def __call__(self, step: int) -> tuple[list[Sample], dict[str, float]]:
+        cfg = self.config
+        group_size = cfg.rl.group_size
+        problems, prompts = self.prompts(step)
+        share = self.generation.share(len(problems))
+        own_prompts = [prompts[i * group_size + j] for i in share for j in range(group_size)]
+        unique_prompts = [prompts[i * group_size] for i in share]
+        seed = (self.problems.seed * 1_000_003 + step) * 1009 + self.problems.dp_rank
+        generator = self.run.rollout_generator(seed + 7919 * self.generation.unit, self.device)
+        t0 = time.perf_counter()
+        progress = RolloutProgress() if self.show_progress else None
+        k, follows, adaptive = self._draft_tokens(len(problems))
+        rollouts = None
+        if own_prompts:
+            rollouts = self.engine.generate(unique_prompts, self.sampling_params(), samples_per_prompt=group_size,
+                                            generator=generator, progress=progress, draft_tokens=k,
+                                            max_rounds=self.run.decode_rounds)
+        if adaptive:
+            self._observe_speculation(rollouts, follows)
+        if progress is not None:
+            progress.close()
+        if cfg.rollout.release_between_rollouts:
+            self.engine.release()
+        stand_in = self.run.stand_in_samples(prompts, cfg.rollout.max_new_tokens)
+        if stand_in is not None:
+            return stand_in, {}
+
+        # Per problem: its group of samples and their details, in problem order on every peer.
+        groups = self.generation.exchange(self._score([problems[i] for i in share], own_prompts, rollouts),
+                                          len(problems), self.generation.digest(prompts))
+        samples = [sample for group, _ in groups for sample in group]
+        details = [d for _, group_details in groups for d in group_details]
+        # Each problem's rollouts are counted once in the sums (by the group's first member),
+        # and each generation's statistics once (by its engine group's first rank).
+        generated = rollouts.stats if rollouts is not None and self.generation.sends() else None
+        metrics = rollout_metrics(self.sync.all_reduce, samples, details, generated, self.speculation.k_max,
+                                  buckets=live_bucket(self.engine.max_batch_size) + 1,
+                                  counted=self.generation.member == 0)
+        # After the metrics' all-reduce, which every rank joins: the phase lasts as long as the
+        # slowest rank's generation (a rank's own would hide the ranks it waits for later).
+        metrics["time/rollout_s"] = time.perf_counter() - t0
+        return samples, metrics
+
+    def _draft_tokens(self, n_problems: int) -> tuple[int, bool, bool]:
+        """``(k, follows, adaptive)``: the tokens drafted per round of this call, whether the
+        tuner follows its choice per round, and whether it learns from the call. The tuner's
+        state is the same on every rank (what it learns is summed over the job), and so are
+        the live rows an engine group's ranks see: its choices agree without a collective,
+        per call and per round."""
+        cfg, k_max = self.config, self.speculation.k_max
+        adaptive = cfg.rollout.adaptive_speculation and self.run.values_known and k_max > 0
+        if not adaptive:
+            return k_max, True, False
+        if cfg.rollout.speculation_granularity == "call":
+            # The job-wide first wave (the largest share), so every rank's tuner sees one bucket.
+            wave = min(self.generation.max_share(n_problems) * cfg.rl.group_size, self.engine.max_batch_size)
+            k = self.speculation.choose_call(wave)
+            return k, k > 0, True
+        follows = self.speculation.start_call()
+        return (self.speculation.choose_round if follows else 0), follows, True
+
+    def _score(self, problems: list, prompts: list[list[int]], rollouts) -> list[tuple[list[Sample], list[dict]]]:
+        """This rank's rollouts as GRPO groups: per problem, its ``rl.group_size`` samples (with
+        group-normalised advantages) and the task's details of each response."""
+        if rollouts is None:
+            return []
+        group_size = self.config.rl.group_size
+        lengths = rollouts.response_lens.tolist()
+        responses = [rollouts.tokens[i, :n].tolist() for i, n in enumerate(lengths)]
+        logprobs = [rollouts.logprobs[i, :n].tolist() for i, n in enumerate(lengths)]
+        texts = [self.problems.tokenizer.decode(ids) for ids in responses]
+        rewards, details = score(self.problems.task, [problems[i // group_size] for i in range(len(prompts))], texts)
+        advantages = group_advantages(torch.tensor(rewards), group_size)
+        samples = [Sample(prompt, responses[i], logprobs[i], rewards[i], float(advantages[i]))
+                   for i, prompt in enumerate(prompts)]
+        return [(samples[i:i + group_size], details[i:i + group_size]) for i in range(0, len(samples), group_size)]
+
+    def _observe_speculation(self, rollouts, follows: bool) -> None:
+        """Teach the tuner what this step's generations measured (``RoundTable``), summed over
+        the job's engine groups (a collective): one call's timing is noisy, and every rank's
+        tuner then holds the same numbers and makes the same choices."""
+        stats = rollouts.stats if rollouts is not None and rollouts.stats.target_forwards else None
+        buckets, k_max = live_bucket(self.engine.max_batch_size) + 1, self.speculation.k_max
+        empty = RoundTable.empty(buckets, k_max)
+        sends = stats is not None and self.generation.sends()
+        table = stats.rounds if sends else empty
+        count, prefill_s, *flat = self.sync.all_reduce([float(sends), stats.prefill_s if sends else 0.0,
+                                                        *table.flat()])
+        if count:
+            self.speculation.observe(RoundTable.from_flat(flat, buckets, k_max), prefill_s / count, follows)
+

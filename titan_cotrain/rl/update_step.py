@@ -1,0 +1,119 @@
+"""The trainer's update: one ``UpdateStep`` per job, single-stage or pipeline.
+
+``UpdateStep.step(batch, loss_fn, train_draft=...)`` turns a packed host batch into
+``rl.updates_per_step`` optimizer updates (one for a warm-start batch, which has no
+advantages): the rows are cut into that many consecutive minibatches, and each minibatch is
+one forward-backward over its microbatches (``gradients``, the one thing the two
+implementations do differently), one clipping of the two gradient norms, one host read of
+the metrics and the non-finite verdicts, and the optimizer steps, each model's skipped when
+its loss or gradient norm is not finite on any rank (``rl.nonfinite``). The metrics returned
+are means over the minibatches; ``nonfinite/*`` is the fraction of updates skipped.
+
+* ``SingleStageUpdate``: ``forward_backward`` in microbatches of ``training.local_batch_size``
+  rows (FSDP and CP inside the models), then ``cotrain.step.clip_grad_norms``.
+* ``PipelineUpdate``: the minibatch padded with empty rows (loss mask 0) to whole schedule
+  steps, ``pipeline_step`` over them, then the same clipping over this PP rank's parameters.
+"""
+
+from collections.abc import Callable
+
+import torch
+
+from titan_cotrain.cotrain.step import PackedBatch, PolicyLossFn, clip_grad_norms, forward_backward, step_optimizers
+from titan_cotrain.parallel.pipeline import clip_grad_norms as pipeline_clip_grad_norms
+from titan_cotrain.parallel.pipeline import pipeline_step
+from titan_cotrain.rl.nonfinite import nonfinite_flags
+
+__all__ = ["PipelineUpdate", "SingleStageUpdate", "UpdateStep", "build_update_step"]
+
+# Device metrics -> host floats, in one transfer (``RealRun.host_values``).
+HostValues = Callable[[dict[str, torch.Tensor]], dict[str, float]]
+
+
+class UpdateStep:
+    """What the trainer calls to update the policy (and the co-trained draft) on a batch.
+
+    ``max_updates`` (None: all): stop after that many minibatches (the simulator's bound:
+    every update's memory is the first's)."""
+
+    def __init__(self, config, policy_opt, draft_opt, device: torch.device, host_values: HostValues,
+                 max_updates: int | None = None) -> None:
+        self.config, self.policy_opt, self.draft_opt, self.device = config, policy_opt, draft_opt, device
+        self.host_values, self.max_updates = host_values, max_updates
+
+    def gradients(self, minibatch: PackedBatch, loss_fn: PolicyLossFn, train_draft: bool) -> dict[str, torch.Tensor]:
+        """One update's final (normalised, clipped) gradients over ``minibatch``; its metrics,
+        device tensors (``loss/*``, the loss's own, ``draft/*``, ``grad_norm/*``)."""
+        raise NotImplementedError
+
+    def step(self, batch: PackedBatch, loss_fn: PolicyLossFn, *, train_draft: bool) -> dict[str, float]:
+        n = self.config.rl.updates_per_step if batch.advantages is not None else 1
+        rows = batch.tokens.shape[0]
+        metrics: dict[str, float] = {}
+        for chunk in range(n)[:self.max_updates]:
+            part = slice(chunk * rows // n, (chunk + 1) * rows // n)
+            out = self.gradients(batch.map(lambda t, part=part: t[part]), loss_fn, train_draft)
+            host = self.host_values(out | nonfinite_flags(out, self.device))
+            step_optimizers(self.policy_opt, self.draft_opt if train_draft else None,
+                            step_policy=not host["nonfinite/policy"], step_draft=not host["nonfinite/draft"])
+            for key, value in host.items():  # the mean over minibatches
+                metrics[key] = metrics.get(key, 0.0) + value / n
+        return metrics
+
+
+class SingleStageUpdate(UpdateStep):
+    """The whole policy on every rank (FSDP, CP applied to its modules): ``forward_backward``
+    in microbatches of ``training.local_batch_size`` rows, each made this rank's inputs by
+    ``prepare`` (``parallelize``'s ``prepare_microbatch``), the first ``max_microbatches`` of
+    them only when given (the simulator's bound)."""
+
+    def __init__(self, config, policy, draft, prepare, policy_opt, draft_opt, device, host_values: HostValues, *,
+                 max_updates: int | None = None, max_microbatches: int | None = None) -> None:
+        super().__init__(config, policy_opt, draft_opt, device, host_values, max_updates)
+        self.policy, self.draft, self.prepare, self.max_microbatches = policy, draft, prepare, max_microbatches
+
+    def gradients(self, minibatch: PackedBatch, loss_fn: PolicyLossFn, train_draft: bool) -> dict[str, torch.Tensor]:
+        cfg = self.config
+        draft = self.draft if train_draft else None
+        out = forward_backward(self.policy, draft, minibatch, loss_fn, ttt_steps=cfg.draft.ttt_steps,
+                               pass_decay=cfg.draft.pass_decay, draft_loss_weight=cfg.draft.loss_weight,
+                               draft_loss_on=cfg.draft.loss_on, prepare=self.prepare, device=self.device,
+                               microbatch_rows=cfg.training.local_batch_size, max_microbatches=self.max_microbatches)
+        return out | clip_grad_norms(self.policy.parameters(), draft.parameters() if draft is not None else None,
+                                     cfg.training.max_norm, cfg.draft.grad_clip)
+
+
+class PipelineUpdate(UpdateStep):
+    """This rank's pipeline stages: a minibatch padded to whole schedule steps (``n_microbatches
+    * microbatch_size`` rows each), which accumulate into its update; the first
+    ``max_schedule_steps`` of them only when given (the simulator's bound: memory repeats from
+    one to the next)."""
+
+    def __init__(self, config, pipeline, policy_opt, draft_opt, device, host_values: HostValues, *,
+                 max_updates: int | None = None, max_schedule_steps: int | None = None) -> None:
+        super().__init__(config, policy_opt, draft_opt, device, host_values, max_updates)
+        self.pipeline, self.max_schedule_steps = pipeline, max_schedule_steps
+
+    def gradients(self, minibatch: PackedBatch, loss_fn: PolicyLossFn, train_draft: bool) -> dict[str, torch.Tensor]:
+        p, cfg = self.pipeline, self.config
+        per_step = p.n_microbatches * p.microbatch_size
+        extra = -minibatch.tokens.shape[0] % per_step
+        if extra:
+            minibatch = minibatch.map(lambda t: torch.cat([t, t.new_zeros(extra, t.shape[1])]))
+        if self.max_schedule_steps is not None:
+            minibatch = minibatch.map(lambda t: t[:self.max_schedule_steps * per_step])
+        out = pipeline_step(p, minibatch, policy_loss_fn=loss_fn, train_draft=train_draft)
+        return out | pipeline_clip_grad_norms(p, cfg.training.max_norm, cfg.draft.grad_clip, train_draft=train_draft)
+
+
+def build_update_step(config, models, policy_opt, draft_opt, device, run) -> UpdateStep:
+    """The job's ``UpdateStep``: ``PipelineUpdate`` under PP, else ``SingleStageUpdate``, over
+    ``parallelize``'s ``models``, bounded as ``run`` (a ``RealRun``) says."""
+    def host_values(values):
+        return run.host_values(values, device)
+
+    if models.pipeline is not None:
+        return PipelineUpdate(config, models.pipeline, policy_opt, draft_opt, device, host_values,
+                              max_updates=run.max_updates, max_schedule_steps=run.max_schedule_steps)
+    return SingleStageUpdate(config, models.policy, models.draft, models.prepare_microbatch, policy_opt, draft_opt,
+                             device, host_values, max_updates=run.max_updates, max_microbatches=run.max_microbatches)

@@ -157,18 +157,18 @@ def test_every_pipeline_role_is_simulated(name, world, ranks):
 
 
 def test_an_auto_kv_pool_keeps_the_margin_in_the_phases_that_hold_it(tmp_path):
-    """``[rollout] kv_cache_gib = "auto"`` on a 4.5 GiB simulated GPU: the pool is smaller than the
+    """``[rollout] kv_cache_gib = "auto"`` on a 4.3 GiB simulated GPU: the pool is smaller than the
     whole batch at its longest (what 0 would give), it is reported, and the phases that hold
     it (the rollout, and the refresh that re-allocates it after the update) peak within 90% of
     the GPU. The update, with the pool released, is not the pool's: at this toy shape its
     draft logits alone exceed the GPU, so the job is refused there."""
     shape = ("--model.name", "qwen3", "--model.flavor", "0.6B", "--rollout.release_between_rollouts")
     whole = simulate(_config(tmp_path, *shape), "debug_cpu.toml")["ranks"][0]["kv_pool_gib"]
-    with pytest.raises(SimulationFailed, match=r"over the 4.5 GiB budget; the biggest category is activations"):
-        simulate(_config(tmp_path, *shape, "--rollout.kv_cache_gib", "auto", "--simulate.gpu_memory_gib", "4.5"),
+    with pytest.raises(SimulationFailed, match=r"over the 4.3 GiB budget; the biggest category is activations"):
+        simulate(_config(tmp_path, *shape, "--rollout.kv_cache_gib", "auto", "--simulate.gpu_memory_gib", "4.3"),
                  "debug_cpu.toml")
     rank = json.loads((tmp_path / "report.json").read_text())["ranks"][0]
     assert 0 < rank["kv_pool_gib"] < whole
     for phase in ("construction", "optimizer state", "rollout", "refresh", "checkpoint"):
-        assert rank["phase_peak_gib"][phase] <= 0.9 * 4.5, phase
+        assert rank["phase_peak_gib"][phase] <= 0.9 * 4.3, phase
     assert rank["peak_phase"] == "update"

@@ -36,7 +36,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["RANK_ORDERS", "RankLayout", "engine_group_nodes", "gpus_per_node", "nodes_spanned", "rank_layout"]
+__all__ = ["RANK_ORDERS", "RankLayout", "describe_role", "engine_group_nodes", "gpus_per_node", "nodes_spanned", "rank_layout"]
 
 RANK_ORDERS = ("pp_outer", "dp_outer")
 
@@ -122,3 +122,17 @@ def engine_group_nodes(config, world_size: int, node_size: int | None = None) ->
     node_size = node_size or gpus_per_node(config)
     layout = rank_layout(config, world_size, node_size)
     return nodes_spanned(layout.engine_groups(config.rollout.tensor_parallel_degree), node_size)
+
+
+def describe_role(dims, plan=None) -> str:
+    """Where this rank sits in torchtitan's mesh ``dims`` (a ``ParallelDims`` whose mesh is
+    built), for reports: ``"pp stages [s, ..], dp d/D, cp c/C"`` (the parts in use; ``plan``:
+    a pipeline's stage plan), ``"single"`` without any."""
+    parts = []
+    if plan is not None:
+        parts.append(f"pp stages {plan.stages_of(dims.get_mesh('pp').get_local_rank())}")
+    if dims.dp_enabled:
+        parts.append(f"dp {dims.get_mesh('batch').get_local_rank()}/{dims.dp_replicate * dims.dp_shard}")
+    if dims.cp_enabled:
+        parts.append(f"cp {dims.get_mesh('cp').get_local_rank()}/{dims.cp}")
+    return ", ".join(parts) or "single"

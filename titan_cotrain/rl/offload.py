@@ -20,6 +20,7 @@ would hold.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable
 
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["TrainingStateOffload"]
+__all__ = ["TrainingStateOffload", "offloaded"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -127,3 +128,20 @@ class TrainingStateOffload:
         self._away = []
         self._weights_away = False
         self.seconds += time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def offloaded(offload: TrainingStateOffload | None):
+    """``offload``'s training state off the device for the block and back after it, also
+    after an error (None: nothing). The gradients and the optimizers' state leave first; the
+    block refreshes the engine (which reads the parameters) and then calls the function this
+    yields, which moves the parameters too: the KV pool the refresh allocates never sits
+    beside the optimizers' state."""
+    if offload is None:
+        yield lambda: None
+        return
+    offload.away(weights=False)
+    try:
+        yield offload.away
+    finally:
+        offload.back()

@@ -14,7 +14,6 @@ repeats the uninterrupted one exactly when the drafted tokens per round are fixe
 (``[rollout] adaptive_speculation = false``). Which rank holds what under FSDP, CP and PP:
 ``docs/DESIGN.md`` sections 4, 5 and 10.
 """
-import contextlib
 import random
 import time
 
@@ -28,7 +27,7 @@ from titan_cotrain.models.build import job_seed
 from titan_cotrain.parallel.engine_tp import engine_tp_mesh
 from titan_cotrain.parallel.parallelize import copy_shards, parallelize
 from titan_cotrain.parallel.pipeline import gather_state_dict
-from titan_cotrain.parallel.rank_layout import gpus_per_node, rank_layout
+from titan_cotrain.parallel.rank_layout import describe_role, gpus_per_node, rank_layout
 from titan_cotrain.rl.batching import Sample, pack_rank_batch
 from titan_cotrain.rl.draft_health import DraftCollapseWatch
 from titan_cotrain.rl.draft_vocab import draft_vocab_from_generations, task_token_counts
@@ -39,7 +38,7 @@ from titan_cotrain.rl.host_sync import HostSync
 from titan_cotrain.rl.job_log import JobLog
 from titan_cotrain.rl.kv_budget import KVBudget, kv_cache_setting, kv_pool_line
 from titan_cotrain.rl.nonfinite import SaveGuard, count_skipped_updates
-from titan_cotrain.rl.offload import TrainingStateOffload
+from titan_cotrain.rl.offload import TrainingStateOffload, offloaded
 from titan_cotrain.rl.problems import ProblemStream
 from titan_cotrain.rl.real_run import RealRun
 from titan_cotrain.rl.reference import reference_logprobs
@@ -186,15 +185,8 @@ class Trainer:
 
     @property
     def role(self) -> str:
-        """``"pp stage s / dp d / cp c"``: where this rank sits in the mesh (for reports)."""
-        dims, parts = self.parallel_dims, []
-        if self.pipeline is not None:
-            parts.append(f"pp stages {self.pipeline.plan.stages_of(dims.get_mesh('pp').get_local_rank())}")
-        if dims.dp_enabled:
-            parts.append(f"dp {self.dp_rank}/{self.dp_degree}")
-        if dims.cp_enabled:
-            parts.append(f"cp {dims.get_mesh('cp').get_local_rank()}/{dims.cp}")
-        return ", ".join(parts) or "single"
+        """Where this rank sits in the mesh (for reports): ``rank_layout.describe_role``."""
+        return describe_role(self.parallel_dims, self.pipeline.plan if self.pipeline is not None else None)
 
     # ---------------------------------------------------------------- steps
     def sft_step(self, step: int) -> dict[str, float]:
@@ -211,7 +203,7 @@ class Trainer:
     def rl_step(self, step: int) -> dict[str, float]:
         """Refresh the engine, generate and score (``rollout_phase``), update (``update_phase``)."""
         t0 = time.perf_counter()
-        with self.training_state_away() as parameters_away:
+        with offloaded(self.offload) as parameters_away:
             self.refresh_engine()
             if self.reference is not None and step == self.config.task.sft_steps + 1:
                 copy_shards(self.policy, self.reference)  # the reference of the KL term: the policy RL starts from
@@ -242,22 +234,6 @@ class Trainer:
         metrics = self.update.step(batch, loss_fn, train_draft=self.cotrain and not cfg.draft.freeze_after_sft)
         metrics["time/train_s"] = time.perf_counter() - t0
         return metrics
-
-    @contextlib.contextmanager
-    def training_state_away(self):
-        """With ``[rollout] offload_training_state``, the training state off the device for
-        the block and back after it, also after an error; else nothing. The gradients and
-        the optimizers' state leave first; the block refreshes the engine (which reads the
-        parameters) and then calls the function this yields, which moves the parameters too:
-        the KV pool the refresh allocates never sits beside the optimizers' state."""
-        if self.offload is None:
-            yield lambda: None
-            return
-        self.offload.away(weights=False)
-        try:
-            yield self.offload.away
-        finally:
-            self.offload.back()
 
     def refresh_engine(self) -> None:
         """The rollout engine's models <- the trained weights (a collective: every rank
@@ -312,7 +288,7 @@ class Trainer:
         refreshed for it: the next step refreshes them anyway)."""
         self.guard.weights(what, self.policy, self.draft, self.reference)
         if self.guard.active:
-            with self.training_state_away():  # the refreshed pool beside the parameters only
+            with offloaded(self.offload):  # the refreshed pool beside the parameters only
                 self.refresh_engine()
                 self.guard.probe(what, self.engine.policy, self.engine.draft)
                 if self.config.rollout.release_between_rollouts:

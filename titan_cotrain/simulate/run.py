@@ -136,6 +136,7 @@ def _warm_optimizers(trainer) -> None:
 
 def simulate_rank(config, rank: int, world_size: int) -> tuple[dict, list[str]]:
     """Run one rank's step on the simulated device; returns its report and host collectives."""
+    from titan_cotrain.rl.offload import offloaded
     from titan_cotrain.rl.trainer import Trainer
     from titan_cotrain.simulate.simulation import Simulation
 
@@ -160,7 +161,7 @@ def simulate_rank(config, rank: int, world_size: int) -> tuple[dict, list[str]]:
             _warm_optimizers(trainer)
             # As the RL step runs it: the refresh allocates the pool beside the parameters (the
             # offloaded gradients and optimizer state already gone), then the rollout without them.
-            with trainer.training_state_away() as parameters_away:
+            with offloaded(trainer.offload) as parameters_away:
                 if released:
                     trainer.engine.restore()
                 parameters_away()
@@ -174,7 +175,7 @@ def simulate_rank(config, rank: int, world_size: int) -> tuple[dict, list[str]]:
             trainer.update_phase(step, samples)
             kernels["update"] = dict(device.attention_kernels - before)
             tracker.phase("refresh")
-            with trainer.training_state_away():  # the next step's refresh, as the RL step runs it
+            with offloaded(trainer.offload):  # the next step's refresh, as the RL step runs it
                 trainer.refresh_engine()
                 if released:  # freed after its rollout, before the state comes back
                     trainer.engine.release()

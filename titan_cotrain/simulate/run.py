@@ -168,7 +168,7 @@ def simulate_rank(config, rank: int, world_size: int) -> tuple[dict, list[str]]:
                 tracker.phase("rollout")
                 kernels = {"construction": dict(device.attention_kernels)}
                 samples, _ = trainer.rollout_phase(step)
-            offloaded = trainer.offload.host_bytes if trainer.offload is not None else 0
+            host_bytes = trainer.offload.host_bytes if trainer.offload is not None else 0
             kernels["rollout"] = dict(device.attention_kernels - collections.Counter(kernels["construction"]))
             tracker.phase("update")
             before = collections.Counter(device.attention_kernels)
@@ -198,7 +198,7 @@ def simulate_rank(config, rank: int, world_size: int) -> tuple[dict, list[str]]:
         "phase_peak_gib": {k: v / GIB for k, v in tracker.phase_peaks.items()},
         "after_step_gib": {k: v / GIB for k, v in sorted(after_step.items(), key=lambda kv: -kv[1])},
         "attention_kernels": {phase: calls for phase, calls in kernels.items() if calls},
-        "offloaded_gib": offloaded / GIB,
+        "offloaded_gib": host_bytes / GIB,
         "kv_pool_gib": kv_pool / GIB,
         "rollout": rollout,
     }

@@ -48,7 +48,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from benchtools import command_line, pyplot  # noqa: E402
 
-from titan_cotrain.cotrain.step import PackedBatch, forward_backward  # noqa: E402
+from titan_cotrain.cotrain.step import forward_backward
+from titan_cotrain.data.batch import PackedBatch  # noqa: E402
 from titan_cotrain.models.args import model_args_for  # noqa: E402
 from titan_cotrain.models.draft import Draft, DraftArgs  # noqa: E402
 from titan_cotrain.models.transformer import Transformer  # noqa: E402

@@ -67,7 +67,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from titan_cotrain.cotrain.step import PackedBatch, forward_backward
+from titan_cotrain.cotrain.step import forward_backward
+from titan_cotrain.data.batch import PackedBatch
 from titan_cotrain.models.args import ModelArgs
 from titan_cotrain.models.draft import Draft, DraftArgs
 from titan_cotrain.models.transformer import Transformer

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_cotrain.cotrain.vocab import DEFAULT_CHUNK_TOKENS, chunked_policy_head, chunked_soft_ce
-from titan_cotrain.data.packing import LabelRows
+from titan_cotrain.data.batch import LabelRows
 from titan_cotrain.models.transformer import RMSNorm
 from titan_cotrain.rl.grpo import ppo_loss
 from titan_cotrain.simulate.device import SimulatedDevice, register_simulated_device, sim_device

@@ -2,7 +2,7 @@
 
 import torch
 
-from titan_cotrain.cotrain.step import PackedBatch
+from titan_cotrain.data.batch import PackedBatch
 
 
 def synthetic_packed_batch(batch: int, seq_len: int, vocab: int, generator: torch.Generator) -> PackedBatch:

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from tests.batches import synthetic_packed_batch
-from titan_cotrain.cotrain.step import PackedBatch, forward_backward
+from titan_cotrain.cotrain.step import forward_backward
+from titan_cotrain.data.batch import PackedBatch
 from titan_cotrain.models.args import model_args_for
 from titan_cotrain.models.draft import Draft, DraftArgs, draft_vocab_from_counts
 from titan_cotrain.models.transformer import Transformer
@@ -64,7 +65,7 @@ def test_policy_loss_is_the_whole_logits_one():
     batch = _batch()
     metrics = forward_backward(target, draft, batch, ppo_loss(0.2, 0.2), microbatch_rows=1, chunk_tokens=5, **STEP)
     with torch.no_grad():
-        from titan_cotrain.cotrain.step import labels_of
+        from titan_cotrain.data.batch import labels_of
 
         labels = labels_of(batch)
         logits = target(batch.tokens, document_ids=batch.document_ids)

@@ -8,7 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from titan_cotrain.cotrain.vocab import chunked_policy_head, chunked_soft_ce, slice_rows
-from titan_cotrain.data.packing import LabelRows
+from titan_cotrain.data.batch import LabelRows
 from titan_cotrain.models.transformer import RMSNorm
 from titan_cotrain.parallel.context_parallel import CPBatch
 from titan_cotrain.rl.grpo import next_token_loss, ppo_loss

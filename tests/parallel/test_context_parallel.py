@@ -22,7 +22,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.multiprocess import one_thread, run_on_ranks
-from titan_cotrain.cotrain.step import PackedBatch, forward_backward
+from titan_cotrain.cotrain.step import forward_backward
+from titan_cotrain.data.batch import PackedBatch
 from titan_cotrain.cotrain.ttt import ttt_unroll
 from titan_cotrain.models.args import model_args_for
 from titan_cotrain.models.draft import Draft, DraftArgs, draft_vocab_from_counts

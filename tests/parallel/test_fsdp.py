@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from tests.multiprocess import run_on_ranks
-from titan_cotrain.cotrain.step import PackedBatch, forward_backward
+from titan_cotrain.cotrain.step import forward_backward
+from titan_cotrain.data.batch import PackedBatch
 from titan_cotrain.models.args import model_args_for
 from titan_cotrain.models.draft import Draft, DraftArgs
 from titan_cotrain.models.transformer import Transformer

@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from tests.batches import synthetic_packed_batch
 from tests.multiprocess import one_thread, run_on_ranks
-from titan_cotrain.cotrain.step import PackedBatch, forward_backward
+from titan_cotrain.cotrain.step import forward_backward
+from titan_cotrain.data.batch import PackedBatch
 from titan_cotrain.models.args import ModelArgs
 from titan_cotrain.models.draft import Draft, DraftArgs, draft_vocab_from_counts
 from titan_cotrain.models.transformer import Transformer

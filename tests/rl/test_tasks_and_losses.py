@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from titan_cotrain.rl.batching import Sample, pack_samples
-from titan_cotrain.cotrain.step import labels_of
+from titan_cotrain.data.batch import labels_of
 from titan_cotrain.rl.grpo import group_advantages, ppo_loss
 from titan_cotrain.rl.tasks import get_task
 

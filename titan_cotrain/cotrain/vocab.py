@@ -28,16 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple, TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
-from titan_cotrain.data.packing import LabelRows
-
-if TYPE_CHECKING:  # step.py imports this module
-    from titan_cotrain.cotrain.step import PolicyLoss, PolicyLossFn
+from titan_cotrain.data.batch import LabelRows, PolicyLoss, PolicyLossFn
 
 __all__ = ["DEFAULT_CHUNK_TOKENS", "HeadOutput", "chunked_policy_head", "chunked_soft_ce", "slice_rows"]
 

@@ -14,7 +14,6 @@ import torch
 
 __all__ = [
     "DocumentShift",
-    "LabelRows",
     "PackedLayout",
     "layout_from_cu_seqlens",
     "layout_from_document_ids",
@@ -23,22 +22,6 @@ __all__ = [
     "successor_rows",
     "take_rows",
 ]
-
-
-@dataclass
-class LabelRows:
-    """Label-aligned view of a batch, ``[B, S]`` each: at position ``t`` the *next* token
-    ``x_{t+1}`` of the same document (``next_tokens``, 0 past a document's end),
-    ``next_token_mask`` (it exists and is a training target), and its advantage and
-    behaviour / reference log-probs. Policy losses read these instead of slicing
-    ``[:, 1:]``, so the same loss runs on a context-parallel shard (whose ``CPBatch``
-    extends this with its local tokens, shifted before sharding)."""
-
-    next_tokens: torch.Tensor
-    next_token_mask: torch.Tensor
-    next_advantages: torch.Tensor | None = None
-    next_old_logprobs: torch.Tensor | None = None
-    next_ref_logprobs: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -51,8 +51,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from titan_cotrain.cotrain.step import Microbatch, PackedBatch, check_draft_loss_on
-from titan_cotrain.data.packing import LabelRows, layout_from_document_ids, take_rows
+from titan_cotrain.cotrain.step import check_draft_loss_on
+from titan_cotrain.data.batch import LabelRows, Microbatch, PackedBatch
+from titan_cotrain.data.packing import layout_from_document_ids, take_rows
 from titan_cotrain.ops import BranchAttention, VarlenAttention
 from titan_cotrain.ops.ring_attention import chunks_per_document, local_chunks
 

@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan_cotrain.cotrain.step import PrepareMicrobatch, prepare_microbatch
+from titan_cotrain.cotrain.step import prepare_microbatch
+from titan_cotrain.data.batch import PrepareMicrobatch
 from titan_cotrain.models.build import build_draft, build_target, init_draft_, init_target_
 from titan_cotrain.models.draft import Draft
 from titan_cotrain.models.transformer import Transformer, rope_inv_freq

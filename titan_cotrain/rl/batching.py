@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from titan_cotrain.cotrain.step import PackedBatch
+from titan_cotrain.data.batch import PackedBatch
 
 __all__ = ["Sample", "pack_rank_batch", "pack_samples"]
 

@@ -10,8 +10,7 @@ it), meaningful where ``next_token_mask[b, t]`` (a response token).
 import torch
 import torch.nn.functional as F
 
-from titan_cotrain.cotrain.step import PolicyLoss
-from titan_cotrain.data.packing import LabelRows
+from titan_cotrain.data.batch import LabelRows, PolicyLoss
 
 __all__ = ["group_advantages", "next_token_logprobs", "next_token_loss", "ppo_loss"]
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from titan_cotrain.cotrain.step import PackedBatch
+from titan_cotrain.data.batch import PackedBatch
 from titan_cotrain.cotrain.vocab import chunked_token_logprobs
 from titan_cotrain.data.packing import layout_from_document_ids
 

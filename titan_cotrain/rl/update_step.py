@@ -19,7 +19,8 @@ from collections.abc import Callable
 
 import torch
 
-from titan_cotrain.cotrain.step import PackedBatch, PolicyLossFn, clip_grad_norms, forward_backward, step_optimizers
+from titan_cotrain.cotrain.step import clip_grad_norms, forward_backward, step_optimizers
+from titan_cotrain.data.batch import PackedBatch, PolicyLossFn
 from titan_cotrain.parallel.pipeline import clip_grad_norms as pipeline_clip_grad_norms
 from titan_cotrain.parallel.pipeline import pipeline_step
 from titan_cotrain.rl.nonfinite import nonfinite_flags

@@ -22,7 +22,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, get_schedule_class
 
-from titan_cotrain.cotrain.step import PolicyLossFn, PrepareMicrobatch, prepare_microbatch
+from titan_cotrain.cotrain.step import prepare_microbatch
+from titan_cotrain.data.batch import PolicyLossFn, PrepareMicrobatch
 from titan_cotrain.models.draft import Draft
 from titan_cotrain.models.transformer import Transformer
 from titan_cotrain.parallel.context_parallel import apply_context_parallel, prepare_cp_microbatch

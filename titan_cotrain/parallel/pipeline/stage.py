@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from titan_cotrain.cotrain.step import Microbatch
+from titan_cotrain.data.batch import Microbatch
 from titan_cotrain.models.draft import Draft
 from titan_cotrain.models.transformer import Transformer, run_layers
 from titan_cotrain.ops.attention import packed_cu_seqlens

@@ -19,14 +19,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titan_cotrain.cotrain.step import (
-    PackedBatch,
-    PolicyLossFn,
     metric_names,
     clip_grad_norms as shared_clip_grad_norms,
     scale_gradients,
     scales_and_metrics,
 )
-from titan_cotrain.data.packing import LabelRows
+from titan_cotrain.data.batch import LabelRows, PackedBatch, PolicyLossFn
 from titan_cotrain.parallel.engine_tp import whole_tensor
 from titan_cotrain.parallel.pipeline.build import Pipeline
 

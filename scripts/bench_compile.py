@@ -54,8 +54,8 @@ from titan_cotrain.models.args import model_args_for  # noqa: E402
 from titan_cotrain.models.draft import Draft, DraftArgs  # noqa: E402
 from titan_cotrain.models.transformer import Transformer  # noqa: E402
 from titan_cotrain.parallel.compile import apply_compile  # noqa: E402
-from titan_cotrain.rl.rollout import RolloutEngine  # noqa: E402
-from titan_cotrain.rl.sampling import SamplingParams  # noqa: E402
+from titan_cotrain.engine.rollout import RolloutEngine  # noqa: E402
+from titan_cotrain.engine.sampling import SamplingParams  # noqa: E402
 from titan_cotrain.rl.grpo import next_token_loss  # noqa: E402
 
 STEP = dict(ttt_steps=3, pass_decay=0.8, draft_loss_weight=0.1)

@@ -10,7 +10,7 @@ configs of a batch size interleaved in a fresh random order every repeat: the co
 shared (identical calls range over 1.5x), and interleaving makes a slow spell hit every
 config alike.
 
-``k = adaptive`` is the RL loop's choice (``titan_cotrain.rl.speculation.SpeculationTuner``,
+``k = adaptive`` is the RL loop's choice (``titan_cotrain.engine.speculation.SpeculationTuner``,
 ``k`` in 0..6 chosen every decoding round from the live rows): a tuner per draft and batch size
 first learns from ``--adaptive-warmup`` calls (the first drafts, measuring every ``k`` in turn,
 the second decodes plainly; then each round runs its bucket's best, exploring a neighbour every
@@ -76,9 +76,9 @@ from titan_cotrain.data.packing import layout_one_doc_per_row
 from titan_cotrain.models.args import model_args_for
 from titan_cotrain.models.draft import Draft, DraftArgs
 from titan_cotrain.models.transformer import Transformer
-from titan_cotrain.rl.rollout import RolloutEngine, RolloutStats, kv_bytes_per_sequence
-from titan_cotrain.rl.sampling import SamplingParams
-from titan_cotrain.rl.speculation import SpeculationTuner
+from titan_cotrain.engine.rollout import RolloutEngine, RolloutStats, kv_bytes_per_sequence
+from titan_cotrain.engine.sampling import SamplingParams
+from titan_cotrain.engine.speculation import SpeculationTuner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchtools import command_line, pyplot, save_figure  # noqa: E402

@@ -27,7 +27,7 @@
 # (default: a new temporary folder), never assets/. Differences, each noted in the JSON: the
 # main job on the debug-sized Qwen3 and eager (compiling it takes minutes on 2 cores;
 # tests/test_train.py runs a compiled job); bench_compile's co-training step only (decoding's
-# graphs are CUDA graphs' business; tests/rl/test_acceptance.py compiles the engine on CPU);
+# graphs are CUDA graphs' business; tests/engine/test_acceptance.py compiles the engine on CPU);
 # pytest_gpu and bench_rollout_compiled skipped (tests/gpu skip themselves without a GPU in
 # the suite's own run).
 set -uo pipefail

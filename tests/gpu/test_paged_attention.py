@@ -67,9 +67,9 @@ def test_engine_greedy_tokens_agree_between_kernel_and_gathered_path(monkeypatch
     gathered path on the same bf16 engine (block size 256). Not bitwise: the two round
     differently, and a near-tie flips a token and everything after it, so at least 90% of the
     tokens must agree."""
-    from tests.rl.test_rollout import _models, _prompts  # the rollout tests' tiny models
-    from titan_cotrain.rl.rollout import RolloutEngine
-    from titan_cotrain.rl.sampling import SamplingParams
+    from tests.engine.test_rollout import _models, _prompts  # the rollout tests' tiny models
+    from titan_cotrain.engine.rollout import RolloutEngine
+    from titan_cotrain.engine.sampling import SamplingParams
 
     target, draft = (m.to("cuda", torch.bfloat16) for m in _models(draft_vocab=200))
     prompts = _prompts([3, 9, 5, 1], 256, seed=2)

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from tests.gpu.conftest import DEVICE, DTYPE, ON_CPU, needs_gpu
-from tests.rl.test_rollout import _always_accept, _chi_square_p_value, _constant_draft, _prompts, _resample_from_p
+from tests.engine.test_rollout import _always_accept, _chi_square_p_value, _constant_draft, _prompts, _resample_from_p
 from titan_cotrain.models.args import model_args_for
 from titan_cotrain.models.transformer import Transformer
-from titan_cotrain.rl.rollout import RolloutEngine, Rollouts
-from titan_cotrain.rl.sampling import SamplingParams, sample, speculative_accept
+from titan_cotrain.engine.rollout import RolloutEngine, Rollouts
+from titan_cotrain.engine.sampling import SamplingParams, sample, speculative_accept
 
 pytestmark = [
     needs_gpu("the rollout engine in bf16 (compiled vs eager, speculative vs plain greedy, lossless acceptance "
@@ -122,7 +122,7 @@ def test_speculative_greedy_follows_plain_greedy(pair):
 @pytest.fixture
 def fresh_compiler(monkeypatch):
     """No graph of an earlier engine left in dynamo's caches. On the CPU switch, dynamo's
-    ``eager`` backend (as ``tests/rl/test_acceptance.py``): the engine's logic under dynamo,
+    ``eager`` backend (as ``tests/engine/test_acceptance.py``): the engine's logic under dynamo,
     without inductor's CPU build."""
     torch._dynamo.reset()
     if ON_CPU:
@@ -199,7 +199,7 @@ def _emitted_law(rule, generator: torch.Generator) -> tuple[torch.Tensor, torch.
                                             (_resample_from_p, False)],
                          ids=["speculative_accept", "always_accept", "resample_from_p"])
 def test_speculative_accept_on_device_keeps_the_target_law(rule, lossless):
-    """Chi-square (``tests/rl/test_rollout.py``'s) of the emitted tokens against the target's
+    """Chi-square (``tests/engine/test_rollout.py``'s) of the emitted tokens against the target's
     exact law, with ``tests/rl``'s broken rules, which must fail the same test."""
     counts, exact, accepted = _emitted_law(rule, torch.Generator(DEVICE).manual_seed(0))
     p_value = _chi_square_p_value(counts, exact)

@@ -16,7 +16,7 @@ import torch
 
 from titan_cotrain.config import load_job_config
 from titan_cotrain.models.args import RopeScaling
-from titan_cotrain.rl.rollout import RolloutEngine
+from titan_cotrain.engine.rollout import RolloutEngine
 from titan_cotrain.rl.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]

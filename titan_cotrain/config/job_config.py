@@ -258,7 +258,7 @@ class Rollout:
     round from the sequences still live, so a rollout's long tail (a few long responses at low
     concurrency, where speculation pays most) gets its own k; the draft follows a call only
     where that is estimated at least 5% faster than plain decoding. Re-estimated as the policy
-    and the draft move (``titan_cotrain.rl.speculation``). The chosen k follows timings, so
+    and the draft move (``titan_cotrain.engine.speculation``). The chosen k follows timings, so
     sampled rollouts are not reproducible run to run (their law is: speculative sampling is
     lossless at every k); false always drafts ``draft_tokens`` (bit-exact resumes)."""
 
@@ -328,7 +328,7 @@ class Rollout:
     (``S + k + 1`` positions a sequence, ``S = [training] seq_len``). ``"auto"``: what the GPU
     has left beside the training state, the engine's weights and the rollout's transient,
     less ``KV_MARGIN_FRACTION`` (10%) of the GPU for the CUDA context, NCCL's buffers and
-    fragmentation (``titan_cotrain.rl.kv_budget``; the size is printed at start and is the
+    fragmentation (``titan_cotrain.engine.kv_budget``; the size is printed at start and is the
     scale simulator's ``kv_pool_gib``). It needs ``release_between_rollouts`` (the pool is
     then alive from the refresh to the end of the rollout, not during the update) and Adam or
     AdamW; refused when what is left holds no sequence. On a CPU, 0."""

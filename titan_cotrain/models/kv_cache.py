@@ -5,7 +5,7 @@ A ``KVPool`` is one tensor of fixed-size *blocks* per keys and values, token-maj
 block, ``[n_layers, n_blocks, block_size, Hkv, Dh]`` (the layout paged decode kernels read).
 A sequence owns a list of blocks, its *block table*: position ``p`` lives in block
 ``table[p // block_size]`` at offset ``p % block_size``. Blocks are handed out and taken
-back by the engine's scheduler (``titan_cotrain.rl.kv_blocks``), so a sequence holds
+back by the engine's scheduler (``titan_cotrain.engine.kv_blocks``), so a sequence holds
 memory for the positions it has reached, and sequences of a GRPO group can point at the
 same prompt blocks. Block 0 is the *scratch* block: table entries past what a sequence
 owns point there, so the writes of padding and of finished rows land where nobody reads.

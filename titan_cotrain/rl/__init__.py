@@ -1,7 +1,3 @@
-"""RL post-training: the rollout engine (speculative decoding with the co-trained draft),
-sampling, GRPO losses, verifiable tasks."""
-
-from titan_cotrain.rl.rollout import RolloutEngine, Rollouts, RolloutStats
-from titan_cotrain.rl.sampling import SamplingParams
-
-__all__ = ["RolloutEngine", "RolloutStats", "Rollouts", "SamplingParams"]
+"""RL post-training: GRPO losses, verifiable tasks and rewards, the rollout phase that turns
+the engine's (``titan_cotrain.engine``) generations into training rows, the update step and
+the trainer's loop."""

@@ -11,9 +11,9 @@ from titan_cotrain.rl.batching import Sample
 from titan_cotrain.rl.grpo import group_advantages
 from titan_cotrain.rl.progress import RolloutProgress
 from titan_cotrain.rl.rollout_metrics import rollout_metrics
-from titan_cotrain.rl.rollout_state import RoundTable, live_bucket
-from titan_cotrain.rl.sampling import SamplingParams
-from titan_cotrain.rl.speculation import SpeculationTuner
+from titan_cotrain.engine.rollout_state import RoundTable, live_bucket
+from titan_cotrain.engine.sampling import SamplingParams
+from titan_cotrain.engine.speculation import SpeculationTuner
 from titan_cotrain.rl.tasks import score
 
 __all__ = ["RolloutPhase"]

@@ -36,13 +36,13 @@ from titan_cotrain.rl.generation_group import GenerationGroup
 from titan_cotrain.rl.grpo import next_token_loss, ppo_loss
 from titan_cotrain.rl.host_sync import HostSync
 from titan_cotrain.rl.job_log import JobLog
-from titan_cotrain.rl.kv_budget import KVBudget, kv_cache_setting, kv_pool_line
+from titan_cotrain.engine.kv_budget import KVBudget, kv_cache_setting, kv_pool_line
 from titan_cotrain.rl.nonfinite import SaveGuard, count_skipped_updates
 from titan_cotrain.rl.offload import TrainingStateOffload, offloaded
 from titan_cotrain.rl.problems import ProblemStream
 from titan_cotrain.rl.real_run import RealRun
 from titan_cotrain.rl.reference import reference_logprobs
-from titan_cotrain.rl.rollout import RolloutEngine
+from titan_cotrain.engine.rollout import RolloutEngine
 from titan_cotrain.rl.rollout_metrics import AcceptanceWatch, acceptance_over_tau
 from titan_cotrain.rl.rollout_phase import RolloutPhase
 from titan_cotrain.rl.trainer_setup import TrainerState, build_task, lr_phases, tokenizer_folder, training_device

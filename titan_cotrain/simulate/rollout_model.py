@@ -1,6 +1,6 @@
 """The rollout's schedule and a roofline estimate of its time, for the scale simulator.
 
-The engine's schedule is host logic (``rl.kv_blocks``): which sequences run, when blocks run
+The engine's schedule is host logic (``engine.kv_blocks``): which sequences run, when blocks run
 out, who is preempted. ``model_rollout`` drives the engine's own ``Scheduler`` over its own
 pool with the lengths a rollout would have: prompts at their budget (the simulator's worst
 case) and responses drawn from a stated long-tailed law, advancing each decoding round by
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from titan_cotrain.rl.kv_blocks import BlockAllocator, Scheduler
-from titan_cotrain.rl.rollout import RolloutEngine, kv_bytes_per_position
+from titan_cotrain.engine.kv_blocks import BlockAllocator, Scheduler
+from titan_cotrain.engine.rollout import RolloutEngine, kv_bytes_per_position
 
 __all__ = ["GPU_MODELS", "GpuModel", "LengthLaw", "gpu_model", "model_rollout"]
 

@@ -13,9 +13,9 @@ from tests.multiprocess import run_on_ranks
 from titan_cotrain.models.args import model_args_for
 from titan_cotrain.models.draft import Draft, DraftArgs, DraftKVCache, draft_vocab_from_counts
 from titan_cotrain.models.transformer import Transformer
-from titan_cotrain.rl import rollout
-from titan_cotrain.rl.rollout import RolloutEngine
-from titan_cotrain.rl.sampling import SamplingParams, greedy_accept, processed_logits, speculative_accept
+from titan_cotrain.engine import rollout
+from titan_cotrain.engine.rollout import RolloutEngine
+from titan_cotrain.engine.sampling import SamplingParams, greedy_accept, processed_logits, speculative_accept
 
 
 N_SAMPLES = 5000  # per distribution test: 625 cells, most expecting 5 draws or more

@@ -28,8 +28,8 @@ from titan_cotrain.data.packing import layout_from_cu_seqlens
 from titan_cotrain.models.args import model_args_for
 from titan_cotrain.models.draft import Draft, DraftArgs
 from titan_cotrain.models.transformer import Transformer
-from titan_cotrain.rl.rollout import RolloutEngine, kv_bytes_per_sequence
-from titan_cotrain.rl.sampling import SamplingParams
+from titan_cotrain.engine.rollout import RolloutEngine, kv_bytes_per_sequence
+from titan_cotrain.engine.sampling import SamplingParams
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 VOCAB, K_MAX, NEW_TOKENS, SEQ_LEN = 128, 6, 40, 64

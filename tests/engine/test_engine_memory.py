@@ -8,13 +8,13 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from tests.rl.test_rollout import _eos_for_some_rows, _models, _prompts
+from tests.engine.test_rollout import _eos_for_some_rows, _models, _prompts
 from titan_cotrain.models import kv_cache
 from titan_cotrain.models.args import model_args_for
 from titan_cotrain.models.draft import Draft, DraftArgs, DraftKVCache, draft_vocab_from_counts
 from titan_cotrain.models.transformer import Transformer
-from titan_cotrain.rl.rollout import RolloutEngine, kv_bytes_per_position, kv_bytes_per_sequence
-from titan_cotrain.rl.sampling import SamplingParams
+from titan_cotrain.engine.rollout import RolloutEngine, kv_bytes_per_position, kv_bytes_per_sequence
+from titan_cotrain.engine.sampling import SamplingParams
 from titan_cotrain.simulate.device import SimulatedDevice, sim_device
 
 GIB = 2**30
@@ -261,8 +261,8 @@ def test_released_engine_frees_its_memory_and_refuses_to_generate_until_reloaded
 
     import pytest as _pytest
 
-    from titan_cotrain.rl.rollout import RolloutEngine
-    from titan_cotrain.rl.sampling import SamplingParams
+    from titan_cotrain.engine.rollout import RolloutEngine
+    from titan_cotrain.engine.sampling import SamplingParams
     from titan_cotrain.models.args import ModelArgs
     from titan_cotrain.models.transformer import Transformer
 

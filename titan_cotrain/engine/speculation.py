@@ -49,7 +49,7 @@ speculative sampling is lossless at every ``k``, and in every round).
 
 from __future__ import annotations
 
-from titan_cotrain.rl.rollout_state import RoundTable, live_bucket
+from titan_cotrain.engine.rollout_state import RoundTable, live_bucket
 
 __all__ = ["SpeculationTuner", "expected_tokens"]
 

@@ -10,8 +10,8 @@ import torch
 from titan_cotrain.models.args import model_args_for
 from titan_cotrain.models.draft import Draft, DraftArgs
 from titan_cotrain.models.transformer import Transformer
-from titan_cotrain.rl.rollout import RolloutEngine
-from titan_cotrain.rl.sampling import SamplingParams
+from titan_cotrain.engine.rollout import RolloutEngine
+from titan_cotrain.engine.sampling import SamplingParams
 
 VOCAB, SAMPLES = 128, 4
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=12)

@@ -1,4 +1,4 @@
-"""The engine's host bookkeeping (``rl.kv_blocks``) on its own: admission by the blocks a
+"""The engine's host bookkeeping (``engine.kv_blocks``) on its own: admission by the blocks a
 sequence uses, blocks taken as rows grow, the youngest sequence preempted when the pool runs
 dry and resumed at the length it had, shared prompt blocks counted by reference, every
 block back on the free list when the call ends, groups split to fit, compaction that keeps
@@ -9,7 +9,7 @@ import random
 import pytest
 
 from titan_cotrain.models.kv_cache import SCRATCH_BLOCK
-from titan_cotrain.rl.kv_blocks import BlockAllocator, Scheduler
+from titan_cotrain.engine.kv_blocks import BlockAllocator, Scheduler
 
 
 def _drive(scheduler: Scheduler, rng: random.Random, max_new: int) -> list[int]:

@@ -1,7 +1,7 @@
 """The rollout engine's bookkeeping: the running batch's decoding state between rounds, the per-round
 counters (kept on the device, reduced once), and what ``generate`` returns.
 
-``n`` = committed tokens of a sequence (prompt + response); see ``rl.rollout`` for what the
+``n`` = committed tokens of a sequence (prompt + response); see ``engine.rollout`` for what the
 target's and the draft's caches hold at ``n``.
 """
 
@@ -83,7 +83,7 @@ class RolloutStats:
     verify forwards, acceptance, bookkeeping), ``total_s`` (wall time of the call).
     ``kv_peak_bytes``: the most KV-cache blocks the call held at once, in bytes (the draft's
     chains, a fixed few positions per row, aside). ``preemptions``: sequences preempted when
-    the pool ran dry (``rl.kv_blocks``), ``recomputed_tokens`` the positions their resumes
+    the pool ran dry (``engine.kv_blocks``), ``recomputed_tokens`` the positions their resumes
     prefilled again.
 
     The long tail: ``rounds`` (``RoundTable``) splits the rounds by how many sequences were
@@ -163,7 +163,7 @@ class Rollouts:
 
 @dataclass
 class Sequences:
-    """Decoding state of the running batch's ``R`` rows (see ``rl.rollout`` for what
+    """Decoding state of the running batch's ``R`` rows (see ``engine.rollout`` for what
     ``length`` and ``draft_hidden`` mean) and the outputs of the call's ``N`` sequences.
 
     Row state, ``[R]`` each: ``out_row`` (the sequence's output row; ``N``, a scratch row,
@@ -250,7 +250,7 @@ class Sequences:
 
     def admit(self, rows: torch.Tensor, out_rows: torch.Tensor, prompt_lens: torch.Tensor) -> None:
         """Rows ``rows`` start sequences ``out_rows`` after prompts of ``prompt_lens`` tokens
-        (nothing committed yet: ``rl.rollout`` commits the first token)."""
+        (nothing committed yet: ``engine.rollout`` commits the first token)."""
         self.out_row[rows] = out_rows
         self.length[rows] = prompt_lens
         self.response_len[rows] = 0

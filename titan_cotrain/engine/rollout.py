@@ -25,7 +25,7 @@ One round with ``k`` drafted tokens, every sequence at its own ``n``:
    and the output at ``n-1+a`` is the next round's h1; the rest are stale slots that no
    query sees before they are rewritten.
 
-Batching is continuous (``rl.kv_blocks``): the engine decodes a running batch of
+Batching is continuous (``engine.kv_blocks``): the engine decodes a running batch of
 ``max_batch_size`` rows; between rounds, finished sequences leave it and waiting GRPO groups
 are prefilled into the free rows, one prefill per prompt for its ``G`` samples, which share
 the prompt's KV blocks. Sequences take blocks as they grow; when the pool runs dry the
@@ -50,11 +50,11 @@ from titan_cotrain.models.draft import Draft, DraftArgs, DraftKVCache
 from titan_cotrain.models.kv_cache import PagedKV, RowsKV
 from titan_cotrain.models.transformer import Transformer
 from titan_cotrain.ops import flash
-from titan_cotrain.rl.engine_copy import copy_state, empty_copy
-from titan_cotrain.rl.kv_blocks import Admitted, BlockAllocator, Resumed, Scheduler
-from titan_cotrain.rl.kv_budget import KVBudget
-from titan_cotrain.rl.rollout_state import RolloutStats, Rollouts, Sequences, StepCounters, live_bucket
-from titan_cotrain.rl.sampling import (
+from titan_cotrain.engine.engine_copy import copy_state, empty_copy
+from titan_cotrain.engine.kv_blocks import Admitted, BlockAllocator, Resumed, Scheduler
+from titan_cotrain.engine.kv_budget import KVBudget
+from titan_cotrain.engine.rollout_state import RolloutStats, Rollouts, Sequences, StepCounters, live_bucket
+from titan_cotrain.engine.sampling import (
     SamplingParams,
     draw,
     greedy_accept,
@@ -115,11 +115,11 @@ class RolloutEngine:
     The KV cache (target and draft trunk) is a pool of blocks of ``block_size`` positions,
     allocated once in the policy's dtype (``models.kv_cache``): ``kv_cache_gib`` GiB of it
     (0: enough for ``max_batch_size`` sequences of ``max_seq_len`` tokens, prompt +
-    response, at their longest; a ``rl.kv_budget.KVBudget``, ``"auto"``: what the GPU has
+    response, at their longest; a ``engine.kv_budget.KVBudget``, ``"auto"``: what the GPU has
     left beside the training state, these weights and the transient). ``max_batch_size`` is
     the running batch's rows; a sequence holds the blocks of the positions it has reached,
     so a budget that would hold few sequences at their longest runs more at once, and
-    ``generate`` takes any number of prompts (``rl.kv_blocks`` admits them as rows and
+    ``generate`` takes any number of prompts (``engine.kv_blocks`` admits them as rows and
     blocks free up).
 
     ``paged=False`` is the static layout instead: one block of ``max_seq_len + k + 1``
@@ -502,7 +502,7 @@ class RolloutEngine:
     def _recompute(self, seqs: Sequences, scheduler: Scheduler, resumed: list[Resumed], prompt: torch.Tensor,
                    prompt_lens: torch.Tensor, drafting: bool) -> None:
         """Bring preempted sequences back into their new rows as decoding had left them
-        (``rl.kv_blocks``): with ``n`` committed tokens ``x_0 .. x_{n-1}`` (prompt, then the
+        (``engine.kv_blocks``): with ``n`` committed tokens ``x_0 .. x_{n-1}`` (prompt, then the
         response so far, read from the outputs on the device), one target forward over
         ``x_0 .. x_{n-2}`` rewrites their KV at positions ``0 .. n-2`` and, when drafting,
         TTT pass 1 over the same anchors (embeddings of ``x_1 .. x_{n-1}``) rewrites the

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from tests.multiprocess import run_on_ranks
-from tests.rl.test_rollout import _models
+from tests.engine.test_rollout import _models
 from titan_cotrain.config import ConfigError, load_job_config
-from titan_cotrain.rl.kv_budget import (
+from titan_cotrain.engine.kv_budget import (
     KV_MARGIN_FRACTION,
     KVBudget,
     kv_cache_setting,
@@ -17,7 +17,7 @@ from titan_cotrain.rl.kv_budget import (
     optimizer_state_bytes,
     transient_bytes,
 )
-from titan_cotrain.rl.rollout import RolloutEngine, kv_bytes_per_position, kv_bytes_per_sequence
+from titan_cotrain.engine.rollout import RolloutEngine, kv_bytes_per_position, kv_bytes_per_sequence
 
 GIB = 2**30
 

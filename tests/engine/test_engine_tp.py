@@ -6,11 +6,11 @@ import torch
 import torch.distributed as dist
 
 from tests.multiprocess import run_on_ranks
-from tests.rl.test_rollout import _prompts
+from tests.engine.test_rollout import _prompts
 from titan_cotrain.models.args import model_args_for
 from titan_cotrain.models.draft import DraftArgs
-from titan_cotrain.rl.rollout import RolloutEngine, kv_bytes_per_sequence
-from titan_cotrain.rl.sampling import SamplingParams
+from titan_cotrain.engine.rollout import RolloutEngine, kv_bytes_per_sequence
+from titan_cotrain.engine.sampling import SamplingParams
 
 
 def _models(seed: int):

@@ -10,7 +10,8 @@ from tests.batches import synthetic_packed_batch
 from titan_cotrain.cotrain.step import forward_backward
 from titan_cotrain.data.batch import PackedBatch
 from titan_cotrain.models.args import model_args_for
-from titan_cotrain.models.draft import Draft, DraftArgs, draft_vocab_from_counts
+from titan_cotrain.models.draft import Draft, DraftArgs
+from titan_cotrain.models.draft_vocab import draft_vocab_from_counts
 from titan_cotrain.models.transformer import Transformer
 from titan_cotrain.rl.grpo import ppo_loss
 

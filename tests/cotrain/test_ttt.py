@@ -10,7 +10,8 @@ from titan_cotrain.cotrain.step import clip_grad_norms, forward_backward, step_o
 from titan_cotrain.cotrain.ttt import draft_loss, pass_weights, tau, ttt_masks, ttt_unroll
 from titan_cotrain.data.packing import layout_from_document_ids, shift_in_document
 from titan_cotrain.models.args import model_args_for
-from titan_cotrain.models.draft import Draft, DraftArgs, draft_vocab_from_counts
+from titan_cotrain.models.draft import Draft, DraftArgs
+from titan_cotrain.models.draft_vocab import draft_vocab_from_counts
 from titan_cotrain.models.transformer import Transformer, apply_rope, rope_cos_sin
 from tests.batches import synthetic_packed_batch
 from titan_cotrain.rl.grpo import next_token_loss

@@ -11,7 +11,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from tests.engine.test_rollout import _eos_for_some_rows, _models, _prompts
 from titan_cotrain.models import kv_cache
 from titan_cotrain.models.args import model_args_for
-from titan_cotrain.models.draft import Draft, DraftArgs, DraftKVCache, draft_vocab_from_counts
+from titan_cotrain.models.draft import Draft, DraftArgs, DraftKVCache
+from titan_cotrain.models.draft_vocab import draft_vocab_from_counts
 from titan_cotrain.models.transformer import Transformer
 from titan_cotrain.engine.rollout import RolloutEngine, kv_bytes_per_position, kv_bytes_per_sequence
 from titan_cotrain.engine.sampling import SamplingParams

@@ -16,7 +16,8 @@ from titan_cotrain.engine.sampling import SamplingParams
 def _models(seed: int):
     """The llama3 debug model (vocabulary 64) and a draft over 48 of its ids, random weights
     at a scale whose logits are O(10), so fp32's reduction order moves log-probs by ~1e-6."""
-    from titan_cotrain.models.draft import Draft, draft_vocab_from_counts
+    from titan_cotrain.models.draft import Draft
+    from titan_cotrain.models.draft_vocab import draft_vocab_from_counts
     from titan_cotrain.models.transformer import Transformer
 
     target = Transformer(model_args_for("llama3", "debugmodel").replace(vocab_size=64))

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from tests.multiprocess import run_on_ranks
 from titan_cotrain.models.args import model_args_for
-from titan_cotrain.models.draft import Draft, DraftArgs, DraftKVCache, draft_vocab_from_counts
+from titan_cotrain.models.draft import Draft, DraftArgs, DraftKVCache
+from titan_cotrain.models.draft_vocab import draft_vocab_from_counts
 from titan_cotrain.models.transformer import Transformer
 from titan_cotrain.engine import rollout
 from titan_cotrain.engine.rollout import RolloutEngine

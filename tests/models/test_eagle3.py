@@ -16,7 +16,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from titan_cotrain.models import HFCheckpointError, ModelArgs, RopeScaling, load_eagle3, save_eagle3
-from titan_cotrain.models.draft import Draft, DraftArgs, draft_vocab_from_counts
+from titan_cotrain.models.draft import Draft, DraftArgs
+from titan_cotrain.models.draft_vocab import draft_vocab_from_counts
 from titan_cotrain.models.taps import default_tap_layers
 from tests.models.errors import assert_one_clear_error
 

@@ -26,7 +26,8 @@ from titan_cotrain.cotrain.step import forward_backward
 from titan_cotrain.data.batch import PackedBatch
 from titan_cotrain.cotrain.ttt import ttt_unroll
 from titan_cotrain.models.args import model_args_for
-from titan_cotrain.models.draft import Draft, DraftArgs, draft_vocab_from_counts
+from titan_cotrain.models.draft import Draft, DraftArgs
+from titan_cotrain.models.draft_vocab import draft_vocab_from_counts
 from titan_cotrain.models.transformer import Transformer
 from titan_cotrain.rl.grpo import next_token_loss
 from titan_cotrain.ops import branch_attention, varlen_causal_attention

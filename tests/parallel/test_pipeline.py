@@ -27,7 +27,8 @@ from tests.multiprocess import one_thread, run_on_ranks
 from titan_cotrain.cotrain.step import forward_backward
 from titan_cotrain.data.batch import PackedBatch
 from titan_cotrain.models.args import ModelArgs
-from titan_cotrain.models.draft import Draft, DraftArgs, draft_vocab_from_counts
+from titan_cotrain.models.draft import Draft, DraftArgs
+from titan_cotrain.models.draft_vocab import draft_vocab_from_counts
 from titan_cotrain.models.transformer import Transformer
 from titan_cotrain.parallel.pipeline import layers_per_stage_from_fqns, plan_pipeline
 from titan_cotrain.parallel.tap_channel import EMBEDDINGS, TapChannel

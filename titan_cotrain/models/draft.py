@@ -17,7 +17,7 @@ exporter maps them one to one.
 """
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ from torch import nn
 
 from titan_cotrain.data.packing import DocumentShift, take_rows
 from titan_cotrain.models.args import ModelArgs, RopeScaling
+from titan_cotrain.models.draft_vocab import identity_vocab_maps
 from titan_cotrain.models.kv_cache import KVPool, PagedKV, RowsKV
 from titan_cotrain.models.transformer import (
     FeedForward,
@@ -38,8 +39,7 @@ from titan_cotrain.models.transformer import (
 from titan_cotrain.ops.attention import merge_attention, packed_cu_seqlens
 from titan_cotrain.ops.branch_attention import BranchAttention, branch_forward
 
-__all__ = ["MIN_SEEN_FRACTION", "Draft", "DraftArgs", "DraftKVCache", "count_tokens", "draft_vocab_from_counts",
-           "identity_vocab_maps", "set_vocab_maps_"]
+__all__ = ["Draft", "DraftArgs", "DraftKVCache"]
 
 
 @dataclass(frozen=True)
@@ -81,60 +81,6 @@ class DraftArgs:
 
     def replace(self, **changes) -> "DraftArgs":
         return dataclasses.replace(self, **changes)
-
-
-def identity_vocab_maps(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``d2t`` (all zeros) and ``t2d`` (all true) of a draft vocabulary equal to the target's."""
-    # On the host explicitly: a draft built on the meta device keeps its maps (host buffers).
-    return (torch.zeros(vocab_size, dtype=torch.int64, device="cpu"),
-            torch.ones(vocab_size, dtype=torch.bool, device="cpu"))
-
-
-# A reduced vocabulary is refused when fewer than this share of its ids are tokens the corpus
-# contains: the rest would be picked by the id tie-break, not by frequency.
-MIN_SEEN_FRACTION = 0.5
-
-
-def count_tokens(sequences: Iterable[Sequence[int]], vocab_size: int) -> torch.Tensor:
-    """``int64 [vocab_size]``: occurrences of each token id over ``sequences`` (token-id lists),
-    the corpus ``draft_vocab_from_counts`` chooses from."""
-    ids = [torch.as_tensor(s, dtype=torch.int64) for s in sequences]
-    return torch.bincount(torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64), minlength=vocab_size)
-
-
-def draft_vocab_from_counts(token_counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """EAGLE-3 vocab maps for the ``draft_vocab_size`` most frequent target tokens.
-
-    ``token_counts: [V]`` (occurrences in a corpus). Draft ids follow increasing target id;
-    ties in frequency go to the lower target id. Returns ``d2t: int64 [V_d]`` with
-    ``target_id = draft_id + d2t[draft_id]`` and ``t2d: bool [V]``.
-
-    Raises ``ValueError`` when the corpus saw fewer than ``MIN_SEEN_FRACTION x V_d`` distinct
-    tokens (all-zero counts included): more than half of the vocabulary would then be the
-    lowest unseen ids, not frequent ones, so the corpus is too small for a vocabulary that big.
-    """
-    vocab_size = token_counts.numel()
-    if not 0 < draft_vocab_size <= vocab_size:
-        raise ValueError(f"draft vocab size {draft_vocab_size} must be in 1..{vocab_size}")
-    seen = int((token_counts > 0).sum())
-    if seen < MIN_SEEN_FRACTION * draft_vocab_size:
-        raise ValueError(f"the corpus counted for the draft vocabulary holds {seen} distinct tokens, fewer than "
-                         f"{MIN_SEEN_FRACTION:g} x the {draft_vocab_size} draft ids: the rest would be the lowest "
-                         "unseen ids, not frequent tokens")
-    # Stable sort on -count keeps the lower id first among equal counts.
-    order = torch.sort(-token_counts.to(torch.float64), stable=True).indices[:draft_vocab_size]
-    target_ids = order.sort().values
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[target_ids] = True
-    return target_ids - torch.arange(draft_vocab_size), t2d
-
-
-@torch.no_grad()
-def set_vocab_maps_(draft: "Draft", d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-    """Write new vocab maps (same shapes) into ``draft``'s buffers, on whatever device they are:
-    a vocabulary chosen once the draft exists (from the policy's own generations)."""
-    draft.d2t.copy_(d2t)
-    draft.t2d.copy_(t2d)
 
 
 class DraftAttention(nn.Module):

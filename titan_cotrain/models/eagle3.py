@@ -44,6 +44,7 @@ from safetensors.torch import save_file
 
 from titan_cotrain.models.args import ModelArgs
 from titan_cotrain.models.draft import Draft, DraftArgs
+from titan_cotrain.models.draft_vocab import checked_vocab_maps, vocab_map_problem
 from titan_cotrain.models.hf import (
     CONFIG_NAME,
     INDEX_NAME,
@@ -68,7 +69,6 @@ ENGINE_N_TAPS = 3
 _TAP_IDS = "eagle_aux_hidden_state_layer_ids"
 # Other trainers name the one layer like a Llama layer list; ours is the name both engines load.
 _LAYER_LIST_PREFIX, _MIDLAYER_PREFIX = "layers.0.", "midlayer."
-_MAX_LISTED = 8
 
 
 def save_eagle3(
@@ -95,7 +95,7 @@ def save_eagle3(
     if target_max_position_embeddings is not None and target_max_position_embeddings <= 0:
         raise ValueError(f"target_max_position_embeddings must be positive, got {target_max_position_embeddings}")
     taps = tuple(int(x) for x in tap_layers)
-    problem = _tap_problem(taps, args.n_taps) or _vocab_map_problem(draft.d2t.cpu(), draft.t2d.cpu(), args.vocab_size)
+    problem = _tap_problem(taps, args.n_taps) or vocab_map_problem(draft.d2t.cpu(), draft.t2d.cpu(), args.vocab_size)
     if problem:
         raise ValueError(problem)
     dtype = dtype or draft.fc.weight.dtype
@@ -164,7 +164,11 @@ def load_eagle3(
                 name, t = _our_name(stored_name), f.get_tensor(stored_name)
                 # Cast one tensor at a time: host memory peaks at one tensor beyond the result.
                 state[name] = t if name in ("d2t", "t2d") else t.to(device=device, dtype=dtype)
-    d2t, t2d = _vocab_maps(folder, state.pop("d2t", None), state.pop("t2d", None), args)
+    try:
+        d2t, t2d = checked_vocab_maps(state.pop("d2t", None), state.pop("t2d", None), args.draft_vocab_size,
+                                      args.vocab_size)
+    except ValueError as e:
+        raise HFCheckpointError(f"{folder}: {e}") from None
     state["d2t"], state["t2d"] = d2t.to(device), t2d.to(device)
     draft.load_state_dict(state, strict=True, assign=True)
     # Non-persistent, so still on meta: compute it (fp32) where the weights landed.
@@ -301,45 +305,3 @@ def _stored_shapes(folder: Path, files: Sequence[Path]) -> dict[str, tuple[int, 
                 shapes[name], stored_as[name] = tuple(f.get_slice(stored_name).get_shape()), stored_name
     return shapes
 
-
-def _vocab_maps(
-    folder: Path, d2t: torch.Tensor | None, t2d: torch.Tensor | None, args: DraftArgs
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checked ``(d2t int64 [V_d], t2d bool [V])``; a missing ``t2d`` is rebuilt from ``d2t``,
-    a missing ``d2t`` (full draft vocabulary only) is the identity."""
-    if d2t is None:
-        d2t = torch.zeros(args.draft_vocab_size, dtype=torch.int64)
-    elif d2t.is_floating_point() or d2t.is_complex() or d2t.dtype == torch.bool:
-        raise HFCheckpointError(f"{folder}: d2t must hold integer offsets, got {d2t.dtype}")
-    if t2d is not None and t2d.dtype != torch.bool:
-        raise HFCheckpointError(f"{folder}: t2d must be a bool mask, got {t2d.dtype}")
-    d2t = d2t.to(torch.int64)
-    problem = _vocab_map_problem(d2t, t2d, args.vocab_size)
-    if problem:
-        raise HFCheckpointError(f"{folder}: {problem}")
-    return d2t, _t2d_from_d2t(d2t, args.vocab_size) if t2d is None else t2d
-
-
-def _t2d_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[torch.arange(d2t.numel()) + d2t] = True
-    return t2d
-
-
-def _vocab_map_problem(d2t: torch.Tensor, t2d: torch.Tensor | None, vocab_size: int) -> str | None:
-    """What is wrong with the maps, if anything: ``arange(V_d) + d2t`` must be distinct ids in
-    ``[0, V)``, and ``t2d`` (when given) must mark exactly those ids."""
-    target_ids = torch.arange(d2t.numel()) + d2t
-    outside = ((target_ids < 0) | (target_ids >= vocab_size)).nonzero().flatten().tolist()
-    if outside:
-        return (
-            f"d2t maps draft ids {outside[:_MAX_LISTED]} to target ids outside [0, {vocab_size}) "
-            "(target id = draft id + d2t[draft id])"
-        )
-    ids, counts = target_ids.unique(return_counts=True)
-    repeated = ids[counts > 1].tolist()
-    if repeated:
-        return f"d2t maps more than one draft id to each of the target ids {repeated[:_MAX_LISTED]}"
-    if t2d is not None and not torch.equal(t2d, _t2d_from_d2t(d2t, vocab_size)):
-        return "t2d does not mark exactly the target ids that d2t maps the draft vocabulary to"
-    return None

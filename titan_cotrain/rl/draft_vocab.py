@@ -1,5 +1,6 @@
 """The reduced draft vocabulary's corpus: task samples' tokens, and optionally the initial
-policy's own generations (``[draft] vocab_samples``, ``vocab_generations``)."""
+policy's own generations (``[draft] vocab_samples``, ``vocab_generations``). The maps chosen
+from it, and everything else about them, are ``titan_cotrain.models.draft_vocab``'s."""
 
 import random
 
@@ -7,8 +8,7 @@ import torch
 import torch.distributed as dist
 
 from titan_cotrain.config import resolve_model_args
-from titan_cotrain.models.build import draft_vocab_maps
-from titan_cotrain.models.draft import count_tokens, set_vocab_maps_
+from titan_cotrain.models.draft_vocab import count_tokens, draft_vocab_maps, set_vocab_maps_
 
 __all__ = ["draft_vocab_from_generations", "task_token_counts"]
 

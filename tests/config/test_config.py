@@ -154,7 +154,7 @@ def test_unknown_flavor():
 def test_a_flavor_cut_to_a_few_layers(tmp_path):
     """``[model] n_layers``: the flavor's widths at fewer layers (the 8-GPU smoke test's
     real-scale configs); the default taps need 7 layers, so a 4-layer cut names its own."""
-    from titan_cotrain.config import resolve_model_args
+    from titan_cotrain.models.build import resolve_model_args
     from titan_cotrain.models.args import model_args_for
 
     config = _load(REPO / "train_configs" / "qwen3_8b_fsdp_cp.toml", "--model.n_layers", "4",

@@ -142,7 +142,7 @@ def test_every_pipeline_role_is_simulated(name, world, ranks):
     21 of 80 at 70B: one more than the embedding's rank, two more than the head's). At 70B the
     data-parallel coordinate is outermost (its engine TP 8 in a node): PP rank ``r`` starts at
     rank ``2r``, not ``8r``."""
-    from titan_cotrain.config import resolve_model_args
+    from titan_cotrain.models.build import resolve_model_args
     from titan_cotrain.parallel.pipeline.build import plan_from_config
     from titan_cotrain.parallel.rank_layout import rank_layout
     from titan_cotrain.simulate.run import _default_ranks, world_size_of

@@ -2,48 +2,15 @@
 
 import os
 
-from titan_cotrain.models.args import ARCHITECTURES, ModelArgs, model_args_for
-from titan_cotrain.models.taps import default_tap_layers, validate_tap_layers
+from titan_cotrain.models.build import resolve_model_args, resolve_tap_layers
 
-__all__ = ["resolve_model_args", "resolve_tap_layers", "rollout_draft_tokens", "validate_job_config"]
+__all__ = ["rollout_draft_tokens", "validate_job_config"]
 
 
 def _config_error(message: str):
     from titan_cotrain.config.loader import ConfigError
 
     return ConfigError(message)
-
-
-def resolve_model_args(config) -> ModelArgs:
-    """The target's shape: from ``[model] hf_path``'s ``config.json`` or the named flavor
-    (with ``[model] n_layers`` decoder layers when set)."""
-    m = config.model
-    if m.n_layers < 0 or (m.n_layers and m.hf_path):
-        raise _config_error(f"model.n_layers ({m.n_layers}) must be 0 (the flavor's), or >= 1 without model.hf_path")
-    if m.hf_path:
-        from titan_cotrain.models.hf import HFCheckpointError, read_hf_model_args
-
-        try:
-            return read_hf_model_args(m.hf_path)
-        except HFCheckpointError as e:
-            raise _config_error(f"model.hf_path: {e}") from None
-    if m.name not in ARCHITECTURES:
-        raise _config_error(f"model.name: unknown architecture {m.name!r}; known: {', '.join(ARCHITECTURES)}")
-    try:
-        args = model_args_for(m.name, m.flavor)
-    except ValueError as e:
-        raise _config_error(f"model.flavor: {e}") from None
-    return args.replace(n_layers=m.n_layers) if m.n_layers else args
-
-
-def resolve_tap_layers(config, n_layers: int) -> tuple[int, ...]:
-    """``[draft] tap_layers``, or EAGLE-3's default for an ``n_layers`` target."""
-    try:
-        if config.draft.tap_layers:
-            return validate_tap_layers(config.draft.tap_layers, n_layers)
-        return default_tap_layers(n_layers)
-    except ValueError as e:
-        raise _config_error(f"draft.tap_layers: {e}") from None
 
 
 def rollout_draft_tokens(config) -> int:
@@ -240,7 +207,7 @@ def validate_job_config(config, world_size: int, source: str = "<config>") -> No
             errors.append(
                 f"draft.vocab_size ({config.draft.vocab_size}) exceeds the target vocabulary ({args.vocab_size})"
             )
-    except ValueError as e:  # ConfigError from the model checks
+    except ValueError as e:  # the model keys (models.build.resolve_*)
         errors.append(str(e))
     errors += _draft_errors(config)
     if errors:

@@ -11,15 +11,51 @@ from collections.abc import Callable
 
 import torch
 
-from titan_cotrain.config import resolve_model_args, resolve_tap_layers
+from titan_cotrain.models.args import ARCHITECTURES, ModelArgs, model_args_for
 from titan_cotrain.models.draft import Draft, DraftArgs
 from titan_cotrain.models.draft_vocab import draft_vocab_maps
+from titan_cotrain.models.taps import default_tap_layers, validate_tap_layers
 from titan_cotrain.models.transformer import Transformer, rope_inv_freq
 
-__all__ = ["build_draft", "build_target", "init_draft_", "init_target_", "job_seed"]
+__all__ = [
+    "build_draft", "build_target", "init_draft_", "init_target_", "job_seed", "resolve_model_args", "resolve_tap_layers",
+]
 
 # fill(param, whole): copy a whole host tensor (or a reader of its slices) into ``param``.
 Fill = Callable[[torch.Tensor, object], None]
+
+
+def resolve_model_args(config) -> ModelArgs:
+    """The target's shape: from ``[model] hf_path``'s ``config.json`` or the named flavor
+    (with ``[model] n_layers`` decoder layers when set). Raises ``ValueError`` naming the key;
+    ``config.validate`` lists it among the config's problems."""
+    m = config.model
+    if m.n_layers < 0 or (m.n_layers and m.hf_path):
+        raise ValueError(f"model.n_layers ({m.n_layers}) must be 0 (the flavor's), or >= 1 without model.hf_path")
+    if m.hf_path:
+        from titan_cotrain.models.hf import HFCheckpointError, read_hf_model_args
+
+        try:
+            return read_hf_model_args(m.hf_path)
+        except HFCheckpointError as e:
+            raise ValueError(f"model.hf_path: {e}") from None
+    if m.name not in ARCHITECTURES:
+        raise ValueError(f"model.name: unknown architecture {m.name!r}; known: {', '.join(ARCHITECTURES)}")
+    try:
+        args = model_args_for(m.name, m.flavor)
+    except ValueError as e:
+        raise ValueError(f"model.flavor: {e}") from None
+    return args.replace(n_layers=m.n_layers) if m.n_layers else args
+
+
+def resolve_tap_layers(config, n_layers: int) -> tuple[int, ...]:
+    """``[draft] tap_layers``, or EAGLE-3's default for an ``n_layers`` target."""
+    try:
+        if config.draft.tap_layers:
+            return validate_tap_layers(config.draft.tap_layers, n_layers)
+        return default_tap_layers(n_layers)
+    except ValueError as e:
+        raise ValueError(f"draft.tap_layers: {e}") from None
 
 
 def job_seed(config) -> int:

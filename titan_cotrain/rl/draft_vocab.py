@@ -7,7 +7,7 @@ import random
 import torch
 import torch.distributed as dist
 
-from titan_cotrain.config import resolve_model_args
+from titan_cotrain.models.build import resolve_model_args
 from titan_cotrain.models.draft_vocab import count_tokens, draft_vocab_maps, set_vocab_maps_
 
 __all__ = ["draft_vocab_from_generations", "task_token_counts"]

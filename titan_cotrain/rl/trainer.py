@@ -20,10 +20,9 @@ import time
 import torch
 
 from titan_cotrain.components import titan
-from titan_cotrain.config import resolve_model_args
 from titan_cotrain.config.validate import rollout_draft_tokens
 from titan_cotrain.data.prompts import ChatTemplate, PromptEncoder
-from titan_cotrain.models.build import job_seed
+from titan_cotrain.models.build import job_seed, resolve_model_args
 from titan_cotrain.parallel.engine_tp import engine_tp_mesh
 from titan_cotrain.parallel.parallelize import copy_shards, parallelize
 from titan_cotrain.parallel.pipeline import gather_state_dict

@@ -70,7 +70,7 @@ def _default_ranks(config, world_size: int) -> list[int]:
     pp = config.parallelism.pipeline_parallel_degree
     if pp == 1:
         return [0]
-    from titan_cotrain.config import resolve_model_args
+    from titan_cotrain.models.build import resolve_model_args
     from titan_cotrain.parallel.pipeline.build import plan_from_config
     from titan_cotrain.parallel.rank_layout import rank_layout
 

@@ -172,3 +172,29 @@ def test_an_auto_kv_pool_keeps_the_margin_in_the_phases_that_hold_it(tmp_path):
     for phase in ("construction", "optimizer state", "rollout", "refresh", "checkpoint"):
         assert rank["phase_peak_gib"][phase] <= 0.9 * 4.3, phase
     assert rank["peak_phase"] == "update"
+
+
+@pytest.mark.slow
+def test_a_released_tensor_parallel_engine_leaves_the_update(tmp_path):
+    """With ``release_between_rollouts`` a tensor-parallel engine's weights (DTensor slices)
+    and pool are freed after the rollout: after the step only the engine's buffers remain,
+    as with an engine of one rank, and the update peaks lower than with the engine kept.
+    Reading a released DTensor's storage through a view would allocate it again on the
+    fake device; the simulator reads the local shard itself."""
+    shape = ["--model.name", "qwen3", "--model.flavor", "0.6B", "--parallelism.data_parallel_shard_degree", "4",
+             "--parallelism.context_parallel_degree", "2", "--rollout.tensor_parallel_degree", "2"]
+    def rank_0(*extra):  # each in a process of its own: a second fake world with TP groups trips in one
+        args = ["--job.config_file", "train_configs/debug_cpu.toml", "--job.dump_folder", str(tmp_path / "out"),
+                "--training.mixed_precision_param", "bfloat16", "--simulate.enable", "--simulate.output",
+                str(tmp_path / "report.json"), "--simulate.decode_rounds", "1", "--simulate.microbatches", "1",
+                *shape, *extra]
+        return simulate(load_job_config(args, world_size="config"), "debug_cpu.toml",
+                        args=(args, "config"))["ranks"][0]
+
+    kept, released = rank_0(), rank_0("--rollout.release_between_rollouts")
+    buffers = released["after_step_gib"]["buffers"]
+    assert released["after_step_gib"]["engine weights"] == pytest.approx(buffers, rel=0.01)
+    assert released["after_step_gib"]["KV cache"] == 0
+    engine = kept["after_step_gib"]["engine weights"] + kept["after_step_gib"]["KV cache"]
+    assert engine > 0.4  # this rank's half of a 1.2 GiB bf16 copy, and its pool
+    assert kept["phase_peak_gib"]["update"] - released["phase_peak_gib"]["update"] == pytest.approx(engine, rel=0.05)

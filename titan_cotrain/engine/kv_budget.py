@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from titan_cotrain.models.args import ModelArgs
+from titan_cotrain.parallel.storage import device_storages, local_shard
 
 __all__ = ["KV_MARGIN_FRACTION", "KVBudget", "OPTIMIZER_MOMENTS", "device_bytes", "gpu_total_bytes",
            "kv_cache_setting", "kv_pool_line", "optimizer_state_bytes", "transient_bytes"]
@@ -85,23 +85,11 @@ def gpu_total_bytes(device: torch.device, simulated_gib: float | None = None) ->
     return None
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def device_bytes(modules: Iterable[nn.Module | None], device: torch.device) -> int:
     """Bytes of the distinct storages of ``modules``' parameters and buffers on ``device``'s
     type (this rank's shards; meta and host tensors do not count)."""
-    seen, total = set(), 0
-    for module in modules:
-        if module is None:
-            continue
-        for t in (*module.parameters(), *module.buffers()):
-            storage = _local(t).untyped_storage()
-            if _local(t).device.type == device.type and storage._cdata not in seen:
-                seen.add(storage._cdata)
-                total += storage.nbytes()
-    return total
+    tensors = [t for m in modules if m is not None for t in (*m.parameters(), *m.buffers())]
+    return sum(storage.nbytes() for storage in device_storages(tensors, device.type))
 
 
 def optimizer_state_bytes(modules: Iterable[nn.Module | None], optimizer: str) -> int:
@@ -112,7 +100,7 @@ def optimizer_state_bytes(modules: Iterable[nn.Module | None], optimizer: str) -
                          "set a size in GiB")
     # Each parameter once: a pipeline's local policy holds its stages, which are listed too.
     params = {id(p): p for m in modules if m is not None for p in m.parameters()}.values()
-    elements = sum(_local(p).numel() for p in params if p.requires_grad and _local(p).device.type != "meta")
+    elements = sum(local_shard(p).numel() for p in params if p.requires_grad and local_shard(p).device.type != "meta")
     return OPTIMIZER_MOMENTS[optimizer] * 4 * elements
 
 

@@ -50,6 +50,7 @@ from titan_cotrain.models.draft import Draft, DraftArgs, DraftKVCache
 from titan_cotrain.models.kv_cache import PagedKV, RowsKV
 from titan_cotrain.models.transformer import Transformer
 from titan_cotrain.ops import flash
+from titan_cotrain.parallel.storage import FreedStorages, device_storages
 from titan_cotrain.engine.engine_copy import copy_state, empty_copy
 from titan_cotrain.engine.kv_blocks import Admitted, BlockAllocator, Resumed, Scheduler
 from titan_cotrain.engine.kv_budget import KVBudget
@@ -149,7 +150,7 @@ class RolloutEngine:
         if max_batch_size < 1 or block_size < 1:
             raise ValueError(f"max_batch_size ({max_batch_size}) and block_size ({block_size}) must be >= 1")
         self.policy, self.draft = policy.eval(), draft.eval() if draft is not None else None
-        self._released: list | None = None  # what ``release`` freed
+        self._released: FreedStorages | None = None  # what ``release`` freed
         self.max_seq_len = max_seq_len
         self.max_draft_tokens = max_draft_tokens if draft is not None else 0
         self.paged = paged
@@ -227,7 +228,7 @@ class RolloutEngine:
     def weight_bytes(self) -> int:
         """Device bytes of the engine's weights and buffers (this rank's slice of a tensor-parallel copy)."""
         tensors = [t for m in (self.policy, self.draft) if m is not None for t in (*m.parameters(), *m.buffers())]
-        return sum((t.to_local() if isinstance(t, DTensor) else t).untyped_storage().nbytes() for t in tensors)
+        return sum(storage.nbytes() for storage in device_storages(tensors, self.device.type))
 
     @property
     def kv_pool_bytes(self) -> int:
@@ -300,10 +301,7 @@ class RolloutEngine:
             return
         tensors = [p for m in (self.policy, self.draft) if m is not None for p in m.parameters()]
         tensors += self.cache_tensors()
-        storages = [(t.to_local() if isinstance(t, DTensor) else t).untyped_storage() for t in tensors]
-        self._released = [(storage, storage.nbytes()) for storage in storages]
-        for storage, _ in self._released:
-            storage.resize_(0)
+        self._released = FreedStorages(device_storages(tensors, self.device.type))
 
     def restore(self) -> None:
         """Re-allocate what ``release`` freed (weights uninitialised, caches zeroed); a no-op
@@ -311,8 +309,7 @@ class RolloutEngine:
         the engine's own shapes (a pipeline's streamed weights)."""
         if self._released is None:
             return
-        for storage, nbytes in self._released:
-            storage.resize_(nbytes)
+        self._released.restore()
         self._released = None
         for t in self.cache_tensors():
             t.zero_()

@@ -26,13 +26,10 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from titan_cotrain.parallel.storage import FreedStorages, device_storages
 
 __all__ = ["TrainingStateOffload", "offloaded"]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class TrainingStateOffload:
@@ -55,7 +52,7 @@ class TrainingStateOffload:
                 self.optimizers.extend(getattr(opt, "optimizers", [opt]))
         self.pinned = device.type == "cuda"
         self._host: dict[int, torch.Tensor] = {}  # storage key -> host bytes, kept across steps
-        self._away: list[tuple[torch.UntypedStorage, int, int]] = []  # (storage, key, bytes)
+        self._freed = FreedStorages()  # what away() moved
         self._weights_away = False
         self.host_bytes = 0  # what the last away() moved
         self.seconds = 0.0  # the wall time of the last away() and back()
@@ -64,68 +61,57 @@ class TrainingStateOffload:
         for module in self.modules:
             for p in module.parameters():
                 if weights:
-                    yield _local(p)
-                if p.grad is not None:
-                    yield _local(p.grad)
+                    yield p
+                yield p.grad
         for opt in self.optimizers:
             for state in opt.state.values():
                 for value in state.values():
                     if isinstance(value, torch.Tensor):
-                        yield _local(value)
+                        yield value
 
-    def _storages(self, weights: bool = True) -> list[tuple[torch.UntypedStorage, int, int]]:
+    def _storages(self, weights: bool = True) -> list[torch.UntypedStorage]:
         """Every distinct non-empty storage on the device, once (the parameters' with ``weights``)."""
-        seen, out = set(), []
-        for t in self._tensors(weights):
-            if t.device.type != self.device.type:
-                continue
-            storage = t.untyped_storage()
-            key, nbytes = storage._cdata, storage.nbytes()
-            if nbytes and key not in seen:
-                seen.add(key)
-                out.append((storage, key, nbytes))
-        return out
+        return device_storages(self._tensors(weights), self.device.type)
 
     @property
     def is_away(self) -> bool:
-        return bool(self._away)
+        return bool(self._freed)
 
     @torch.no_grad()
     def away(self, weights: bool = True) -> None:
         """Copy the gradients' and optimizers' storages and, with ``weights``, the parameters'
         (those not moved yet) to the host and free them on the device."""
-        if self._weights_away or (self._away and not weights):
+        if self._weights_away or (self._freed and not weights):
             raise RuntimeError("the training state is already off the device")
         t0 = time.perf_counter()
-        moved = {key for _, key, _ in self._away}
+        moved = self._freed.keys()
         if not moved:  # drop the buffers of storages since replaced
-            keys = {key for _, key, _ in self._storages()}
+            keys = {storage._cdata for storage in self._storages()}
             self._host = {key: host for key, host in self._host.items() if key in keys}
-        storages = [entry for entry in self._storages(weights) if entry[1] not in moved]
+        storages = [storage for storage in self._storages(weights) if storage._cdata not in moved]
         if self.copy:
-            for storage, key, nbytes in storages:
-                host = self._host.get(key)
-                if host is None or host.numel() != nbytes:
-                    host = self._host[key] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+            for storage in storages:
+                host = self._host.get(storage._cdata)
+                if host is None or host.numel() != storage.nbytes():
+                    host = self._host[storage._cdata] = torch.empty(storage.nbytes(), dtype=torch.uint8,
+                                                                    pin_memory=self.pinned)
                 host.untyped_storage().copy_(storage, non_blocking=self.pinned)
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # the copies have read the storages
-        for storage, _, _ in storages:
-            storage.resize_(0)
-        self._away += storages
+        self._freed.add(storages)
         self._weights_away = weights
-        self.host_bytes = sum(nbytes for _, _, nbytes in self._away)
+        self.host_bytes = self._freed.nbytes
         self.seconds = (self.seconds if moved else 0.0) + time.perf_counter() - t0
 
     @torch.no_grad()
     def back(self) -> None:
         """Give every storage ``away()`` freed its size and bytes back."""
         t0 = time.perf_counter()
-        for storage, key, nbytes in self._away:
-            storage.resize_(nbytes)
-            if self.copy:
-                storage.copy_(self._host[key].untyped_storage(), non_blocking=self.pinned)
-        self._away = []
+        storages = [storage for storage, _ in self._freed.entries]
+        self._freed.restore()
+        if self.copy:
+            for storage in storages:
+                storage.copy_(self._host[storage._cdata].untyped_storage(), non_blocking=self.pinned)
         self._weights_away = False
         self.seconds += time.perf_counter() - t0
 

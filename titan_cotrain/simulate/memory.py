@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["MemoryTracker", "storage_key"]
+__all__ = ["MemoryTracker"]
 
 _ROUND = 512
 # Storages created under these files are FSDP's all-gather / reduce-scatter buffers and its
@@ -51,11 +51,6 @@ def code_site(depth: int = 2) -> str:
             return f"{short}:{frame.f_lineno} ({frame.f_code.co_name})"
         frame = frame.f_back
     return "?"
-
-
-def storage_key(t: torch.Tensor) -> int:
-    """The identity of ``t``'s storage (shared by all its views)."""
-    return t.untyped_storage()._cdata
 
 
 def _origin() -> str | None:

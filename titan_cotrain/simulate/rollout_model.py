@@ -30,11 +30,10 @@ import random
 import statistics
 from dataclasses import dataclass
 
-import torch
-from torch.distributed.tensor import DTensor
 
 from titan_cotrain.engine.kv_blocks import BlockAllocator, Scheduler
 from titan_cotrain.engine.rollout import RolloutEngine, kv_bytes_per_position
+from titan_cotrain.parallel.storage import local_shard
 
 __all__ = ["GPU_MODELS", "GpuModel", "LengthLaw", "gpu_model", "model_rollout"]
 
@@ -81,14 +80,10 @@ class LengthLaw:
                 "tokens_per_round": (1 - a ** (k + 1)) / (1 - a) if k else 1.0}
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _weights(model) -> tuple[int, int]:
     """``(bytes, matmul parameters)`` of a model's parameters on this rank (the token
     embedding is a gather, not a matmul)."""
-    params = [(name, _local(p)) for name, p in model.named_parameters()]
+    params = [(name, local_shard(p)) for name, p in model.named_parameters()]
     nbytes = sum(p.numel() * p.element_size() for _, p in params)
     matmul = sum(p.numel() for name, p in params if p.dim() == 2 and "embed" not in name)
     return nbytes, matmul

@@ -36,11 +36,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from titan_cotrain.components import titan
-from titan_cotrain.simulate.device import SIM_BACKEND, SimulatedDevice, register_simulated_device
-from titan_cotrain.simulate.memory import MemoryTracker, storage_key
+from titan_cotrain.parallel.storage import device_storages
+from titan_cotrain.simulate.device import SIM_BACKEND, SIM_DEVICE_TYPE, SimulatedDevice, register_simulated_device
+from titan_cotrain.simulate.memory import MemoryTracker
 
 __all__ = ["SimulationFailed", "simulate", "world_size_of"]
 
@@ -86,13 +86,8 @@ def _default_ranks(config, world_size: int) -> list[int]:
 
 
 def _storages(tensors, category: str, out: dict[int, str]) -> None:
-    for t in tensors:
-        if t is None:
-            continue
-        if isinstance(t, DTensor):
-            t = t.to_local()
-        if t.device.type != "cpu" and t.numel() > 0:
-            out.setdefault(storage_key(t), category)
+    for storage in device_storages(tensors, SIM_DEVICE_TYPE, empty=True):
+        out.setdefault(storage._cdata, category)
 
 
 def _owners(trainer) -> dict[int, str]:
@@ -141,7 +136,7 @@ def simulate_rank(config, rank: int, world_size: int) -> tuple[dict, list[str]]:
     from titan_cotrain.simulate.simulation import Simulation
 
     register_simulated_device()
-    titan.use_device_type("simgpu")
+    titan.use_device_type(SIM_DEVICE_TYPE)
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group(SIM_BACKEND, store=FakeStore(), rank=rank, world_size=world_size)

@@ -1,10 +1,29 @@
-"""Cross-field checks of a parsed job config (types were checked when the TOML was read)."""
+"""Cross-field checks of a parsed job config (types were checked when the TOML was read).
 
-import os
+The checks that need a package above ``config`` (the task registry of ``rl``, the compile
+components and engine tensor parallelism of ``parallel``) live in that package and are
+registered here with ``@config_check`` (``rl/config_checks.py``,
+``parallel/config_checks.py``); importing ``titan_cotrain`` registers them, so ``config``
+imports nothing above it.
+"""
+
+from collections.abc import Callable
 
 from titan_cotrain.models.build import resolve_model_args, resolve_tap_layers
 
-__all__ = ["rollout_draft_tokens", "validate_job_config"]
+__all__ = ["config_check", "rollout_draft_tokens", "validate_job_config"]
+
+# (config, world_size) -> problems; see config_check.
+_CHECKS: list[Callable[..., list[str]]] = []
+
+
+def config_check(check: Callable[..., list[str]]) -> Callable[..., list[str]]:
+    """Register ``check(config, world_size) -> list of problems`` with ``validate_job_config``
+    (a decorator). A check that needs the model's shape resolves it itself and returns
+    nothing when the model keys are wrong (that error is reported once, here)."""
+    if check not in _CHECKS:
+        _CHECKS.append(check)
+    return check
 
 
 def _config_error(message: str):
@@ -109,42 +128,10 @@ def _range_errors(config) -> list[str]:
     return [f"{key} must be {rule}, got {value!r}" for key, value, ok, rule in checks if not ok]
 
 
-def _dataset_errors(config) -> list[str]:
-    """A dataset task's file (readable, of a known format) and split; the scale simulator
-    never reads the file, so it need not exist there."""
-    from titan_cotrain.data.prompts import PromptDatasetError, dataset_format
-    from titan_cotrain.rl.tasks import DATASET_TASKS
-
-    t = config.task
-    if t.name not in DATASET_TASKS:
-        return []
-    if not t.dataset_path:
-        return [f"task.dataset_path: task {t.name!r} reads its prompts from a local JSONL or Parquet file: set it"]
-    errors = []
-    if t.eval_size and t.eval_fraction:
-        errors.append(f"task.eval_size ({t.eval_size}) and task.eval_fraction ({t.eval_fraction}): set one of them")
-    try:
-        dataset_format(t)
-    except PromptDatasetError as e:
-        errors.append(str(e))
-    if not config.simulate.enable:
-        if not os.path.isfile(t.dataset_path):
-            errors.append(f"task.dataset_path = {t.dataset_path!r}: no such file")
-        elif not os.access(t.dataset_path, os.R_OK):
-            errors.append(f"task.dataset_path = {t.dataset_path!r}: not readable")
-    return errors
-
-
 def validate_job_config(config, world_size: int, source: str = "<config>") -> None:
     """Raise one ``ConfigError`` listing every problem of ``config`` for ``world_size`` ranks."""
     errors = _parallel_errors(config.parallelism, world_size) + _range_errors(config)
     ro = config.rollout
-    from titan_cotrain.parallel.compile import COMPILE_COMPONENTS
-
-    unknown = sorted(set(config.compile.components) - set(COMPILE_COMPONENTS))
-    if unknown:
-        errors.append(f"compile.components: unknown {unknown}; known: {', '.join(COMPILE_COMPONENTS)} (the "
-                      "rollout engine's key is rollout.compile)")
     p = config.parallelism
     dp_world = max(p.context_parallel_degree * p.pipeline_parallel_degree, 1)
     if not errors and world_size % dp_world == 0 and config.rl.prompts_per_step % (world_size // dp_world):
@@ -167,13 +154,6 @@ def validate_job_config(config, world_size: int, source: str = "<config>") -> No
     if tp < 1 or peers % tp:
         errors.append(f"rollout.tensor_parallel_degree ({tp}) must divide context_parallel_degree x "
                       f"pipeline_parallel_degree = {peers}: an engine group is made of ranks that train the same rows")
-    from titan_cotrain.parallel.rank_layout import gpus_per_node
-
-    node = gpus_per_node(config)
-    if tp > node:
-        errors.append(f"rollout.tensor_parallel_degree ({tp}) exceeds the {node} processes of a node "
-                      "(LOCAL_WORLD_SIZE, else simulate.gpus_per_node): an engine group's all-reduces, two per layer "
-                      "and step, would cross nodes")
     if ro.kv_cache_gib == "auto" and not ro.release_between_rollouts:
         errors.append('rollout.kv_cache_gib = "auto" needs rollout.release_between_rollouts = true: the pool takes '
                       "what the rollout leaves, and gives it back to the update, whose activations and gradients "
@@ -190,19 +170,10 @@ def validate_job_config(config, world_size: int, source: str = "<config>") -> No
             f"parallelism.pipeline_parallel_microbatch_size ({mb}) must divide "
             f"training.local_batch_size ({config.training.local_batch_size})"
         )
-    from titan_cotrain.rl.tasks import TASKS
-
-    if config.task.name not in TASKS:
-        errors.append(f"task.name: unknown task {config.task.name!r}; known: {', '.join(sorted(TASKS))}")
-    errors += _dataset_errors(config)
     try:
         args = resolve_model_args(config)
         if config.draft.enable:
             resolve_tap_layers(config, args.n_layers)
-        if tp > 1:
-            from titan_cotrain.parallel.engine_tp import engine_tp_errors
-
-            errors += engine_tp_errors(args, tp)
         if config.draft.vocab_size > args.vocab_size:
             errors.append(
                 f"draft.vocab_size ({config.draft.vocab_size}) exceeds the target vocabulary ({args.vocab_size})"
@@ -210,6 +181,8 @@ def validate_job_config(config, world_size: int, source: str = "<config>") -> No
     except ValueError as e:  # the model keys (models.build.resolve_*)
         errors.append(str(e))
     errors += _draft_errors(config)
+    for check in _CHECKS:
+        errors += check(config, world_size)
     if errors:
         raise _config_error(f"{source}: invalid config:\n  " + "\n  ".join(errors))
 

@@ -22,26 +22,26 @@ import torch
 from titan_cotrain.components import titan
 from titan_cotrain.config.validate import rollout_draft_tokens
 from titan_cotrain.data.prompts import ChatTemplate, PromptEncoder
+from titan_cotrain.engine.kv_budget import KVBudget, kv_cache_setting, kv_pool_line
+from titan_cotrain.engine.rollout import RolloutEngine
 from titan_cotrain.models.build import job_seed, resolve_model_args
+from titan_cotrain.models.draft_vocab import draft_vocab_from_generations, task_token_counts
 from titan_cotrain.parallel.engine_tp import engine_tp_mesh
 from titan_cotrain.parallel.parallelize import copy_shards, parallelize
 from titan_cotrain.parallel.pipeline import gather_state_dict
 from titan_cotrain.parallel.rank_layout import describe_role, gpus_per_node, rank_layout
 from titan_cotrain.rl.batching import Sample, pack_rank_batch
 from titan_cotrain.rl.draft_health import DraftCollapseWatch
-from titan_cotrain.rl.draft_vocab import draft_vocab_from_generations, task_token_counts
 from titan_cotrain.rl.export import export_job
 from titan_cotrain.rl.generation_group import GenerationGroup
 from titan_cotrain.rl.grpo import next_token_loss, ppo_loss
 from titan_cotrain.rl.host_sync import HostSync
 from titan_cotrain.rl.job_log import JobLog
-from titan_cotrain.engine.kv_budget import KVBudget, kv_cache_setting, kv_pool_line
 from titan_cotrain.rl.nonfinite import SaveGuard, count_skipped_updates
 from titan_cotrain.rl.offload import TrainingStateOffload, offloaded
 from titan_cotrain.rl.problems import ProblemStream
 from titan_cotrain.rl.real_run import RealRun
 from titan_cotrain.rl.reference import reference_logprobs
-from titan_cotrain.engine.rollout import RolloutEngine
 from titan_cotrain.rl.rollout_metrics import AcceptanceWatch, acceptance_over_tau
 from titan_cotrain.rl.rollout_phase import RolloutPhase
 from titan_cotrain.rl.trainer_setup import TrainerState, build_task, lr_phases, tokenizer_folder, training_device

@@ -78,7 +78,7 @@ def test_admission_counts_the_blocks_in_use_not_the_longest():
     scheduler = Scheduler(BlockAllocator(9), block_size=4, n_slots=8, prompt_lens=[2] * 8, samples=1,
                           max_new_tokens=20, k=1)
     admitted = scheduler.admit()
-    assert len(admitted) == 8 and scheduler.allocator.in_use == 8
+    assert len(admitted.prompts) == 8 and scheduler.allocator.in_use == 8
     scheduler.fork(admitted)
     assert scheduler.grow() == [] and scheduler.live() == 8
 
@@ -105,7 +105,7 @@ def test_the_youngest_sequence_is_preempted_and_resumed_first():
     assert [row.seq for row in scheduler.preempted] == [2, 3]  # resumed oldest first, before new groups
     scheduler.retire([7, 7, 1, 1], [False, False, False, False])  # the first prompt's samples finish
     admitted = scheduler.admit()
-    assert [(r.seq, r.length) for r in admitted.resumed] == [(2, 5), (3, 5)] and len(admitted) == 0
+    assert [(r.seq, r.length) for r in admitted.resumed] == [(2, 5), (3, 5)] and admitted.prompts == []
     assert all(len(r.blocks) == 2 for r in admitted.resumed) and scheduler.recomputed == 8  # positions 0 .. 3
 
 

@@ -36,6 +36,7 @@ a row: it never preempts).
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections import deque
 from dataclasses import dataclass, field
@@ -123,9 +124,6 @@ class Admitted:
     prompt_blocks: list[list[int]] = field(default_factory=list)
     slots: list[list[int]] = field(default_factory=list)
     resumed: list[Resumed] = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return len(self.prompts)
 
     def __bool__(self) -> bool:
         return bool(self.prompts or self.resumed)
@@ -272,8 +270,7 @@ class Scheduler:
         self.allocator.release(row.blocks)
         row.blocks = []
         self.rows[slot] = None
-        self.preempted.append(row)
-        self.preempted.sort(key=lambda r: r.order)
+        bisect.insort(self.preempted, row, key=lambda r: r.order)
         self.preemptions += 1
         return slot
 

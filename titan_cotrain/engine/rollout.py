@@ -380,7 +380,7 @@ class RolloutEngine:
                 with counters.timed("prefill"):
                     if admitted.resumed:
                         self._recompute(seqs, scheduler, admitted.resumed, prompt, prompt_lens, drafting)
-                    if len(admitted):
+                    if admitted.prompts:
                         self._prefill(seqs, scheduler, admitted, prompt, params, generator, drafting)
             round_start = time.perf_counter()
             if max_rounds is None:  # a simulated round reads the widest tables instead
@@ -452,7 +452,7 @@ class RolloutEngine:
         lens = torch.tensor(admitted.lengths, device=device)
         width = int(max(admitted.lengths))
         tokens = prompt[admitted.prompts, :width].to(device)
-        n = len(admitted)
+        n = len(admitted.prompts)
         if self.paged:
             table = torch.tensor(scheduler.padded_tables(admitted.prompt_blocks, width), dtype=torch.int64,
                                  device=device)

@@ -3,6 +3,9 @@
 Logits are compared in fp32 with ``atol = rtol = 1e-5`` (the same kernels run on both
 sides; observed differences are 0). Weights are initialised with std 0.1, not HF's 0.02, so
 attention is peaked enough that a RoPE error moves logits by ~1, far above the tolerance.
+Qwen3-MoE logits are compared at ``1e-4``: the experts' outputs are mixed in another order
+(torchtitan: a batched matmul of the top-k scores; transformers: ``index_add_`` per expert);
+observed differences are 0 on CPU.
 """
 
 from __future__ import annotations
@@ -26,12 +29,14 @@ from titan_cotrain.models import (
     save_hf,
 )
 from titan_cotrain.models.args import ARCHITECTURES, flavors
+from titan_cotrain.models.hf import load_hf_weights_
 from tests.models.errors import assert_one_clear_error
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing here may reach the Hub
 transformers = pytest.importorskip("transformers")
 
 TOL = dict(atol=1e-5, rtol=1e-5)
+MOE_TOL = dict(atol=1e-4, rtol=1e-4)
 VOCAB = 128
 # Llama-3.1 scaling with a pretraining context of 32, so positions up to 160 reach well
 # past it and every band (kept, interpolated, divided) of frequencies is in play.
@@ -59,6 +64,18 @@ def _qwen3_config(tied: bool):
         hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         head_dim=32, vocab_size=VOCAB, max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=0.1,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=tied,
+    )
+
+
+def _qwen3_moe_config(tied: bool, norm_topk_prob: bool = True):
+    # decoder_sparse_step 2 makes layers 1, 3, 5 sparse; mlp_only_layers takes 3 back: layers
+    # 0, 2, 3, 4 keep the dense intermediate_size MLP, so both of HF's rules are in play.
+    return transformers.Qwen3MoeConfig(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, vocab_size=VOCAB, max_position_embeddings=256, rms_norm_eps=1e-6,
+        initializer_range=0.1, rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=tied,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=norm_topk_prob, decoder_sparse_step=2,
+        mlp_only_layers=[3],
     )
 
 
@@ -119,9 +136,33 @@ def test_qwen3_qk_norm_matches_transformers(tmp_path, tied):
 
 
 @pytest.mark.parametrize(
+    "tied, norm_topk_prob, sharded", [(True, True, True), (False, True, False), (False, False, True)],
+    ids=["tied-sharded", "untied", "unnormalised-sharded"],
+)
+def test_qwen3_moe_matches_transformers(tmp_path, tied, norm_topk_prob, sharded):
+    hf = _save_transformers_model(_qwen3_moe_config(tied, norm_topk_prob), tmp_path, sharded)
+
+    model = load_hf(tmp_path, tap_layers=(0, 2))
+
+    a = model.args
+    assert (a.n_experts, a.top_k, a.moe_inter_dim, a.norm_topk_prob) == (8, 2, 32, norm_topk_prob)
+    assert (a.decoder_sparse_step, a.mlp_only_layers, a.ffn_dim, a.tie_embeddings) == (2, (3,), 96, tied)
+    assert [layer.sparse for layer in model.layers] == [False, True, False, False, False, True]
+    _assert_materialised(model)
+    tokens = _tokens()
+    expected = _logits(hf, tokens)
+    torch.testing.assert_close(_logits(model, tokens), expected, **MOE_TOL)
+    # The comparison has teeth: the other renormalisation of the top-k scores is far off.
+    other = Transformer(a.replace(norm_topk_prob=not norm_topk_prob), tap_layers=(0, 2))
+    other.load_state_dict(model.state_dict())
+    assert (_logits(other, tokens) - expected).abs().max() > 0.1
+
+
+@pytest.mark.parametrize(
     "make_config, sharded",
-    [(_llama_config, True), (lambda: _qwen3_config(tied=True), True), (lambda: _qwen3_config(tied=False), False)],
-    ids=["llama31-sharded", "qwen3-tied-sharded", "qwen3-untied"],
+    [(_llama_config, True), (lambda: _qwen3_config(tied=True), True), (lambda: _qwen3_config(tied=False), False),
+     (lambda: _qwen3_moe_config(tied=True), True), (lambda: _qwen3_moe_config(tied=False), False)],
+    ids=["llama31-sharded", "qwen3-tied-sharded", "qwen3-untied", "qwen3-moe-tied-sharded", "qwen3-moe-untied"],
 )
 def test_save_hf_round_trip_and_loads_in_transformers(tmp_path, make_config, sharded):
     _save_transformers_model(make_config(), tmp_path / "hf", sharded=False)
@@ -145,7 +186,7 @@ def test_save_hf_round_trip_and_loads_in_transformers(tmp_path, make_config, sha
     ours = _logits(model, tokens)
     torch.testing.assert_close(_logits(reloaded, tokens), ours, atol=0, rtol=0)
     from_ours = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
-    torch.testing.assert_close(_logits(from_ours, tokens), ours, **TOL)
+    torch.testing.assert_close(_logits(from_ours, tokens), ours, **MOE_TOL if model.args.n_experts else TOL)
 
 
 def test_bf16_load_and_save_keep_dtype(tmp_path):
@@ -162,6 +203,46 @@ def test_bf16_load_and_save_keep_dtype(tmp_path):
     again = load_hf(tmp_path / "bf16", dtype=torch.bfloat16)
     for name, t in bf16.state_dict().items():
         assert torch.equal(again.state_dict()[name], t), name
+
+
+def test_moe_weights_read_slice_by_slice(tmp_path):
+    """``load_hf_weights_`` hands each parameter a reader of any part of it: the part of an
+    expert stack is read from just the experts and rows it covers, as a sharded rank asks,
+    across the shard files its experts lie in."""
+    _save_transformers_model(_qwen3_moe_config(tied=False), tmp_path / "hf", sharded=False)
+    whole = load_hf(tmp_path / "hf", tap_layers=(0,))
+    save_hf(whole, tmp_path, max_shard_bytes=20_000)  # experts: 8 KiB each
+    weight_map = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len({weight_map[f"model.layers.1.mlp.experts.{e}.down_proj.weight"] for e in range(2, 5)}) > 1
+    with torch.device("meta"):
+        shell = Transformer(whole.args, tap_layers=(0,))
+    parts = {}
+
+    def fill(param, read):  # a rank holding experts 2..4, rows 5..19, columns 1.. of each tensor
+        index = tuple(slice(lo, None if hi is None else min(hi, n)) for (lo, hi), n in
+                      zip([(2, 5), (5, 20), (1, None)], param.shape))
+        parts[param] = (index, read(index))
+
+    load_hf_weights_(shell, tmp_path, fill)
+
+    assert len(parts) == len(list(whole.parameters()))
+    named = dict(shell.named_parameters())
+    for name, param in whole.named_parameters():
+        index, part = parts[named[name]]
+        assert torch.equal(part, param.detach()[index]), name
+    assert parts[named["layers.1.mlp.experts.w2"]][1].shape == (3, 15, 31)  # experts 2..4 of [8, 64, 32]
+
+
+def test_moe_folder_missing_an_expert_is_one_clear_error(tmp_path):
+    model = Transformer(model_args_for("qwen3", "debugmoe"))
+    model.init_weights(generator=torch.Generator().manual_seed(0))
+    save_hf(model, tmp_path)
+    _edit_weights(tmp_path, lambda tensors: tensors.pop("model.layers.3.mlp.experts.6.up_proj.weight"))
+
+    with pytest.raises(HFCheckpointError) as info:
+        load_hf(tmp_path)
+
+    assert_one_clear_error(info.value, tmp_path, ["missing tensors (1): model.layers.3.mlp.experts.6.up_proj.weight"])
 
 
 def test_save_hf_replaces_an_earlier_sharded_save(tmp_path):

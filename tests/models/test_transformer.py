@@ -1,4 +1,4 @@
-"""The target model: packed rows, taps, and the KV-cache forward."""
+"""The target model: packed rows, taps, and the KV-cache forward (dense and mixture of experts)."""
 
 import pytest
 import torch
@@ -6,11 +6,13 @@ import torch
 from titan_cotrain.models.args import model_args_for
 from titan_cotrain.models.transformer import Transformer
 
-ARCHS = ["llama3", "qwen3"]
+ARCHS = ["llama3", "qwen3", "qwen3-moe"]
+# The debug size of each: (architecture, flavor).
+_DEBUG = {"llama3": ("llama3", "debugmodel"), "qwen3": ("qwen3", "debugmodel"), "qwen3-moe": ("qwen3", "debugmoe")}
 
 
 def _model(arch: str, seed: int = 0) -> Transformer:
-    model = Transformer(model_args_for(arch, "debugmodel"))
+    model = Transformer(model_args_for(*_DEBUG[arch]))
     model.init_weights(std=0.2, generator=torch.Generator().manual_seed(seed))
     return model
 

@@ -3,7 +3,8 @@
 Everything the project takes from torchtitan goes through here: the TOML ``JobConfig``
 and its parser, the process-group init, parallel dims and the device mesh, the optimizer
 and LR-schedule containers, grad-norm clipping across meshes, the pipeline's default layer
-split, the DCP checkpoint manager, the tokenizer and the TensorBoard logger. This is also
+split, the DCP checkpoint manager, the tokenizer, the TensorBoard logger and the
+mixture-of-experts feed-forward. This is also
 the one place that resolves the device type, and where torchtitan's CPU gaps are closed
 (each skipped when CUDA is present):
 
@@ -15,7 +16,10 @@ the one place that resolves the device type, and where torchtitan's CPU gaps are
   ``fsdp_sum_gradients`` makes FSDP *sum* gradients with plain SUM collectives on every
   backend, so every loss of the project divides by the global token count itself;
 * its ``set_pg_timeouts`` runs a barrier that fails on CPU: the project never calls it
-  on CPU.
+  on CPU;
+* its MoE router counts tokens per expert with ``torch.histc`` on int64 expert ids, which
+  has no CPU kernel: on CPU the MoE runs under a torch-function mode that counts them as
+  floats (``build_moe``).
 """
 
 import bisect
@@ -27,12 +31,14 @@ from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 TORCHTITAN_VERSION = "0.2.2"
 
 __all__ = [
     "build_checkpointer",
     "build_lr_schedulers",
+    "build_moe",
     "build_optimizers",
     "build_parallel_dims",
     "clip_grad_norm_",
@@ -300,6 +306,57 @@ def device_memory_stats() -> dict[str, float]:
     # ru_maxrss is KiB on Linux, bytes on macOS.
     scale = 1 if sys.platform == "darwin" else 1024
     return {"memory/max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**30}
+
+
+def build_moe(dim: int, hidden_dim: int, n_experts: int, top_k: int, route_norm: bool) -> nn.Module:
+    """torchtitan's token-choice ``MoE`` routed as Qwen3-MoE routes, uninitialised.
+
+    ``router.gate`` (``dim -> n_experts``, no bias) gives softmax scores in fp32; each token
+    goes to its ``top_k`` experts, whose outputs are summed weighted by their scores,
+    renormalised to sum to 1 when ``route_norm``. ``experts.w1`` / ``w3`` ``[E, hidden_dim,
+    dim]`` and ``w2`` ``[E, dim, hidden_dim]`` are each expert's gate / up / down projection.
+    No shared experts and no expert bias (torchtitan's aux-loss-free balancing): the balance
+    is kept by an auxiliary loss outside. Input ``[B, S, dim]`` -> output ``[B, S, dim]``.
+
+    On CUDA the experts run as grouped matmuls, which compute in bf16 whatever the weights'
+    dtype; elsewhere as torchtitan's loop over experts, in the weights' dtype (``torch._grouped_mm``
+    has a bf16-only CPU kernel, and fp32 models must stay fp32 there). The loop reads the
+    per-expert token counts on the host, one sync per MoE layer.
+    """
+    init_torchtitan()
+    from torchtitan.models.moe import MoEArgs
+
+    args = MoEArgs(
+        num_experts=n_experts, num_shared_experts=0, score_func="softmax", route_norm=route_norm, route_scale=1.0,
+        score_before_experts=False, top_k=top_k, use_grouped_mm=device_type() == "cuda", load_balance_coeff=None,
+    )
+    return _moe_class()(args, dim=dim, hidden_dim=hidden_dim)
+
+
+class _HistcOfIdsAsFloats(TorchFunctionMode):
+    """``torch.histc`` of an integer CPU tensor counted on its float copy and returned in its
+    dtype, as CUDA's kernel returns it: exact for expert ids (integers below 2**24)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.histc and args[0].device.type == "cpu" and not args[0].is_floating_point():
+            return func(args[0].float(), *args[1:], **(kwargs or {})).to(args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+@functools.cache
+def _moe_class() -> type:
+    """torchtitan's ``MoE``, whose forward on CPU counts expert ids as floats (its int64
+    ``torch.histc`` has no CPU kernel); unchanged on other devices."""
+    from torchtitan.models.moe import MoE
+
+    class MoEWithCpuCounts(MoE):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.device.type != "cpu":
+                return super().forward(x)
+            with _HistcOfIdsAsFloats():
+                return super().forward(x)
+
+    return MoEWithCpuCounts
 
 
 def tensorboard_logger(log_dir: str):

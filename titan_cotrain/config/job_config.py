@@ -28,8 +28,8 @@ class Model:
     """Target architecture: ``llama3`` or ``qwen3``."""
 
     flavor: str = "debugmodel"
-    """Named size of ``name`` (llama3: debugmodel, debugdeep, 8B, 70B; qwen3: debugmodel, 0.6B, 1.7B, 8B, 32B).
-    Ignored when ``hf_path`` is set."""
+    """Named size of ``name`` (llama3: debugmodel, debugdeep, 8B, 70B; qwen3: debugmodel, 0.6B, 1.7B, 8B, 32B,
+    and the mixtures of experts debugmoe, 30B-A3B, 235B-A22B). Ignored when ``hf_path`` is set."""
 
     hf_path: str = ""
     """Local Hugging Face folder (``config.json`` + ``*.safetensors``) to start the policy
@@ -45,6 +45,15 @@ class Model:
     parallelism (``scripts/smoke_8gpu.sh``); below 7 layers EAGLE-3's default tap layers do
     not exist, so name ``[draft] tap_layers``. Not with ``hf_path`` (its ``config.json`` fixes
     the shape)."""
+
+    moe_aux_loss_weight: float = 0.001
+    """Weight of a mixture-of-experts policy's load-balancing loss in its objective (Hugging
+    Face's Qwen3-MoE ``router_aux_loss_coef``, whose default this is; 0 = off): ``E x sum_e f_e
+    x P_e`` pooled over the sparse layers of each microbatch's forward (``f_e`` the fraction
+    of top-k assignments to expert ``e``, ``P_e`` its mean router probability;
+    ``titan_cotrain.models.moe``). Its gradient reaches only the routers' weights. Unused by
+    dense policies. Not built yet: the trainer does not add it (``Transformer.moe_aux_loss``
+    gives the loss)."""
 
 
 @dataclass

@@ -43,7 +43,7 @@ def _parallel_errors(p, world_size: int) -> list[str]:
     if p.tensor_parallel_degree != 1:
         errors.append("parallelism.tensor_parallel_degree: tensor parallelism is not supported (use 1)")
     if p.expert_parallel_degree != 1:
-        errors.append("parallelism.expert_parallel_degree: the target models are dense (use 1)")
+        errors.append("parallelism.expert_parallel_degree: expert parallelism is not built yet (use 1)")
     degrees = {
         "data_parallel_replicate_degree": p.data_parallel_replicate_degree,
         "context_parallel_degree": p.context_parallel_degree,
@@ -77,6 +77,8 @@ def _parallel_errors(p, world_size: int) -> list[str]:
 def _range_errors(config) -> list[str]:
     d, rl, ro, t = config.draft, config.rl, config.rollout, config.training
     checks = [
+        ("model.moe_aux_loss_weight", config.model.moe_aux_loss_weight, config.model.moe_aux_loss_weight >= 0,
+         ">= 0"),
         ("training.seq_len", t.seq_len, t.seq_len >= 1, ">= 1"),
         ("training.local_batch_size", t.local_batch_size, t.local_batch_size >= 1, ">= 1"),
         ("training.steps", t.steps, t.steps >= 1, ">= 1"),

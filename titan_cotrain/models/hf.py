@@ -1,7 +1,18 @@
 """Hugging Face checkpoint folders (``config.json`` + ``*.safetensors``) in and out of ``Transformer``.
 
 Our parameter names are HF's minus the ``model.`` prefix (``lm_head`` sits outside it), so
-weights map one to one and only ``config.json`` needs translating. Two config layouts exist:
+weights map one to one and mostly only ``config.json`` needs translating. The exception is the
+sparse layers of a Qwen3-MoE (``Qwen3MoeForCausalLM``), whose feed-forward is torchtitan's MoE:
+
+    ours (layer i)                     the hub's
+    mlp.router.gate.weight  [E, H]     mlp.gate.weight
+    mlp.experts.w1  [E, I, H]          mlp.experts.{e}.gate_proj.weight  [I, H], e = 0 .. E-1
+    mlp.experts.w3  [E, I, H]          mlp.experts.{e}.up_proj.weight    [I, H]
+    mlp.experts.w2  [E, H, I]          mlp.experts.{e}.down_proj.weight  [H, I]
+
+each of our expert stacks being the hub's ``E`` tensors stacked along a new first dimension
+(transformers v5 fuses them differently in memory but reads and writes this layout). Weights
+are read by our tensors, the experts of a stack one by one. Two config layouts exist:
 transformers v4 keeps ``rope_theta`` / ``rope_scaling`` at the top level, v5 nests them in
 ``rope_parameters``. Both are read, and both are written, so transformers of either major
 version (and the inference engines pinned to one) load what ``save_hf`` writes.
@@ -12,10 +23,11 @@ the problem; every missing, unexpected and mis-shaped tensor is listed in the sa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +52,14 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 
-# Our architecture name -> (HF ``architectures[0]``, HF ``model_type``).
-_HF_NAMES = {"llama3": ("LlamaForCausalLM", "llama"), "qwen3": ("Qwen3ForCausalLM", "qwen3")}
+# (our architecture, mixture of experts) -> (HF ``architectures[0]``, HF ``model_type``).
+_HF_NAMES = {
+    ("llama3", False): ("LlamaForCausalLM", "llama"),
+    ("qwen3", False): ("Qwen3ForCausalLM", "qwen3"),
+    ("qwen3", True): ("Qwen3MoeForCausalLM", "qwen3_moe"),
+}
+# The hub's projection in each expert for a stack of torchtitan's ``GroupedExperts``.
+_EXPERT_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 # What transformers assumes when a config names no RoPE base.
 _HF_DEFAULT_ROPE_THETA = 10000.0
 # Longest list of tensor names one error message spells out.
@@ -55,13 +73,13 @@ class HFCheckpointError(ValueError):
 
 
 def model_args_from_hf_config(config: Mapping[str, Any]) -> ModelArgs:
-    """``ModelArgs`` for a parsed HF ``config.json`` of a Llama-3 or Qwen-3 causal LM.
+    """``ModelArgs`` for a parsed HF ``config.json`` of a Llama-3, Qwen-3 or Qwen3-MoE causal LM.
 
     Features our decoder does not implement (biases, sliding windows, partial rotary, RoPE
     types other than ``default`` and ``llama3``) are rejected with ``HFCheckpointError``
     rather than loaded into a model that would compute something else.
     """
-    architecture = _architecture(config)
+    architecture, moe = _architecture(config)
     for key in ("attention_bias", "mlp_bias"):
         if config.get(key):
             raise HFCheckpointError(f"{key}=true is not supported: the decoder's projections have no bias")
@@ -90,9 +108,26 @@ def model_args_from_hf_config(config: Mapping[str, Any]) -> ModelArgs:
             qk_norm=architecture == "qwen3",
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
             max_seq_len=max_seq_len,
+            **(_moe_args(config) if moe else {}),
         )
     except ValueError as e:
         raise HFCheckpointError(str(e)) from None
+
+
+def _moe_args(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``ModelArgs`` mixture-of-experts fields of a Qwen3-MoE config (transformers v5 writes
+    ``num_experts`` as ``num_local_experts``), with transformers' defaults where it has them."""
+    mlp_only_layers = config.get("mlp_only_layers") or []
+    if not (isinstance(mlp_only_layers, list) and all(isinstance(i, int) for i in mlp_only_layers)):
+        raise HFCheckpointError(f"mlp_only_layers must be a list of layer indices, got {mlp_only_layers!r}")
+    return dict(
+        n_experts=_positive(config, "num_experts", int, default=config.get("num_local_experts")),
+        top_k=_positive(config, "num_experts_per_tok", int),
+        moe_inter_dim=_positive(config, "moe_intermediate_size", int),
+        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        decoder_sparse_step=_positive(config, "decoder_sparse_step", int, default=1),
+        mlp_only_layers=tuple(mlp_only_layers),
+    )
 
 
 def hf_config_from_model_args(args: ModelArgs) -> dict[str, Any]:
@@ -102,7 +137,7 @@ def hf_config_from_model_args(args: ModelArgs) -> dict[str, Any]:
     RoPE is written twice, as v4's top-level ``rope_theta`` / ``rope_scaling`` and as v5's
     ``rope_parameters``; v5 gives ``rope_scaling`` precedence, and the two agree.
     """
-    hf_architecture, model_type = _HF_NAMES[args.architecture]
+    hf_architecture, model_type = _HF_NAMES[args.architecture, args.n_experts > 0]
     if args.qk_norm != (args.architecture == "qwen3"):
         raise ValueError(
             f"{args.architecture} with qk_norm={args.qk_norm} has no Hugging Face equivalent "
@@ -135,6 +170,12 @@ def hf_config_from_model_args(args: ModelArgs) -> dict[str, Any]:
     }
     if args.architecture == "llama3":
         config["mlp_bias"] = False
+    if args.n_experts:
+        config.update(
+            num_experts=args.n_experts, num_experts_per_tok=args.top_k, moe_intermediate_size=args.moe_inter_dim,
+            norm_topk_prob=args.norm_topk_prob, decoder_sparse_step=args.decoder_sparse_step,
+            mlp_only_layers=list(args.mlp_only_layers),
+        )
     return config
 
 
@@ -160,64 +201,48 @@ def load_hf(
 ) -> Transformer:
     """Load an HF folder (``model.safetensors``, or shards + ``model.safetensors.index.json``).
 
-    The model is built on the meta device and never initialised; each tensor is read, cast
-    to ``dtype`` and moved to ``device`` on its own, so peak host memory is one tensor beyond
-    what ``device`` ends up holding. All tensor names and shapes are checked against
-    ``config.json`` before any weight is read. ``tap_layers`` as in ``Transformer``.
+    The model is built on the meta device and never initialised; each of its tensors is
+    read, cast to ``dtype`` and moved to ``device`` on its own, so peak host memory is one
+    tensor (with a stack of experts, twice one) beyond what ``device`` ends up holding. All
+    tensor names and shapes are checked against ``config.json`` before any weight is read.
+    ``tap_layers`` as in ``Transformer``.
     """
     folder = Path(path)
     args = read_hf_model_args(folder)
     device = torch.device(device)
     with torch.device("meta"):
         model = Transformer(args, tap_layers)
-    expected = {_hf_name(name): tuple(t.shape) for name, t in model.state_dict().items()}
-    tolerated = set()
-    if args.tie_embeddings:
-        # The head is the embedding: HF leaves lm_head.weight out, though some exporters
-        # write it anyway; either way it is not read.
-        del expected["lm_head.weight"]
-        tolerated = {"lm_head.weight"}
-
-    files = _weight_files(folder)
-    _check_tensors(folder, _stored_shapes(files), expected, tolerated)
     state = {}
-    for file in files:
-        with _open(file) as f:
-            for name in f.keys():
-                if name in expected:
-                    state[name.removeprefix("model.")] = f.get_tensor(name).to(device=device, dtype=dtype)
+    with _open_weights(folder, model) as readers:
+        for name, read in readers.items():
+            whole = tuple(slice(None) for _ in model.get_parameter(name).shape)
+            state[name] = read(whole).to(device=device, dtype=dtype)
     if args.tie_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
     if args.tie_embeddings:
         # assign=True wraps each entry in a Parameter of its own; share one again.
         model.lm_head.weight = model.embed_tokens.weight
-    # Non-persistent, so still on meta: compute it (fp32, like HF) where the weights landed.
+    # Non-persistent, so still on meta: compute RoPE (fp32, like HF) where the weights
+    # landed; start a mixture of experts' per-expert token tallies (torchtitan's) at zero.
     model.rope_inv_freq = rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling).to(device)
+    for module in model.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.is_meta:
+                setattr(module, name, torch.zeros_like(buffer, device=device))
     return model
 
 
 def load_hf_weights_(model: Transformer, path: PathLike, fill) -> None:
     """Fill ``model``'s (possibly sharded) parameters from the HF folder ``path``, reading
     only what each parameter needs: ``fill(param, read)`` calls ``read(index)`` with the
-    index of this rank's slice, which is read from the safetensors file as a slice. Names
-    and shapes are checked against the model before any weight is read."""
-    folder = Path(path)
-    expected = {_hf_name(name): tuple(t.shape) for name, t in model.state_dict().items()}
-    tolerated = set()
-    if model.args.tie_embeddings:
-        del expected["lm_head.weight"]
-        tolerated = {"lm_head.weight"}
-    files = _weight_files(folder)
-    _check_tensors(folder, _stored_shapes(files), expected, tolerated)
-    params = dict(model.named_parameters())
-    for file in files:
-        with _open(file) as f:
-            for name in f.keys():
-                if name not in expected:
-                    continue
-                stored = f.get_slice(name)
-                fill(params[name.removeprefix("model.")], lambda index, stored=stored: stored[index])
+    index of this rank's slice, which is read from the safetensors file as a slice (of each
+    expert it covers, for a stack of experts: a rank holding rows of ``w1`` reads only those
+    experts' ``gate_proj``). Names and shapes are checked against the model before any
+    weight is read."""
+    with _open_weights(Path(path), model) as readers:
+        for name, read in readers.items():
+            fill(model.get_parameter(name), read)
     model.rope_inv_freq.copy_(rope_inv_freq(model.args.head_dim, model.args.rope_theta, model.args.rope_scaling))
 
 
@@ -240,11 +265,12 @@ def save_hf(model: Transformer, path: PathLike, max_shard_bytes: int | None = No
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     args = model.args
-    tensors = {
-        _hf_name(name): t.detach()
-        for name, t in (model.state_dict() if state is None else state).items()
-        if not (args.tie_embeddings and name == "lm_head.weight")
-    }
+    tensors = {}
+    for name, t in (model.state_dict() if state is None else state).items():
+        if args.tie_embeddings and name == "lm_head.weight":
+            continue
+        hf = _hf_names(name, t.shape)
+        tensors.update(zip(hf, t.detach().unbind(0)) if isinstance(hf, list) else {hf: t.detach()})
     config = hf_config_from_model_args(args)
     config["torch_dtype"] = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
 
@@ -266,8 +292,9 @@ def save_hf(model: Transformer, path: PathLike, max_shard_bytes: int | None = No
         (folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _architecture(config: Mapping[str, Any]) -> str:
-    """Our architecture name from ``architectures[0]``, else from ``model_type``."""
+def _architecture(config: Mapping[str, Any]) -> tuple[str, bool]:
+    """``(our architecture name, mixture of experts)`` from ``architectures[0]``, else from
+    ``model_type``."""
     by_class = {hf: ours for ours, (hf, _) in _HF_NAMES.items()}
     by_type = {model_type: ours for ours, (_, model_type) in _HF_NAMES.items()}
     classes = config.get("architectures") or []
@@ -330,6 +357,54 @@ def _hf_name(name: str) -> str:
     return name if name.startswith("lm_head.") else f"model.{name}"
 
 
+def _hf_names(name: str, shape: Sequence[int]) -> str | list[str]:
+    """Our tensor ``name`` of ``shape`` -> the checkpoint's: one tensor of the same shape, or
+    for a stack of experts ``[E, ...]`` the list of its ``E`` tensors ``[...]`` in expert order
+    (module docstring)."""
+    layer, _, in_mlp = name.partition(".mlp.")
+    if in_mlp == "router.gate.weight":
+        return f"model.{layer}.mlp.gate.weight"
+    if in_mlp.startswith("experts."):
+        projection = _EXPERT_PROJECTIONS[in_mlp.removeprefix("experts.")]
+        return [f"model.{layer}.mlp.experts.{e}.{projection}.weight" for e in range(shape[0])]
+    return _hf_name(name)
+
+
+# read(index): the part ``index`` (a tuple of slices) of one of our whole tensors.
+Reader = Callable[[tuple[slice, ...]], torch.Tensor]
+
+
+@contextlib.contextmanager
+def _open_weights(folder: Path, model: Transformer) -> Iterator[dict[str, Reader]]:
+    """Check ``folder``'s tensors against ``model``'s, then open its weight files and yield a
+    reader for each parameter of ``model`` (our names; a tied head is the embedding, not read):
+    ``read(index)`` returns the part ``index`` (a tuple of slices) of the whole tensor, reading
+    only that part from the files."""
+    layout = {name: _hf_names(name, p.shape) for name, p in model.named_parameters()}
+    expected, tolerated = {}, set()
+    for name, hf in layout.items():
+        shape = tuple(model.get_parameter(name).shape)
+        expected.update(dict.fromkeys(hf, shape[1:]) if isinstance(hf, list) else {hf: shape})
+    if model.args.tie_embeddings:
+        # HF leaves lm_head.weight out, though some exporters write it anyway.
+        tolerated = {"lm_head.weight"}
+    files = _weight_files(folder)
+    stored = _stored_shapes(files)
+    _check_tensors(folder, {hf: shape for hf, (_, shape) in stored.items()}, expected, tolerated)
+    with contextlib.ExitStack() as stack:
+        handles = {file: stack.enter_context(_open(file)) for file in files}
+
+        def part(hf: str, index: tuple[slice, ...]) -> torch.Tensor:
+            return handles[stored[hf][0]].get_slice(hf)[index]
+
+        def reader(hf: str | list[str]) -> Reader:
+            if isinstance(hf, list):
+                return lambda index: torch.stack([part(expert, index[1:]) for expert in hf[index[0]]])
+            return lambda index: part(hf, index)
+
+        yield {name: reader(hf) for name, hf in layout.items()}
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise HFCheckpointError(f"{path}: no such file")
@@ -369,13 +444,13 @@ def _open(file: Path):
         raise HFCheckpointError(f"{file}: not a readable safetensors file ({e})") from None
 
 
-def _stored_shapes(files: Sequence[Path]) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape across ``files``, read from the headers alone."""
+def _stored_shapes(files: Sequence[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """Tensor name -> (its file, its shape) across ``files``, read from the headers alone."""
     shapes = {}
     for file in files:
         with _open(file) as f:
             for name in f.keys():
-                shapes[name] = tuple(f.get_slice(name).get_shape())
+                shapes[name] = (file, tuple(f.get_slice(name).get_shape()))
     return shapes
 
 

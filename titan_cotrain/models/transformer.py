@@ -3,7 +3,9 @@
 Plain PyTorch, no parallelism inside: FSDP, PP and CP wrap it from ``titan_cotrain.parallel``
 (CP hooks every layer's ``self_attn.inner_attention``, a ``VarlenAttention``).
 Parameter names follow the Hugging Face layout (``embed_tokens``, ``layers.N.self_attn.q_proj``,
-``mlp.gate_proj``, ...) so the HF adapter only adds or strips the ``model.`` prefix.
+``mlp.gate_proj``, ...) so the HF adapter only adds or strips the ``model.`` prefix, except in
+the sparse layers of a mixture of experts (``models.moe``), whose ``mlp`` is torchtitan's MoE
+(``mlp.router.gate``, ``mlp.experts.w1/w2/w3`` stacked over experts).
 
 Two forwards:
 * ``forward(tokens [B, S], ...)``: training over packed rows, all attention through
@@ -32,6 +34,7 @@ from titan_cotrain.data.packing import (
 )
 from titan_cotrain.models.args import ModelArgs, RopeScaling
 from titan_cotrain.models.kv_cache import KVPool, PagedKV, RowsKV
+from titan_cotrain.models.moe import load_balancing_loss, sparse_feed_forward
 from titan_cotrain.models.taps import default_tap_layers, validate_tap_layers
 from titan_cotrain.ops.attention import VarlenAttention, packed_cu_seqlens
 
@@ -103,7 +106,7 @@ def _copy_whole(param: torch.Tensor, whole: torch.Tensor) -> None:
 @torch.no_grad()
 def init_weights_(model: nn.Module, std: float, generator: torch.Generator | None,
                   fill: Callable[[torch.Tensor, torch.Tensor], None] = _copy_whole) -> None:
-    """Normal(0, std) linears and embeddings, unit norms, fresh RoPE frequencies;
+    """Normal(0, std) linears, embeddings and MoE experts, unit norms, fresh RoPE frequencies;
     deterministic under ``generator`` (a CPU generator). Shared by the target and the draft.
 
     Every weight is drawn whole on the host, one at a time, and handed to ``fill(param,
@@ -116,6 +119,9 @@ def init_weights_(model: nn.Module, std: float, generator: torch.Generator | Non
             fill(module.weight, whole)
         elif isinstance(module, RMSNorm):
             module.weight.fill_(1.0)
+        else:  # weights a module holds itself: the MoE experts' [E, ...] stacks
+            for weight in module.parameters(recurse=False):
+                fill(weight, torch.empty(weight.shape, dtype=weight.dtype).normal_(0.0, std, generator=generator))
     args = model.args
     model.rope_inv_freq.copy_(rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling))
 
@@ -203,27 +209,39 @@ class FeedForward(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    """Attention then a feed-forward, each pre-normed and residual. ``sparse``: the feed-forward
+    is the mixture of experts (``models.moe.sparse_feed_forward``), else the dense SwiGLU."""
+
+    def __init__(self, args: ModelArgs, sparse: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.self_attn = Attention(args)
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
-        self.mlp = FeedForward(args.dim, args.ffn_dim)
+        self.sparse = sparse
+        self.mlp = sparse_feed_forward(args) if sparse else FeedForward(args.dim, args.ffn_dim)
 
     def forward(self, x, cos, sin, cu_seqlens):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self._feed_forward(x)
 
     def forward_cached(self, x, cos, sin, cache, layer, positions):
         x = x + self.self_attn.forward_cached(self.input_layernorm(x), cos, sin, cache, layer, positions)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self._feed_forward(x)
+
+    def _feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.post_attention_layernorm(x)
+        if self.sparse:  # torchtitan's MoE takes [B, S, dim]; the training stream is [T, dim]
+            return self.mlp(h.view(1, -1, h.shape[-1])).view_as(h)
+        return self.mlp(h)
 
 
 class Transformer(nn.Module):
     """A Llama-3 / Qwen-3 decoder whose forward also returns the draft's taps.
 
     ``tap_layers`` (default: EAGLE-3's ``(1, L//2 - 1, L - 4)``) are decoder-layer indices
-    whose outputs are returned, detached, when ``return_taps=True``.
+    whose outputs are returned, detached, when ``return_taps=True``. A mixture of experts
+    (``args.n_experts > 0``) also leaves its routers' load-balancing loss of each forward run
+    with gradients, read by ``moe_aux_loss()``; the forward's outputs are the same either way.
     """
 
     def __init__(self, args: ModelArgs, tap_layers: Sequence[int] | None = None) -> None:
@@ -233,7 +251,7 @@ class Transformer(nn.Module):
             default_tap_layers(args.n_layers) if tap_layers is None else validate_tap_layers(tap_layers, args.n_layers)
         )
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, args.is_sparse_layer(i)) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
@@ -312,6 +330,14 @@ class Transformer(nn.Module):
         if not return_taps:
             return logits
         return TargetOutput(logits=logits, taps=tuple(taps), embeddings=h.detach())
+
+    def moe_aux_loss(self) -> torch.Tensor | None:
+        """Hugging Face's Qwen3-MoE load-balancing loss over the last forward run with
+        gradients, pooled over the sparse layers (``models.moe.load_balancing_loss``): a 0-dim
+        fp32 tensor whose gradient reaches only the routers' weights; None for a dense model
+        or after a forward under ``no_grad``. The trainer adds ``[model] moe_aux_loss_weight``
+        times it to the policy loss of that forward."""
+        return load_balancing_loss(self)
 
     def new_kv_pool(self, n_blocks: int, block_size: int, dtype: torch.dtype | None = None,
                     n_kv_heads: int | None = None) -> KVPool:

@@ -197,6 +197,13 @@ def test_an_engine_tensor_parallel_degree_must_divide_the_peers_and_the_heads():
                        "--model.name", "qwen3", "--model.flavor", "debugmodel"), world_size=4)
 
 
+def test_a_mixture_of_experts_policy_is_refused_under_pipeline_parallelism():
+    moe = ("--model.name", "qwen3", "--model.flavor", "debugmoe", "--parallelism.pipeline_parallel_degree", "2")
+    _expect(DEFAULT, "parallelism.pipeline_parallel_degree (2): a mixture-of-experts policy is not built under "
+            "pipeline parallelism", overrides=moe, world_size=2)
+    assert _load(DEFAULT, *moe[:4]).model.flavor == "debugmoe"
+
+
 def test_truncated_importance_sampling_needs_one_update_per_step():
     _expect(DEFAULT, "rl.tis_cap needs rl.updates_per_step = 1 (got 2)",
             overrides=("--rl.tis_cap", "2", "--rl.updates_per_step", "2"))

@@ -51,9 +51,9 @@ class Model:
     Face's Qwen3-MoE ``router_aux_loss_coef``, whose default this is; 0 = off): ``E x sum_e f_e
     x P_e`` pooled over the sparse layers of each microbatch's forward (``f_e`` the fraction
     of top-k assignments to expert ``e``, ``P_e`` its mean router probability;
-    ``titan_cotrain.models.moe``). Its gradient reaches only the routers' weights. Unused by
-    dense policies. Not built yet: the trainer does not add it (``Transformer.moe_aux_loss``
-    gives the loss)."""
+    ``titan_cotrain.models.moe``). Its gradient reaches only the routers' weights. The update
+    adds it weighted by each microbatch's share of the policy loss's tokens and logs it as
+    ``loss/moe_aux`` (``titan_cotrain.cotrain.step``). Unused by dense policies."""
 
 
 @dataclass

@@ -14,6 +14,13 @@ scaling afterwards is what lets an update be any number of microbatches and stil
 big batch. ``forward_backward`` is that update's gradient; ``clip_grad_norms`` clips the two
 gradient norms separately and ``step_optimizers`` steps the two optimizers (either may be
 skipped: the trainer skips an update whose loss or norm is not finite).
+
+A mixture-of-experts policy adds its routers' load-balancing loss (``Transformer.moe_aux_loss``,
+a mean over the microbatch's tokens) in the same way: each microbatch backpropagates
+``moe_aux_loss_weight x n_mb x aux_mb``, ``n_mb`` its policy-token count, so after the
+``1 / N_policy`` scale the update adds ``moe_aux_loss_weight`` times the policy-token-weighted
+mean of the microbatches' losses over every microbatch and rank, logged as ``loss/moe_aux``.
+Its gradient reaches only the routers; a dense policy's update is unchanged.
 """
 
 import dataclasses
@@ -37,6 +44,7 @@ __all__ = [
     "step_optimizers",
     "forward_backward",
     "metric_names",
+    "add_moe_aux_sums",
     "add_policy_sums",
     "check_draft_loss_on",
     "draft_sums",
@@ -75,12 +83,12 @@ class CotrainSums:
         return out
 
 
-def metric_names(policy_metrics: Iterable[str], ttt_steps: int | None) -> list[str]:
-    """The keys of an update's metrics, in order: ``loss/policy``, the policy loss's own
-    ``policy_metrics`` (its ``PolicyLoss.metric_sums`` keys) and, when the draft trained
-    (``ttt_steps`` not None), ``loss/draft``, ``draft/loss_pass<d>`` and ``draft/acc_pass<d>``
-    per pass, ``draft/tau``."""
-    names = ["loss/policy", *policy_metrics]
+def metric_names(policy_metrics: Iterable[str], ttt_steps: int | None, moe_aux: bool = False) -> list[str]:
+    """The keys of an update's metrics, in order: ``loss/policy``, ``loss/moe_aux`` for a
+    mixture-of-experts policy (``moe_aux``), the policy loss's own ``policy_metrics`` (its
+    ``PolicyLoss.metric_sums`` keys) and, when the draft trained (``ttt_steps`` not None),
+    ``loss/draft``, ``draft/loss_pass<d>`` and ``draft/acc_pass<d>`` per pass, ``draft/tau``."""
+    names = ["loss/policy", *(["loss/moe_aux"] if moe_aux else []), *policy_metrics]
     if ttt_steps is not None:
         passes = (f"draft/{kind}_pass{d + 1}" for d in range(ttt_steps) for kind in ("loss", "acc"))
         names += ["loss/draft", *passes, "draft/tau"]
@@ -93,7 +101,9 @@ def scales_and_metrics(sums: dict[str, torch.Tensor], ttt_steps: int, pass_decay
     all device tensors (no host sync). The metrics' keys are ``metric_names``'."""
     count = sums["policy/count"].clamp(min=1)
     policy_metrics = [name[len("metric/"):] for name in sums if name.startswith("metric/")]
-    values = [sums["policy/sum"] / count, *(sums[f"metric/{name}"] / count for name in policy_metrics)]
+    moe_aux = "moe/aux_sum" in sums
+    values = [sums["policy/sum"] / count, *([sums["moe/aux_sum"] / count] if moe_aux else []),
+              *(sums[f"metric/{name}"] / count for name in policy_metrics)]
     draft_scale = None
     draft_on = "draft/count" in sums
     if draft_on:
@@ -105,7 +115,7 @@ def scales_and_metrics(sums: dict[str, torch.Tensor], ttt_steps: int, pass_decay
         values += [draft_loss(TTTStats(ce, counts, sums["draft/correct"]), weights, weighted_count),
                    *(v for d in range(ttt_steps) for v in (ce[d] / counts[d].clamp(min=1), accuracy[d])),
                    tau(accuracy)]
-    names = metric_names(policy_metrics, ttt_steps if draft_on else None)
+    names = metric_names(policy_metrics, ttt_steps if draft_on else None, moe_aux)
     return 1.0 / count, draft_scale, dict(zip(names, values, strict=True))
 
 
@@ -163,6 +173,14 @@ def add_policy_sums(sums: CotrainSums, head_out) -> torch.Tensor:
     return policy_sum
 
 
+def add_moe_aux_sums(sums: CotrainSums, aux: torch.Tensor, policy_count: torch.Tensor) -> torch.Tensor:
+    """Record a microbatch's load-balancing loss ``aux`` (0-dim, a mean over its tokens)
+    weighted by its policy-token count; returns that differentiable ``count x aux``."""
+    weighted = policy_count.detach() * aux
+    sums.add("moe/aux_sum", weighted)
+    return weighted
+
+
 def draft_sums(draft: Draft, mb: Microbatch, taps: torch.Tensor, embeddings: torch.Tensor, head_out,
                sums: CotrainSums, *, ttt_steps: int, pass_decay: float, chunk_tokens: int) -> torch.Tensor:
     """The draft's TTT over microbatch ``mb``: ``taps [T, n_taps * H_t]`` and ``embeddings
@@ -189,13 +207,20 @@ def microbatch_sums(
     ttt_steps: int,
     pass_decay: float,
     chunk_tokens: int = 2048,
+    moe_aux_loss_weight: float = 0.0,
 ) -> torch.Tensor:
     """Forward one prepared microbatch through the policy (and the draft's TTT), add its
     detached sums to ``sums`` and return the loss *sum* to backpropagate
-    (``policy_sum + sum_d w_d ce_sum_d``; scaled after the update, see the module docstring)."""
+    (``policy_sum [+ moe_aux_loss_weight x n_policy x aux] + sum_d w_d ce_sum_d``; scaled
+    after the update, see the module docstring)."""
     out = policy(mb.tokens, return_taps=draft is not None, head=policy_head(mb, policy_loss_fn, draft, chunk_tokens),
                  **mb.packing())
     loss = add_policy_sums(sums, out.head)
+    aux = policy.moe_aux_loss()
+    if aux is not None:
+        weighted = add_moe_aux_sums(sums, aux, out.head.policy.count)
+        if moe_aux_loss_weight:  # 0: logged only
+            loss = loss + moe_aux_loss_weight * weighted
     if draft is not None:
         b, s = mb.tokens.shape
         loss = loss + draft_sums(draft, mb, torch.cat(out.taps, dim=-1).reshape(b * s, -1),
@@ -227,9 +252,12 @@ def forward_backward(
     microbatch_rows: int = 0,
     max_microbatches: int | None = None,
     chunk_tokens: int = 2048,
+    moe_aux_loss_weight: float = 0.0,
 ) -> dict[str, torch.Tensor]:
     """The gradient of one update over ``batch`` (host rows), in microbatches of
     ``microbatch_rows`` rows (0: all at once); returns detached metrics (device tensors).
+    A mixture-of-experts policy adds ``moe_aux_loss_weight`` times its load-balancing loss
+    (module docstring).
 
     ``group`` holds every rank whose tokens share the global token mean: the data-parallel
     ranks times the context-parallel ones (None: the default group, or no communication
@@ -244,7 +272,7 @@ def forward_backward(
     for rows in microbatches(batch, microbatch_rows)[:max_microbatches]:
         mb = prepare(rows, device, ttt_steps=ttt_steps, draft_loss_on=draft_loss_on)
         loss = microbatch_sums(policy, draft, mb, policy_loss_fn, sums, ttt_steps=ttt_steps, pass_decay=pass_decay,
-                               chunk_tokens=chunk_tokens)
+                               chunk_tokens=chunk_tokens, moe_aux_loss_weight=moe_aux_loss_weight)
         loss.backward()
     policy_scale, draft_scale, metrics = scales_and_metrics(sums.all_reduce(group), ttt_steps, pass_decay,
                                                             draft_loss_weight)

@@ -10,9 +10,11 @@ its loss or gradient norm is not finite on any rank (``rl.nonfinite``). The metr
 are means over the minibatches; ``nonfinite/*`` is the fraction of updates skipped.
 
 * ``SingleStageUpdate``: ``forward_backward`` in microbatches of ``training.local_batch_size``
-  rows (FSDP and CP inside the models), then ``cotrain.step.clip_grad_norms``.
+  rows (FSDP and CP inside the models; a mixture of experts' load-balancing loss added with
+  ``[model] moe_aux_loss_weight``), then ``cotrain.step.clip_grad_norms``.
 * ``PipelineUpdate``: the minibatch padded with empty rows (loss mask 0) to whole schedule
-  steps, ``pipeline_step`` over them, then the same clipping over this PP rank's parameters.
+  steps, ``pipeline_step`` over them, then the same clipping over this PP rank's parameters;
+  dense policies only (``rl.config_checks.moe_update_errors``).
 """
 
 from collections.abc import Callable
@@ -79,7 +81,8 @@ class SingleStageUpdate(UpdateStep):
         out = forward_backward(self.policy, draft, minibatch, loss_fn, ttt_steps=cfg.draft.ttt_steps,
                                pass_decay=cfg.draft.pass_decay, draft_loss_weight=cfg.draft.loss_weight,
                                draft_loss_on=cfg.draft.loss_on, prepare=self.prepare, device=self.device,
-                               microbatch_rows=cfg.training.local_batch_size, max_microbatches=self.max_microbatches)
+                               microbatch_rows=cfg.training.local_batch_size, max_microbatches=self.max_microbatches,
+                               moe_aux_loss_weight=cfg.model.moe_aux_loss_weight)
         return out | clip_grad_norms(self.policy.parameters(), draft.parameters() if draft is not None else None,
                                      cfg.training.max_norm, cfg.draft.grad_clip)
 

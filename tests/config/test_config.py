@@ -189,6 +189,28 @@ def test_tensor_parallel_is_refused():
             world_size=2)
 
 
+def test_expert_parallel_degree_is_checked():
+    moe = ("--model.name", "qwen3", "--model.flavor", "debugmoe")
+
+    def ep(degree: int, *others: str) -> tuple[str, ...]:
+        return (*moe, "--parallelism.expert_parallel_degree", str(degree), *others)
+
+    assert _load(DEFAULT, *ep(2), world_size=2).parallelism.expert_parallel_degree == 2
+    _expect(DEFAULT, "parallelism.expert_parallel_degree must be >= 1", overrides=ep(0))
+    _expect(DEFAULT, "parallelism.expert_parallel_degree (2): the policy (llama3 debugmodel) is dense",
+            overrides=("--parallelism.expert_parallel_degree", "2"), world_size=2)
+    _expect(DEFAULT, "parallelism.expert_parallel_degree (3) must divide the policy's 8 experts", overrides=ep(3),
+            world_size=3)
+    _expect(DEFAULT, "parallelism.expert_parallel_degree (4) must divide data_parallel_shard_degree x "
+            "context_parallel_degree = 1 x 2", overrides=ep(4, "--parallelism.data_parallel_replicate_degree", "2",
+                                                            "--parallelism.context_parallel_degree", "2"),
+            world_size=4)
+    _expect(DEFAULT, "parallelism.expert_parallel_degree (2) with pipeline parallelism is not built yet",
+            overrides=ep(2, "--parallelism.pipeline_parallel_degree", "2"), world_size=4)
+    _expect(DEFAULT, "parallelism.expert_parallel_degree (2) with a compiled policy is not built yet",
+            overrides=ep(2, "--compile.enable"), world_size=2)
+
+
 def test_an_engine_tensor_parallel_degree_must_divide_the_peers_and_the_heads():
     _expect(DEFAULT, "rollout.tensor_parallel_degree (2) must divide context_parallel_degree x "
             "pipeline_parallel_degree = 1", overrides=("--rollout.tensor_parallel_degree", "2"), world_size=2)

@@ -4,7 +4,7 @@ Everything the project takes from torchtitan goes through here: the TOML ``JobCo
 and its parser, the process-group init, parallel dims and the device mesh, the optimizer
 and LR-schedule containers, grad-norm clipping across meshes, the pipeline's default layer
 split, the DCP checkpoint manager, the tokenizer, the TensorBoard logger and the
-mixture-of-experts feed-forward. This is also
+mixture-of-experts feed-forward and its expert-parallel style. This is also
 the one place that resolves the device type, and where torchtitan's CPU gaps are closed
 (each skipped when CUDA is present):
 
@@ -19,7 +19,11 @@ the one place that resolves the device type, and where torchtitan's CPU gaps are
   on CPU;
 * its MoE router counts tokens per expert with ``torch.histc`` on int64 expert ids, which
   has no CPU kernel: on CPU the MoE runs under a torch-function mode that counts them as
-  floats (``build_moe``).
+  floats (``build_moe``); the expert-parallel dispatch runs inside the MoE's forward, so
+  under the same mode;
+* its expert-parallel dispatch orders the received tokens by expert with a Triton kernel
+  that takes device tensors only: on CPU it asks for torchtitan's own host loop instead
+  (``expert_parallel_style``).
 """
 
 import bisect
@@ -45,6 +49,7 @@ __all__ = [
     "device_memory_stats",
     "device_type",
     "encode_without_special_tokens",
+    "expert_parallel_style",
     "use_device_type",
     "fsdp_sum_gradients",
     "init_distributed",
@@ -148,7 +153,9 @@ def init_distributed(comm_config) -> int:
 
 
 def build_parallel_dims(parallelism, world_size: int, mesh_ranks: Sequence[int] | None = None):
-    """torchtitan ``ParallelDims`` from a ``[parallelism]`` section (TP/EP fixed at 1).
+    """torchtitan ``ParallelDims`` from a ``[parallelism]`` section (TP fixed at 1; EP of
+    ``expert_parallel_degree``, whose ``ep`` mesh is the innermost ranks of ``fsdp`` and
+    ``efsdp`` the rest: ``efsdp x ep = dp_shard x cp``).
 
     ``mesh_ranks``: the global rank at each position of torchtitan's ``[pp, dp, cp]`` world
     mesh (``parallel.rank_layout.RankLayout.mesh_ranks``); None or ``arange(world_size)``:
@@ -160,7 +167,8 @@ def build_parallel_dims(parallelism, world_size: int, mesh_ranks: Sequence[int] 
 
     degrees = dict(dp_replicate=parallelism.data_parallel_replicate_degree,
                    dp_shard=parallelism.data_parallel_shard_degree, cp=parallelism.context_parallel_degree,
-                   tp=1, pp=parallelism.pipeline_parallel_degree, ep=1, etp=1, world_size=world_size)
+                   tp=1, pp=parallelism.pipeline_parallel_degree,
+                   ep=parallelism.expert_parallel_degree, etp=1, world_size=world_size)
     if mesh_ranks is None or list(mesh_ranks) == list(range(world_size)):
         return ParallelDims(**degrees)
     return _placed_parallel_dims_class()(**degrees, mesh_ranks=tuple(mesh_ranks))
@@ -255,15 +263,19 @@ def build_lr_schedulers(optimizers, phases: Sequence[tuple[object, int, float]])
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, pp_mesh=None) -> torch.Tensor:
     """Global grad-norm clip over DTensor (FSDP) and plain parameters, reduced across PP stages.
 
-    A rank with no gradients (under PP, a stage without the draft) still joins the PP
-    reduction, with a zero on the device: torchtitan's ``get_total_norm([])`` is a host tensor,
-    which NCCL cannot reduce."""
+    Expert-parallel experts live on another mesh (``efsdp x ep``) than the rest (``fsdp``),
+    and one norm cannot mix DTensors of two meshes: torchtitan's EP clip then takes the two
+    norms apart and combines them. A rank with no gradients (under PP, a stage without the
+    draft) still joins the PP reduction, with a zero on the device: torchtitan's
+    ``get_total_norm([])`` is a host tensor, which NCCL cannot reduce."""
     init_torchtitan()
+    from torch.distributed.tensor import DTensor
     from torchtitan.distributed.utils import clip_grad_norm_ as titan_clip
 
     parameters = list(parameters)
     if any(p.grad is not None for p in parameters):
-        return titan_clip(parameters, max_norm, foreach=True, pp_mesh=pp_mesh)
+        ep_enabled = any(isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ()) for p in parameters)
+        return titan_clip(parameters, max_norm, foreach=True, pp_mesh=pp_mesh, ep_enabled=ep_enabled)
     squares = torch.zeros((), dtype=torch.float32, device=device_type())
     if pp_mesh is not None:
         torch.distributed.all_reduce(squares, group=pp_mesh.get_group())
@@ -357,6 +369,45 @@ def _moe_class() -> type:
                 return super().forward(x)
 
     return MoEWithCpuCounts
+
+
+def expert_parallel_style():
+    """torchtitan's ``ExpertParallel`` style for one MoE's ``experts`` (``GroupedExperts``;
+    one instance per layer: it keeps the layer's splits from dispatch to combine), applied
+    with ``parallelize_module`` over the ``ep`` mesh.
+
+    It shards ``w1/w2/w3`` ``Shard(0)`` over the experts (rank ``r`` of ``ep`` holds experts
+    ``[r E/ep, (r+1) E/ep)``). Dispatch: the ``[N top_k, dim]`` routed tokens, sorted by
+    expert, go to their experts' ranks in one ``all_to_all`` (splits exchanged first, read on
+    the host: one sync per layer), are reordered by local expert and each expert's group
+    padded with zero rows to a multiple of 8 (what grouped matmuls need; the per-expert loop
+    off CUDA runs them too, and zero rows give zero outputs and gradients). Combine: the
+    inverse all-to-all back to the tokens' own rank. Dropless: every assignment is computed.
+    On CPU the reordering runs torchtitan's host loop in place of its Triton kernel."""
+    init_torchtitan()
+    return _expert_parallel_class()()
+
+
+@functools.cache
+def _expert_parallel_class() -> type:
+    """torchtitan's ``ExpertParallel``, whose dispatch on CPU builds its permutation with
+    ``generate_permute_indices(use_cpu=True)`` (torchtitan's ``_permute`` leaves it at the
+    Triton kernel, which refuses host tensors); unchanged on other devices."""
+    import torchtitan.models.moe.utils as titan_moe_utils
+    from torchtitan.distributed.expert_parallel import ExpertParallel
+
+    class ExpertParallelWithCpuPermute(ExpertParallel):
+        def _token_dispatch(self, mod, inputs, device_mesh):
+            if inputs[0].device.type != "cpu":
+                return super()._token_dispatch(mod, inputs, device_mesh)
+            on_device = titan_moe_utils.generate_permute_indices
+            titan_moe_utils.generate_permute_indices = functools.partial(on_device, use_cpu=True)
+            try:
+                return super()._token_dispatch(mod, inputs, device_mesh)
+            finally:
+                titan_moe_utils.generate_permute_indices = on_device
+
+    return ExpertParallelWithCpuPermute
 
 
 def tensorboard_logger(log_dir: str):

@@ -42,12 +42,11 @@ def _parallel_errors(p, world_size: int) -> list[str]:
     errors = []
     if p.tensor_parallel_degree != 1:
         errors.append("parallelism.tensor_parallel_degree: tensor parallelism is not supported (use 1)")
-    if p.expert_parallel_degree != 1:
-        errors.append("parallelism.expert_parallel_degree: expert parallelism is not built yet (use 1)")
     degrees = {
         "data_parallel_replicate_degree": p.data_parallel_replicate_degree,
         "context_parallel_degree": p.context_parallel_degree,
         "pipeline_parallel_degree": p.pipeline_parallel_degree,
+        "expert_parallel_degree": p.expert_parallel_degree,
     }
     for key, value in degrees.items():
         if value < 1:

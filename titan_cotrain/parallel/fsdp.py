@@ -1,12 +1,14 @@
-"""FSDP2 for the target and the draft: one FSDP unit per decoder layer plus the root, and
-filling sharded parameters from whole tensors one at a time (initialisation, loading)."""
+"""FSDP2 for the target and the draft: one FSDP unit per decoder layer (and one for its
+expert-parallel experts) plus the root, and filling sharded parameters from whole tensors
+one at a time (initialisation, loading)."""
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from titan_cotrain.components.titan import fsdp_sum_gradients
+from titan_cotrain.parallel.expert_parallel import is_expert_parallel
 
 __all__ = ["apply_fsdp", "copy_whole_into_", "local_slices", "reduce_every_microbatch"]
 
@@ -14,7 +16,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def apply_fsdp(model: nn.Module, mesh, param_dtype: str | None = "float32", reduce_dtype: str | None = "float32",
-               reshard_after_forward: bool = True) -> nn.Module:
+               reshard_after_forward: bool = True, experts_mesh=None) -> nn.Module:
     """Shard each of ``model.layers`` (if any; a list, or a pipeline stage's dict) as a unit,
     then the root (for the target: embeddings, norm, head; the draft, one layer, is a single
     root unit; a stage's draft, sharded before it, stays a unit of its own).
@@ -24,14 +26,30 @@ def apply_fsdp(model: nn.Module, mesh, param_dtype: str | None = "float32", redu
     ``param_dtype`` / ``reduce_dtype`` None keep the parameters' own (fp64 references).
     Gradients are *summed* across it, not averaged: the co-training objective scales them by
     the global token counts once an update's microbatches are done.
+
+    Expert parallelism (``parallel.expert_parallel``): a layer's expert-parallel experts are
+    a unit of their own, sharded over ``experts_mesh`` (``efsdp``, or ``dp_replicate x
+    efsdp``) on top of their ``ep`` sharding; on their expert dimension while each ``efsdp``
+    rank still gets one, else on dimension 1 (torchtitan's rule: fewer local experts than
+    ``efsdp`` ranks would leave ranks empty).
     """
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES.get(param_dtype), reduce_dtype=_DTYPES.get(reduce_dtype))
     layers = getattr(model, "layers", ())
     for layer in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
+        if experts_mesh is not None:
+            _shard_experts(layer, experts_mesh, mp, reshard_after_forward)
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fsdp_sum_gradients(model.modules())
     return model
+
+
+def _shard_experts(layer: nn.Module, mesh, mp: MixedPrecisionPolicy, reshard_after_forward: bool) -> None:
+    for experts in filter(is_expert_parallel, layer.modules()):
+        local_experts = next(experts.parameters()).to_local().shape[0]
+        by_width = (lambda param: Shard(1)) if mesh.shape[-1] > local_experts else None
+        fully_shard(experts, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                    shard_placement_fn=by_width)
 
 
 def reduce_every_microbatch(module: nn.Module) -> None:

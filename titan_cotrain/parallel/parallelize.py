@@ -1,12 +1,15 @@
 """``parallelize``: the trainer's models built, parallelised from outside and filled, once.
 
-In torchtitan's order, on models built on the meta device: context parallelism (torch's CP
+In torchtitan's order, on models built on the meta device: expert parallelism (the routed
+experts of a mixture of experts sharded over ``ep``, tokens dispatched by all-to-all,
+``parallel.expert_parallel``), then context parallelism (torch's CP
 dispatcher running our ring, hooked onto every attention module of the policy and the draft,
 ``parallel.context_parallel.apply_context_parallel``; the batch side is the returned
 ``prepare_microbatch``), then activation checkpointing, then
 ``torch.compile`` per block (``[compile] enable``), then FSDP2 (the compute and reduce dtypes
 of ``[training] mixed_precision_*``) over ``dp_shard x cp`` (HSDP's ``dp_replicate x fsdp``
-with replicas), or over this rank alone when only the compute dtype asks for it;
+with replicas; expert-parallel experts over ``efsdp``), or over this rank alone when only
+the compute dtype asks for it;
 under PP the model is first split into this rank's stages, which are sharded the same way.
 Then the shards are materialised on the device and filled one whole tensor at a time on the
 host (a Hugging Face folder is read slice by slice): no rank ever holds a whole model, and
@@ -32,6 +35,7 @@ from titan_cotrain.models.transformer import Transformer, rope_inv_freq
 from titan_cotrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_cotrain.parallel.compile import apply_compile
 from titan_cotrain.parallel.context_parallel import apply_context_parallel, prepare_cp_microbatch
+from titan_cotrain.parallel.expert_parallel import apply_expert_parallel, experts_fsdp_mesh
 from titan_cotrain.parallel.fsdp import apply_fsdp, copy_whole_into_, reduce_every_microbatch
 from titan_cotrain.parallel.pipeline import Pipeline, build_pipeline
 
@@ -99,6 +103,9 @@ def parallelize(config, parallel_dims, world_size: int, device: torch.device, *,
     policy = build_target(config, device="meta")
     draft = build_draft(config, policy, token_counts=token_counts, device="meta")
     prepare = prepare_microbatch
+    ep_mesh = parallel_dims.get_mesh("ep") if parallel_dims.ep_enabled else None
+    if ep_mesh is not None:
+        apply_expert_parallel(policy, ep_mesh)
     if parallel_dims.cp_enabled and not parallel_dims.pp_enabled:  # under PP, build_pipeline applies it
         cp_mesh = parallel_dims.get_mesh("cp")
         apply_context_parallel(cp_mesh, policy, draft)
@@ -108,9 +115,10 @@ def parallelize(config, parallel_dims, world_size: int, device: torch.device, *,
         apply_compile(policy, draft, config.compile.components, config.compile.backend)
     mesh = _fsdp_mesh_or_none(config, parallel_dims, world_size, device)
     sharded = mesh is not None
+    experts_mesh = experts_fsdp_mesh(parallel_dims) if ep_mesh is not None else None
 
     def shard(module: nn.Module) -> None:
-        apply_fsdp(module, mesh, t.mixed_precision_param, t.mixed_precision_reduce)
+        apply_fsdp(module, mesh, t.mixed_precision_param, t.mixed_precision_reduce, experts_mesh=experts_mesh)
 
     if parallel_dims.pp_enabled:
         def shard_stage(module: nn.Module) -> None:
@@ -121,6 +129,8 @@ def parallelize(config, parallel_dims, world_size: int, device: torch.device, *,
         return _pipelined(config, parallel_dims, device, policy, draft, shard_stage if sharded else None,
                           policy_loss_fn, fill)
     reference = build_target(config, device="meta").requires_grad_(False) if config.rl.kl_coef > 0 else None
+    if reference is not None and ep_mesh is not None:
+        apply_expert_parallel(reference, ep_mesh)
     for module in (policy, draft, reference):
         if module is None:
             continue

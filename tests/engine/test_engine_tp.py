@@ -1,26 +1,28 @@
 """A tensor-parallel rollout engine (``[rollout] tensor_parallel_degree``): its policy copy is split
-over the ranks of an engine group and still generates what the one-rank engine generates."""
+over the ranks of an engine group and still generates what the one-rank engine generates, a
+mixture of experts' too (every expert split over its width)."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from tests.multiprocess import run_on_ranks
-from tests.engine.test_rollout import _prompts
+from tests.engine.test_rollout import DENSE, MOE, _prompts
 from titan_cotrain.models.args import model_args_for
 from titan_cotrain.models.draft import DraftArgs
 from titan_cotrain.engine.rollout import RolloutEngine, kv_bytes_per_sequence
 from titan_cotrain.engine.sampling import SamplingParams
 
 
-def _models(seed: int):
-    """The llama3 debug model (vocabulary 64) and a draft over 48 of its ids, random weights
-    at a scale whose logits are O(10), so fp32's reduction order moves log-probs by ~1e-6."""
+def _models(seed: int, flavor=DENSE):
+    """The llama3 debug model (or another ``(name, flavor)``; vocabulary 64) and a draft over
+    48 of its ids, random weights at a scale whose logits are O(10), so fp32's reduction order
+    moves log-probs by ~1e-6."""
     from titan_cotrain.models.draft import Draft
     from titan_cotrain.models.draft_vocab import draft_vocab_from_counts
     from titan_cotrain.models.transformer import Transformer
 
-    target = Transformer(model_args_for("llama3", "debugmodel").replace(vocab_size=64))
+    target = Transformer(model_args_for(*flavor).replace(vocab_size=64))
     target.init_weights(std=0.1, generator=torch.Generator().manual_seed(seed))
     maps = draft_vocab_from_counts(torch.arange(64).float(), 48)
     draft = Draft(DraftArgs.from_target(target.args, n_taps=3, draft_vocab_size=48), *maps)
@@ -28,15 +30,15 @@ def _models(seed: int):
     return target, draft
 
 
-def _tp_engine_matches_one_rank(rank: int, world_size: int) -> None:
+def _tp_engine_matches_one_rank(rank: int, world_size: int, flavor) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
     from titan_cotrain.parallel.engine_tp import engine_tp_mesh
 
-    target, draft = _models(3)
-    reference = RolloutEngine(*_models(3), max_batch_size=5, max_seq_len=40,
+    target, draft = _models(3, flavor)
+    reference = RolloutEngine(*_models(3, flavor), max_batch_size=5, max_seq_len=40,
                               max_draft_tokens=3)
     # The trainer's side: FSDP2 shards over the same two ranks.
     mesh = init_device_mesh("cpu", (world_size,))
@@ -51,6 +53,12 @@ def _tp_engine_matches_one_rank(rank: int, world_size: int) -> None:
     assert isinstance(q_proj, DTensor) and q_proj.to_local().shape[0] == q_proj.shape[0] // world_size
     assert engine.target_pool.k.shape[3] == target.args.n_kv_heads // world_size
     assert engine.policy.lm_head.weight is engine.policy.embed_tokens.weight or not target.args.tie_embeddings
+    for layer in engine.policy.layers:
+        if layer.sparse:  # each rank holds half of every expert's width; the router whole
+            w1, w2 = layer.mlp.experts.w1, layer.mlp.experts.w2
+            assert w1.to_local().shape[1] == w1.shape[1] // world_size == target.args.moe_inter_dim // world_size
+            assert w2.to_local().shape[2] == w2.shape[2] // world_size
+            assert not isinstance(layer.mlp.router.gate.weight, DTensor)
 
     prompts = _prompts([3, 7, 2, 5, 4], 64, seed=1)
     cases = [(SamplingParams(temperature=0, max_new_tokens=16), k) for k in (0, 3)]
@@ -71,15 +79,16 @@ def _tp_engine_matches_one_rank(rank: int, world_size: int) -> None:
     # Released and refreshed from other weights, it follows them like a fresh one-rank engine.
     engine.release()
     assert engine.target_pool.k.untyped_storage().nbytes() == 0 and q_proj.to_local().untyped_storage().nbytes() == 0
-    new_target, new_draft = _models(8)
+    new_target, new_draft = _models(8, flavor)
     engine.load_weights(new_target.state_dict(), new_draft.state_dict())
     fresh = RolloutEngine(new_target, new_draft, max_batch_size=5, max_seq_len=40, max_draft_tokens=3)
     params = SamplingParams(temperature=0, max_new_tokens=16)
     assert torch.equal(engine.generate(prompts, params).tokens, fresh.generate(prompts, params).tokens)
 
 
-def test_a_tensor_parallel_engine_generates_what_one_rank_generates():
-    run_on_ranks(_tp_engine_matches_one_rank, 2)
+@pytest.mark.parametrize("flavor", [DENSE, MOE], ids=["dense", "moe"])
+def test_a_tensor_parallel_engine_generates_what_one_rank_generates(flavor):
+    run_on_ranks(_tp_engine_matches_one_rank, 2, flavor)
 
 
 def test_tensor_parallel_kv_bytes_are_a_share_of_the_targets():
@@ -90,6 +99,17 @@ def test_tensor_parallel_kv_bytes_are_a_share_of_the_targets():
     # The draft's cache stays whole on every rank.
     with_draft = kv_bytes_per_sequence(args, draft, 1024, 4, torch.bfloat16, tensor_parallel=8)
     assert with_draft - whole // 8 == kv_bytes_per_sequence(args, draft, 1024, 4, torch.bfloat16) - whole
+
+
+def test_a_mixture_of_experts_splits_by_its_expert_width():
+    from titan_cotrain.parallel.engine_tp import engine_tp_errors
+
+    args = model_args_for("qwen3", "30B-A3B")  # every layer sparse: its ffn_dim splits nothing
+    assert engine_tp_errors(args.replace(ffn_dim=6143), 4) == []
+    assert engine_tp_errors(args.replace(moe_inter_dim=766), 4) == [
+        "rollout.tensor_parallel_degree (4) must divide the policy's expert width (766)"]
+    debug = model_args_for(*MOE)  # dense layers too
+    assert "ffn width" in " ".join(engine_tp_errors(debug.replace(ffn_dim=127), 2))
 
 
 def _refuses(rank: int, world_size: int) -> None:

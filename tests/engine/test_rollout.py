@@ -1,6 +1,7 @@
 """The rollout engine: drafting matches TTT, greedy speculative == greedy plain, lossless
 sampling (with a broken rule that must fail the same test), behaviour logprobs, filters,
-weight refresh, an engine built from FSDP-sharded models. Memory (engine copies, KV budget,
+weight refresh, an engine built from FSDP-sharded models; the first, the second and the last
+for a mixture-of-experts policy too. Memory (engine copies, KV budget,
 waves, decode attention off CPU): ``test_engine_memory.py``."""
 
 import math
@@ -20,6 +21,8 @@ from titan_cotrain.engine.sampling import SamplingParams, greedy_accept, process
 
 
 N_SAMPLES = 5000  # per distribution test: 625 cells, most expecting 5 draws or more
+DENSE = ("llama3", "debugmodel")
+MOE = ("qwen3", "debugmoe")  # layers 1, 3, 7 sparse: 8 experts, top 2 (torchtitan's MoE)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -32,10 +35,11 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def _models(vocab: int = 0, draft_vocab: int = 0, seed: int = 0) -> tuple[Transformer, Draft]:
-    """The llama3 debug model (optionally with a smaller vocabulary) and a draft for it,
-    random weights, a reduced draft vocabulary when ``draft_vocab`` is given."""
-    args = model_args_for("llama3", "debugmodel")
+def _models(vocab: int = 0, draft_vocab: int = 0, seed: int = 0, flavor=DENSE) -> tuple[Transformer, Draft]:
+    """The llama3 debug model (or another ``(name, flavor)``; optionally with a smaller
+    vocabulary) and a draft for it, random weights, a reduced draft vocabulary when
+    ``draft_vocab`` is given."""
+    args = model_args_for(*flavor)
     target = Transformer(args.replace(vocab_size=vocab) if vocab else args)
     target.init_weights(std=0.3, generator=torch.Generator().manual_seed(seed))
     draft_args = DraftArgs.from_target(target.args, n_taps=3, draft_vocab_size=draft_vocab)
@@ -64,9 +68,12 @@ def _teacher_forced_logprobs(target: Transformer, prompts, out, params: Sampling
     return result
 
 
-def _eos_for_some_rows(tokens: torch.Tensor) -> int:
-    """A token that occurs in some rows of ``tokens [B, N]`` (after their first 2 tokens) but not in all."""
+def _eos_for_some_rows(tokens: torch.Tensor, other_than: int | None = None) -> int:
+    """A token that occurs in some rows of ``tokens [B, N]`` (after their first 2 tokens) but
+    not in all, and is not ``other_than``."""
     rows_with = F.one_hot(tokens[:, 2:], int(tokens.max()) + 1).any(1).sum(0)
+    if other_than is not None:
+        rows_with[other_than] = 0
     candidates = ((rows_with > 0) & (rows_with < tokens.shape[0])).nonzero().flatten()
     assert candidates.numel(), "no token splits the batch; pick other prompts"
     return int(candidates[rows_with[candidates].argmax()])
@@ -117,19 +124,25 @@ def _constant_draft(target: Transformer, token: int, draft_vocab: int) -> Draft:
     return draft
 
 
+@pytest.mark.parametrize("flavor, seed", [(DENSE, 0), (MOE, 4)], ids=["dense", "moe"])
 @pytest.mark.parametrize("vocab, draft_vocab, k", [(256, 200, 3), (6, 5, 3)])
-def test_greedy_speculative_equals_greedy_plain(vocab, draft_vocab, k):
+def test_greedy_speculative_equals_greedy_plain(vocab, draft_vocab, k, flavor, seed):
     """Token for token, ragged prompts, an EOS that stops some rows mid-batch. With 256
     tokens the random draft is rarely right; with 6, a draft that always proposes the
-    target's most frequent token makes ragged multi-token acceptances common."""
-    target, draft = _models(vocab, draft_vocab)
+    target's most frequent token makes ragged multi-token acceptances common. A mixture of
+    experts routes each token alone, so its verify of ``k + 1`` positions routes them as
+    decoding them one at a time does. (``seed``: weights whose greedy text repeats a token
+    that is not the EOS.)"""
+    target, draft = _models(vocab, draft_vocab, seed, flavor)
     prompts = _prompts([3, 9, 5, 1, 7, 4], vocab)
     engine = RolloutEngine(target, draft, max_batch_size=8, max_seq_len=40, max_draft_tokens=k)
     plain = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=24), draft_tokens=0)
+    proposed = None
     if vocab == 6:
-        draft = _constant_draft(target, int(plain.tokens.flatten().mode().values), draft_vocab)
+        proposed = int(plain.tokens.flatten().mode().values)
+        draft = _constant_draft(target, proposed, draft_vocab)
         engine = RolloutEngine(target, draft, max_batch_size=8, max_seq_len=40, max_draft_tokens=k)
-    params = SamplingParams(temperature=0, max_new_tokens=24, eos_token_id=_eos_for_some_rows(plain.tokens))
+    params = SamplingParams(temperature=0, max_new_tokens=24, eos_token_id=_eos_for_some_rows(plain.tokens, proposed))
     plain = engine.generate(prompts, params, draft_tokens=0)
     calls = []
     spec = engine.generate(prompts, params, draft_tokens=k, progress=lambda done, total: calls.append((done, total)))
@@ -184,15 +197,16 @@ def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 def _first_tokens_test(params: SamplingParams, k: int, n_samples: int, per_round=None,
-                       pool_sequences: int = 0) -> float:
+                       pool_sequences: int = 0, flavor=DENSE) -> float:
     """P-value of "the first ``1 + (k + 1)`` response tokens of speculative sampling follow the
     target's exact joint distribution", on a 5-token vocabulary with a 4-token draft
     vocabulary (token 0 can only come from a residual or a bonus draw). ``per_round``: the
     engine's per-round choice of ``k`` (``draft_tokens``), else ``k`` every round.
     ``pool_sequences``: a KV pool of that many sequences at their longest, for 16 rows, so
-    that sequences are preempted and recomputed (0: blocks for every row)."""
+    that sequences are preempted and recomputed (0: blocks for every row). ``flavor``: the
+    target's ``(name, flavor)``."""
     vocab, m = 5, k + 2
-    target, draft = _models(vocab, draft_vocab=4, seed=4)
+    target, draft = _models(vocab, draft_vocab=4, seed=4, flavor=flavor)
     prompt = torch.tensor([3, 1, 4])
     # Exact joint of the first m tokens: teacher-force every one of the vocab^m continuations.
     grid = torch.cartesian_prod(*[torch.arange(vocab)] * m)  # [vocab^m, m], first token slowest
@@ -221,10 +235,12 @@ def _first_tokens_test(params: SamplingParams, k: int, n_samples: int, per_round
     return _chi_square_p_value(torch.bincount(cell, minlength=vocab**m), exact)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9)],
-                         ids=["t1", "t0.8-top_p0.9"])
-def test_speculative_sampling_is_lossless(params):
-    assert _first_tokens_test(params, k=2, n_samples=N_SAMPLES) > 1e-3
+@pytest.mark.parametrize("params, flavor", [(SamplingParams(temperature=1.0), DENSE),
+                                            (SamplingParams(temperature=0.8, top_p=0.9), DENSE),
+                                            (SamplingParams(temperature=1.0), MOE)],
+                         ids=["t1", "t0.8-top_p0.9", "t1-moe"])
+def test_speculative_sampling_is_lossless(params, flavor):
+    assert _first_tokens_test(params, k=2, n_samples=N_SAMPLES, flavor=flavor) > 1e-3
 
 
 def test_speculative_sampling_is_lossless_under_preemption():
@@ -342,12 +358,12 @@ def test_load_weights_refreshes_in_place():
         engine.load_weights({k: v for k, v in new_target.state_dict().items() if "layers.0." not in k})
 
 
-def _load_sharded_rank(rank, world_size):
+def _load_sharded_rank(rank, world_size, flavor):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.set_num_threads(1)
-    trained = _models(vocab=6, draft_vocab=5, seed=10)
+    trained = _models(vocab=6, draft_vocab=5, seed=10, flavor=flavor)
     expected = [{k: v.clone() for k, v in m.state_dict().items()} for m in trained]
     mesh = init_device_mesh("cpu", (world_size,))
     for module in trained:
@@ -361,8 +377,26 @@ def _load_sharded_rank(rank, world_size):
         assert torch.equal(module.rope_inv_freq, source.rope_inv_freq)  # in no state dict: recomputed
 
 
-def test_an_engine_built_from_fsdp_sharded_models_holds_their_weights():
-    run_on_ranks(_load_sharded_rank, 2)
+@pytest.mark.parametrize("flavor", [DENSE, MOE], ids=["dense", "moe"])
+def test_an_engine_built_from_fsdp_sharded_models_holds_their_weights(flavor):
+    """Every tensor of the state dicts, a mixture of experts' ``[E, ...]`` expert stacks
+    (sharded over experts) and routers included."""
+    run_on_ranks(_load_sharded_rank, 2, flavor)
+
+
+def test_a_bf16_copy_of_a_mixture_of_experts_tallies_its_experts_in_fp32():
+    """torchtitan's per-expert tallies (a buffer in no state dict) start at zero in fp32 in a
+    copy materialised uninitialised in bf16, and count every routed token of every forward."""
+    target, draft = _models(vocab=6, draft_vocab=5, seed=4, flavor=MOE)
+    engine = RolloutEngine.from_models(target, draft, device="cpu", dtype=torch.bfloat16, max_batch_size=4,
+                                       max_seq_len=24, max_draft_tokens=2)
+    assert engine.policy.layers[1].mlp.experts.w1.dtype == torch.bfloat16
+    tallies = [layer.mlp.tokens_per_expert for layer in engine.policy.layers if layer.sparse]
+    assert len(tallies) == 3 and all(t.dtype == torch.float32 and not t.any() for t in tallies)
+    out = engine.generate(_prompts([3, 5, 2], 6), SamplingParams(temperature=0, max_new_tokens=8), draft_tokens=2)
+    assert out.response_lens.sum() > 0
+    routed = {float(t.sum()) for t in tallies}  # top_k per token forwarded, the same in every layer
+    assert len(routed) == 1 and routed.pop() % target.args.top_k == 0
 
 
 def test_rollout_progress_bar_draws_after_its_delay_and_clears():

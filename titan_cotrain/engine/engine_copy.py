@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan_cotrain.models.draft import Draft
+from titan_cotrain.models.moe import reset_expert_tallies
 from titan_cotrain.models.transformer import Transformer, rope_inv_freq
 from titan_cotrain.parallel.engine_tp import fill_from_whole, tensor_parallel_engine_policy, whole_tensor
 
@@ -39,7 +40,9 @@ def empty_copy(build: Callable[[], Model], device: torch.device, dtype: torch.dt
     """``build()`` on the meta device (split over ``tp_mesh`` when given), materialised
     uninitialised on ``device`` with its parameters in ``dtype``; the weights are the
     caller's to load. The RoPE frequencies (a non-persistent buffer, in no state dict) are
-    recomputed, in fp32 as the trainer's are."""
+    recomputed, in fp32 as the trainer's are, and a mixture of experts' per-expert tallies
+    (torchtitan's, likewise) start at zero in fp32. Its expert stacks and routers are
+    parameters like any other: ``copy_state`` fills them."""
     with torch.device("meta"):
         model = build().to(dtype)
     if tp_mesh is not None:
@@ -55,4 +58,5 @@ def empty_copy(build: Callable[[], Model], device: torch.device, dtype: torch.dt
             setattr(model.get_submodule(owner), leaf, model.get_parameter(first))
     a = model.args
     model.rope_inv_freq = rope_inv_freq(a.head_dim, a.rope_theta, a.rope_scaling).to(device)
+    reset_expert_tallies(model)
     return model

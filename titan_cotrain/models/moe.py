@@ -34,7 +34,7 @@ from torch import nn
 from titan_cotrain.components.titan import build_moe
 from titan_cotrain.models.args import ModelArgs
 
-__all__ = ["RouterLoad", "load_balancing_loss", "sparse_feed_forward"]
+__all__ = ["RouterLoad", "load_balancing_loss", "reset_expert_tallies", "sparse_feed_forward"]
 
 
 class RouterLoad(NamedTuple):
@@ -55,6 +55,18 @@ def sparse_feed_forward(args: ModelArgs) -> nn.Module:
     moe.router.router_load = None
     moe.router.register_forward_hook(_record_router_load)
     return moe
+
+
+@torch.no_grad()
+def reset_expert_tallies(model: nn.Module) -> None:
+    """Zero, in fp32, the running count of assignments per expert that torchtitan's ``MoE``
+    keeps in a buffer (``tokens_per_expert [E]``, in no state dict; its aux-loss-free
+    balancing reads it, which this project does not use): a copy built on the meta device
+    and materialised uninitialised holds garbage there, in the dtype it was cast to."""
+    for module in model.modules():
+        tally = getattr(module, "tokens_per_expert", None)
+        if isinstance(tally, torch.Tensor):
+            module.tokens_per_expert = torch.zeros(tally.shape, dtype=torch.float32, device=tally.device)
 
 
 def _record_router_load(router: nn.Module, inputs: tuple, outputs: tuple) -> None:

@@ -11,6 +11,12 @@ A policy too big for one GPU's engine (a 70B model's bf16 copy is 140 GB) is spl
   over the vocabulary with the logits all-gathered, so sampling sees whole rows. Both shard
   the ``[V, H]`` weight on dim 0, so a tied embedding stays one parameter.
 
+A mixture of experts' sparse layers split every expert the same way, over its width: each
+rank holds ``1/t`` of the rows of every ``w1`` / ``w3`` ``[E, moe_inter_dim, dim]`` (dim 1) and
+of the columns of ``w2`` ``[E, dim, moe_inter_dim]`` (dim 2), so each rank computes its part of
+every routed token's expert output, and the MoE's output is all-reduced as ``down_proj``'s is.
+The router stays whole: fed the same whole input on every rank, every rank routes alike.
+
 Norm weights and the draft stay whole on every rank (the draft is one layer). Every rank of
 an engine group runs the same generation on the same inputs, with the same seed: the
 collectives' results are identical on every rank, so are the logits and the draws.
@@ -26,8 +32,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleOutput, RowwiseParallel, parallelize_module
 
 __all__ = ["engine_tp_errors", "engine_tp_mesh", "fill_from_whole", "tensor_parallel_engine_policy",
            "whole_host_state", "whole_tensor"]
@@ -45,9 +51,12 @@ def engine_tp_mesh(device_type: str, groups: Sequence[Sequence[int]]) -> DeviceM
 def engine_tp_errors(args, t: int) -> list[str]:
     """What keeps the layout above from splitting a policy of ``args`` (``ModelArgs``) ``t``
     ways: every split dimension must divide evenly."""
-    return [f"rollout.tensor_parallel_degree ({t}) must divide the policy's {what} ({n})"
-            for what, n in (("heads", args.n_heads), ("kv heads", args.n_kv_heads), ("ffn width", args.ffn_dim),
-                            ("vocabulary", args.vocab_size)) if n % t]
+    split = [("heads", args.n_heads), ("kv heads", args.n_kv_heads), ("vocabulary", args.vocab_size)]
+    if not all(args.is_sparse_layer(i) for i in range(args.n_layers)):
+        split.append(("ffn width", args.ffn_dim))
+    if args.n_experts:
+        split.append(("expert width", args.moe_inter_dim))
+    return [f"rollout.tensor_parallel_degree ({t}) must divide the policy's {what} ({n})" for what, n in split if n % t]
 
 
 def tensor_parallel_engine_policy(policy: nn.Module, mesh: DeviceMesh) -> None:
@@ -61,14 +70,30 @@ def tensor_parallel_engine_policy(policy: nn.Module, mesh: DeviceMesh) -> None:
         "embed_tokens": RowwiseParallel(input_layouts=Replicate()),
         "lm_head": ColwiseParallel(output_layouts=Replicate()),
     }
-    for i in range(len(policy.layers)):
+    for i, layer in enumerate(policy.layers):
         plan |= {f"layers.{i}.self_attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")}
-        plan |= {f"layers.{i}.mlp.{name}": ColwiseParallel() for name in ("gate_proj", "up_proj")}
         plan[f"layers.{i}.self_attn.o_proj"] = RowwiseParallel()
-        plan[f"layers.{i}.mlp.down_proj"] = RowwiseParallel()
+        if layer.sparse:
+            _split_experts(layer.mlp.experts, mesh)
+            plan[f"layers.{i}.mlp"] = PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Replicate())
+        else:
+            plan |= {f"layers.{i}.mlp.{name}": ColwiseParallel() for name in ("gate_proj", "up_proj")}
+            plan[f"layers.{i}.mlp.down_proj"] = RowwiseParallel()
     parallelize_module(policy, mesh, plan)
     if tied:
         policy.lm_head.weight = policy.embed_tokens.weight
+
+
+def _split_experts(experts: nn.Module, mesh: DeviceMesh) -> None:
+    """torchtitan's ``GroupedExperts`` split over the expert width (module docstring). Its
+    forward runs on the local shards (it takes ``to_local()`` of DTensor weights), so its
+    output is this rank's partial sum."""
+    def shard_width(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for weight, dim in (("w1", 1), ("w3", 1), ("w2", 2)):
+            module.register_parameter(weight, nn.Parameter(
+                distribute_tensor(getattr(module, weight), mesh, [Shard(dim)])))
+
+    distribute_module(experts, mesh, shard_width)
 
 
 @torch.no_grad()

@@ -110,6 +110,31 @@ def test_a_resume_inside_the_rl_phase_repeats_the_run_exactly(tmp_path):
     _assert_repeated_exactly(metrics[2:], _resume(full, 2, (*args, *offload), tmp_path / "resumed_offload"))
 
 
+@pytest.mark.slow
+def test_the_mixture_of_experts_job_trains_resumes_exactly_and_exports(tmp_path):
+    """``debug_cpu_moe.toml`` (Qwen3-MoE's debugmoe, FSDP 2 x expert parallel 2): warm start,
+    GRPO with speculative rollouts of the MoE policy and its load-balancing loss logged, a
+    resume at an RL step that repeats the run bit for bit, and exports the loaders read back
+    (the policy whole, every expert in it)."""
+    args = ("--job.config_file", "train_configs/debug_cpu_moe.toml", *SHORT, "--task.sft_steps", "1",
+            "--training.steps", "3", "--rl.group_size", "4", "--metrics.no-enable_tensorboard")
+    full = tmp_path / "full"
+    result = _run(*args, "--job.dump_folder", str(full))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    metrics = _metrics(full)
+    assert [m["phase"] for m in metrics] == ["sft", "rl", "rl", "rl"]
+    assert all(m["loss/moe_aux"] > 0 for m in metrics)
+    assert all(m["rollout/draft_tokens"] > 0 for m in metrics[1:])  # speculative rollouts
+    from titan_cotrain.models import load_eagle3, load_hf
+
+    policy = load_hf(full / "export" / "policy")
+    assert (policy.args.n_experts, policy.args.top_k) == (8, 2)
+    assert policy.layers[1].mlp.experts.w1.shape[0] == 8
+    assert load_eagle3(full / "export" / "draft")[1] == (1, 3, 4)
+
+    _assert_repeated_exactly(metrics[2:], _resume(full, 2, args, tmp_path / "resumed"))
+
+
 def test_bad_config_fails_with_one_message(tmp_path):
     result = _run("--draft.tap_layers", "1", "2", "40", "--job.dump_folder", str(tmp_path), nproc=None)
     assert result.returncode == 2

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_cotrain.components.private_torch import check_private_api
 from titan_cotrain.components.titan import build_moe
 from titan_cotrain.models.args import ModelArgs
 
@@ -108,11 +109,5 @@ _GRAPH_TASK_TORCH = ("2.11", "2.12", "2.13")
 
 
 def _in_backward() -> bool:
-    version = torch.__version__.split("+")[0]
-    if ".".join(version.split(".")[:2]) not in _GRAPH_TASK_TORCH:
-        raise RuntimeError(
-            f"titan_cotrain.models.moe asks torch's private torch._C._current_graph_task_id whether a "
-            f"backward is running, written against torch {', '.join(_GRAPH_TASK_TORCH)}; found torch "
-            f"{torch.__version__}. Check it and add the version."
-        )
+    check_private_api("torch._C._current_graph_task_id", "titan_cotrain.models.moe", _GRAPH_TASK_TORCH)
     return torch._C._current_graph_task_id() != -1

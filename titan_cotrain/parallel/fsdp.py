@@ -7,6 +7,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from titan_cotrain.components.private_torch import check_private_api
 from titan_cotrain.components.titan import fsdp_sum_gradients
 from titan_cotrain.parallel.expert_parallel import is_expert_parallel
 
@@ -93,13 +94,8 @@ _LOCAL_SHAPE_TORCH = ("2.11", "2.12", "2.13")
 def _local_shape_and_offset(param: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(local shape, global offset)`` of this rank's part of ``param``, every placement
     (uneven ``Shard``, ``_StridedShard``, nested meshes) as DTensor itself lays it out."""
-    version = torch.__version__.split("+")[0]
-    if ".".join(version.split(".")[:2]) not in _LOCAL_SHAPE_TORCH:
-        raise RuntimeError(
-            f"titan_cotrain.parallel.fsdp reads shard bounds with torch's private "
-            f"torch.distributed.tensor._utils.compute_local_shape_and_global_offset, written against "
-            f"torch {', '.join(_LOCAL_SHAPE_TORCH)}; found torch {torch.__version__}. Check it and add the version."
-        )
+    check_private_api("torch.distributed.tensor._utils.compute_local_shape_and_global_offset",
+                      "titan_cotrain.parallel.fsdp (shard bounds)", _LOCAL_SHAPE_TORCH)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     return compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)

@@ -78,6 +78,9 @@ def _ep_rank(rank, world_size, ep, reference, overrides):
     models = parallelize(config, dims, world_size, torch.device("cpu"), policy_loss_fn=next_token_loss)
     policy = models.policy
     n_experts = policy.args.n_experts
+    # torchtitan's per-expert tallies (in no state dict) start at zero, not as uninitialised memory
+    assert all(layer.mlp.tokens_per_expert.dtype == torch.float32 and not layer.mlp.tokens_per_expert.any()
+               for layer in policy.layers if layer.sparse)
     for model in (policy, models.reference):
         for layer in model.layers if model is not None else ():
             if layer.sparse:  # whole experts per ep rank, FSDP over efsdp on top

@@ -31,6 +31,7 @@ from titan_cotrain.cotrain.step import prepare_microbatch
 from titan_cotrain.data.batch import PrepareMicrobatch
 from titan_cotrain.models.build import build_draft, build_target, init_draft_, init_target_
 from titan_cotrain.models.draft import Draft
+from titan_cotrain.models.moe import reset_expert_tallies
 from titan_cotrain.models.transformer import Transformer, rope_inv_freq
 from titan_cotrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_cotrain.parallel.compile import apply_compile
@@ -198,7 +199,7 @@ def _materialize(module: nn.Module, device: torch.device, host: dict[str, torch.
     with the ``host`` buffers ``_take_host_buffers`` kept copied back. Parameters are swapped
     in place (``swap_tensors``), so tied ones (embedding and head) stay one parameter; where
     a swap is refused (the simulator's plain fake tensors carry weakrefs), the ties are
-    restored by hand."""
+    restored by hand. A MoE's per-expert tallies start at zero."""
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
     for sub in module.modules():
         for name, param in sub.named_parameters(recurse=False):
@@ -217,6 +218,7 @@ def _materialize(module: nn.Module, device: torch.device, host: dict[str, torch.
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)
     _restore_buffers(module, host)
+    reset_expert_tallies(module)  # a MoE's per-expert count, in no state dict
 
 
 @torch.no_grad()

@@ -198,3 +198,44 @@ def test_a_released_tensor_parallel_engine_leaves_the_update(tmp_path):
     engine = kept["after_step_gib"]["engine weights"] + kept["after_step_gib"]["KV cache"]
     assert engine > 0.4  # this rank's half of a 1.2 GiB bf16 copy, and its pool
     assert kept["phase_peak_gib"]["update"] - released["phase_peak_gib"]["update"] == pytest.approx(engine, rel=0.05)
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_a_mixture_of_experts_runs_grouped_matmuls_with_balanced_dispatch(tmp_path, monkeypatch, ep):
+    """Qwen3 ``debugmoe`` on the simulated device, which stands for a GPU: every MoE call (the
+    policy's update, the engine's rollout) runs torchtitan's grouped-matmul experts, whose
+    counts stay on the device (its per-expert loop reads them on the host, which fake tensors
+    cannot). Under expert parallelism the dispatch's split sizes are the balanced stand-in, a
+    modelling assumption the report states: each rank's experts get their even share, the
+    layer's ``N x top_k`` routed rows, padded by the dispatch as torchtitan pads them per local
+    expert (``round_up(N top_k + local experts x 8, 8)`` rows; without EP the experts pad
+    their ``N x top_k`` rows themselves)."""
+    from torch.distributed.tensor import DTensor
+    from torchtitan.models.moe import moe as titan_moe
+
+    from titan_cotrain.models.args import model_args_for
+    from titan_cotrain.simulate.run import BALANCED_DISPATCH
+
+    tokens, calls = [], []
+    moe_forward, experts_forward = titan_moe.MoE.forward, titan_moe.GroupedExperts.forward
+
+    def moe(self, x):
+        tokens.append(x.shape[0] * x.shape[1])
+        return moe_forward(self, x)
+
+    def experts(self, x, num_tokens_per_expert):
+        local = self.w1.to_local().shape[0] if isinstance(self.w1, DTensor) else self.w1.shape[0]
+        calls.append((self.use_grouped_mm, tokens[-1], local, x.shape[0]))
+        return experts_forward(self, x, num_tokens_per_expert)
+
+    monkeypatch.setattr(titan_moe.MoE, "forward", moe)
+    monkeypatch.setattr(titan_moe.GroupedExperts, "forward", experts)
+    result = simulate(_config(tmp_path, "--model.name", "qwen3", "--model.flavor", "debugmoe",
+                              "--parallelism.expert_parallel_degree", str(ep)), "debug_cpu.toml")
+    assert result["host_collectives"] == [] and result["ranks"][0]["peak_gib"] > 0
+    assert result.get("expert_parallel_dispatch") == (BALANCED_DISPATCH if ep > 1 else None)
+    args = model_args_for("qwen3", "debugmoe")
+    assert {local for _, _, local, _ in calls} == {args.n_experts // ep, args.n_experts}  # the policy's, the engine's
+    for grouped, n, local, rows in calls:
+        dispatched = local < args.n_experts
+        assert grouped and rows == (-(-(n * args.top_k + local * 8) // 8) * 8 if dispatched else n * args.top_k)

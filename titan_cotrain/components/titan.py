@@ -24,9 +24,17 @@ the one place that resolves the device type, and where torchtitan's CPU gaps are
 * its expert-parallel dispatch orders the received tokens by expert with a Triton kernel
   that takes device tensors only: on CPU it asks for torchtitan's own host loop instead
   (``expert_parallel_style``).
+
+The scale simulator's stand-in accelerator (``use_device_type``) counts as a GPU: the MoE
+takes the grouped-matmul path there (torch's meta kernel of ``_grouped_mm`` gives its
+shapes). Its tensors have no values, so the two MoE steps that need them get stand-ins
+there and only there: the expert-order permutation (torchtitan's Triton kernel) is an
+unfilled index vector of the kernel's length, and the expert-parallel dispatch's split
+sizes, read on the host, are the balanced ones (``_balanced_dispatch``).
 """
 
 import bisect
+import contextlib
 import functools
 import importlib
 import resource
@@ -83,7 +91,8 @@ def device_type() -> str:
 
 def use_device_type(name: str | None) -> None:
     """Make ``device_type()`` answer ``name`` (None: back to the real device), and rebind
-    torchtitan's import-time copies to it. Only the simulator calls this."""
+    torchtitan's import-time copies to it. Only the simulator calls this: ``name`` is its
+    stand-in accelerator, whose tensors have shapes and no values."""
     global _device_override
     _device_override = name
     init_torchtitan()
@@ -99,6 +108,11 @@ def _rebind_torchtitan_device() -> None:
             module.device_type = kind
         if hasattr(module, "device_module"):
             module.device_module = module_of_kind
+
+
+def _on_stand_in_device(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives on the simulator's stand-in accelerator (``use_device_type``)."""
+    return _device_override is not None and t.device.type == _device_override
 
 
 def init_torchtitan() -> None:
@@ -330,17 +344,18 @@ def build_moe(dim: int, hidden_dim: int, n_experts: int, top_k: int, route_norm:
     No shared experts and no expert bias (torchtitan's aux-loss-free balancing): the balance
     is kept by an auxiliary loss outside. Input ``[B, S, dim]`` -> output ``[B, S, dim]``.
 
-    On CUDA the experts run as grouped matmuls, which compute in bf16 whatever the weights'
-    dtype; elsewhere as torchtitan's loop over experts, in the weights' dtype (``torch._grouped_mm``
-    has a bf16-only CPU kernel, and fp32 models must stay fp32 there). The loop reads the
-    per-expert token counts on the host, one sync per MoE layer.
+    On an accelerator (CUDA, or the simulator's stand-in for one) the experts run as grouped
+    matmuls, which compute in bf16 whatever the weights' dtype; on CPU as torchtitan's loop over
+    experts, in the weights' dtype (``torch._grouped_mm`` has a bf16-only CPU kernel, and fp32
+    models must stay fp32 there). The loop reads the per-expert token counts on the host, one
+    sync per MoE layer; the grouped matmuls take them as device offsets.
     """
     init_torchtitan()
     from torchtitan.models.moe import MoEArgs
 
     args = MoEArgs(
         num_experts=n_experts, num_shared_experts=0, score_func="softmax", route_norm=route_norm, route_scale=1.0,
-        score_before_experts=False, top_k=top_k, use_grouped_mm=device_type() == "cuda", load_balance_coeff=None,
+        score_before_experts=False, top_k=top_k, use_grouped_mm=device_type() != "cpu", load_balance_coeff=None,
     )
     return _moe_class()(args, dim=dim, hidden_dim=hidden_dim)
 
@@ -355,18 +370,42 @@ class _HistcOfIdsAsFloats(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+@contextlib.contextmanager
+def _unfilled_expert_permutation():
+    """torchtitan's expert-order permutation (``generate_permute_indices``) with its Triton
+    fill replaced by the vector the kernel fills, ``[max_len]`` int32, left unfilled: on the
+    simulator's stand-in device the indices have no values anyway, and their length (the
+    routed rows plus the per-expert padding) is what the memory depends on."""
+    import torchtitan.models.moe.kernels as titan_moe_kernels
+
+    def unfilled(tokens_per_expert_group, start_index_values, write_offsets, experts_per_rank, num_ranks, max_len,
+                 **kernel_options):
+        return torch.full((max_len,), -1, dtype=torch.int32, device=tokens_per_expert_group.device)
+
+    fill = titan_moe_kernels.fill_indices_wrapper
+    titan_moe_kernels.fill_indices_wrapper = unfilled
+    try:
+        yield
+    finally:
+        titan_moe_kernels.fill_indices_wrapper = fill
+
+
 @functools.cache
 def _moe_class() -> type:
     """torchtitan's ``MoE``, whose forward on CPU counts expert ids as floats (its int64
-    ``torch.histc`` has no CPU kernel); unchanged on other devices."""
+    ``torch.histc`` has no CPU kernel) and on the simulator's stand-in device permutes without
+    the Triton kernel (``_unfilled_expert_permutation``); unchanged on CUDA."""
     from torchtitan.models.moe import MoE
 
     class MoEWithCpuCounts(MoE):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if x.device.type != "cpu":
-                return super().forward(x)
-            with _HistcOfIdsAsFloats():
-                return super().forward(x)
+            if x.device.type == "cpu":
+                with _HistcOfIdsAsFloats():
+                    return super().forward(x)
+            if _on_stand_in_device(x):
+                with _unfilled_expert_permutation():
+                    return super().forward(x)
+            return super().forward(x)
 
     return MoEWithCpuCounts
 
@@ -383,7 +422,8 @@ def expert_parallel_style():
     padded with zero rows to a multiple of 8 (what grouped matmuls need; the per-expert loop
     off CUDA runs them too, and zero rows give zero outputs and gradients). Combine: the
     inverse all-to-all back to the tokens' own rank. Dropless: every assignment is computed.
-    On CPU the reordering runs torchtitan's host loop in place of its Triton kernel."""
+    On CPU the reordering runs torchtitan's host loop in place of its Triton kernel; on the
+    simulator's stand-in device the splits are the balanced ones (``_balanced_dispatch``)."""
     init_torchtitan()
     return _expert_parallel_class()()
 
@@ -392,12 +432,15 @@ def expert_parallel_style():
 def _expert_parallel_class() -> type:
     """torchtitan's ``ExpertParallel``, whose dispatch on CPU builds its permutation with
     ``generate_permute_indices(use_cpu=True)`` (torchtitan's ``_permute`` leaves it at the
-    Triton kernel, which refuses host tensors); unchanged on other devices."""
+    Triton kernel, which refuses host tensors) and on the simulator's stand-in device is
+    ``_balanced_dispatch``; unchanged on CUDA."""
     import torchtitan.models.moe.utils as titan_moe_utils
     from torchtitan.distributed.expert_parallel import ExpertParallel
 
     class ExpertParallelWithCpuPermute(ExpertParallel):
         def _token_dispatch(self, mod, inputs, device_mesh):
+            if _on_stand_in_device(inputs[0]):
+                return _balanced_dispatch(self, inputs, device_mesh)
             if inputs[0].device.type != "cpu":
                 return super()._token_dispatch(mod, inputs, device_mesh)
             on_device = titan_moe_utils.generate_permute_indices
@@ -408,6 +451,33 @@ def _expert_parallel_class() -> type:
                 titan_moe_utils.generate_permute_indices = on_device
 
     return ExpertParallelWithCpuPermute
+
+
+def _balanced_dispatch(style, inputs: tuple, device_mesh):
+    """``ExpertParallel._token_dispatch`` on the simulator's stand-in device, whose split sizes
+    (read on the host by torchtitan) have no values. A modelling assumption, balanced routing:
+    each rank sends an equal share of its ``N top_k`` routed rows to every ``ep`` rank and
+    receives as many from each, so every rank's experts get ``N top_k`` rows per layer (``N``:
+    the rank's tokens), their even share; a router that favours one rank's experts sends it
+    more. The rest is torchtitan's dispatch: the counts' all-to-all, the rows' all-to-all (with
+    autograd), and the permutation by local expert with its padding. Sets ``style``'s splits
+    and permutation for its ``_token_combine``."""
+    from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
+    from torchtitan.models.moe.utils import _permute
+
+    routed_input, num_tokens_per_expert = inputs
+    ep = device_mesh.shape[0]
+    rows = routed_input.shape[0]
+    splits = [rows // ep + (r < rows % ep) for r in range(ep)]
+    style.input_splits, style.output_splits = splits, list(splits)
+    group = device_mesh.get_group()
+    with torch.no_grad():
+        counts_from_ranks = torch.ops._c10d_functional.wait_tensor(
+            all_to_all_single(num_tokens_per_expert, None, None, group=group))
+    routed_input = all_to_all_single_autograd(routed_input, style.output_splits, style.input_splits, group)
+    style.input_shape, routed_input, style.permuted_indices, counts_by_expert = _permute(
+        routed_input, counts_from_ranks, ep, num_tokens_per_expert.shape[0] // ep)
+    return routed_input, counts_by_expert
 
 
 def tensorboard_logger(log_dir: str):

@@ -22,7 +22,8 @@ kernels the accelerator path called, whose fake implementations gave the shapes;
 during the rollout, not counted on the device then; ``kv_pool_gib``: the engine's KV pool,
 ``[rollout] kv_cache_gib`` or what ``"auto"`` made of it; ``rollout``: the engine's schedule
 over one rollout of a rank's share with its concurrency, preemptions, the most nodes an
-engine group spans and a roofline estimate of its time, ``simulate.rollout_model``); the job is refused (non-zero exit,
+engine group spans and a roofline estimate of its time, ``simulate.rollout_model``; under expert
+parallelism ``expert_parallel_dispatch``, the routing assumed: ``BALANCED_DISPATCH``); the job is refused (non-zero exit,
 naming the rank and its biggest category) when a rank's peak exceeds the budget, or when any collective was handed a host
 tensor.
 """
@@ -45,6 +46,11 @@ from titan_cotrain.simulate.memory import MemoryTracker
 __all__ = ["SimulationFailed", "simulate", "world_size_of"]
 
 GIB = 2**30
+
+# The modelling assumption behind an expert-parallel report (``components.titan._balanced_dispatch``):
+# the dispatch's split sizes are routing decisions, which fake tensors do not make.
+BALANCED_DISPATCH = ("balanced routing: each rank sends an equal share of its routed rows (tokens x top_k) to "
+                     "every expert-parallel rank and receives as many from each")
 
 
 class SimulationFailed(RuntimeError):
@@ -268,6 +274,8 @@ def simulate(config, config_path: str, *, output: str | None = None,
     rollout["tp_group_nodes"] = engine_group_nodes(config, world_size, config.simulate.gpus_per_node)
     result = {"config": Path(config_path).name, "world_size": world_size, "gpu_memory_gib": budget,
               "ranks": reports, "rollout": rollout, "host_collectives": sorted(set(host_collectives))}
+    if config.parallelism.expert_parallel_degree > 1:
+        result["expert_parallel_dispatch"] = BALANCED_DISPATCH
     path = output or config.simulate.output or os.path.join("assets", "scale", Path(config_path).stem + ".json")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:

@@ -32,8 +32,9 @@ _RESNAPSHOT_FRACTION, _RESNAPSHOT_MIN = 0.01, 2**20
 
 # DTensor's shape inference: its fake tensors are metadata, not memory.
 _METADATA_FILES = ("_sharding_prop.py", "_op_schema.py")
-# Allocations this big remember where they were made (the report's ``largest``).
+# Allocations this big remember where they were made; the report lists the _LARGEST biggest at the peak.
 _SITE_BYTES = 256 * 2**20
+_LARGEST = 8
 
 
 def _rounded(nbytes: int) -> int:
@@ -75,8 +76,12 @@ class MemoryTracker:
     """``on_alloc`` for ``SimulatedDevice``; ``owners()`` maps storage keys to categories.
 
     ``peak_bytes``: the exact peak of live bytes; ``peak_by_category``: the breakdown at
-    the peak (re-taken whenever the peak grows by 1%, so within 1% of exact);
-    ``phase_peaks``: the peak of every phase named by ``phase(name)``.
+    the peak (re-taken whenever the peak grows by 1% or is reached in another phase, so
+    within 1% of exact); ``phase_peaks``: the peak of every phase named by ``phase(name)``.
+
+    A storage is categorised by its owner at the peak; one that had none then but is still
+    alive when the breakdown is read is its owner's now (storages made while the trainer was
+    being built have no owner until it exists); otherwise by how it was made.
     """
 
     def __init__(self, owners: Callable[[], dict[int, str]] | None = None) -> None:
@@ -84,12 +89,12 @@ class MemoryTracker:
         self._live: dict[int, tuple[StorageWeakRef, int, str, str | None]] = {}
         self._bytes = 0  # live total, counting storages not yet found dead
         self.peak_bytes = 0
-        self.peak_by_category: dict[str, int] = {}
-        self._snapshot_at = -1
+        # At the last snapshot of the peak: (storage, key, bytes, owner then, how made, site).
+        self._peak_live: list[tuple[StorageWeakRef, int, int, str | None, str, str | None]] = []
+        self._snapshot_at, self._snapshot_phase = -1, None
         self.current_phase = "start"
         self.phase_peaks: dict[str, int] = {}
         self.peak_phase = "start"
-        self.peak_largest: list[tuple[int, str, str]] = []
 
     def phase(self, name: str) -> None:
         """Start phase ``name``: its peak starts at what is alive now."""
@@ -146,13 +151,6 @@ class MemoryTracker:
             out[category] = out.get(category, 0) + nbytes
         return out
 
-    def largest(self, n: int = 8) -> list[tuple[int, str, str]]:
-        """The ``n`` biggest live storages: ``(bytes, category, where it was allocated)``."""
-        self._sweep()
-        owners = self.owners()
-        items = sorted(self._live.items(), key=lambda kv: -kv[1][1])[:n]
-        return [(nbytes, owners.get(key, tag), site or "?") for key, (_, nbytes, tag, site) in items]
-
     def _note_peak(self) -> None:
         phase = self.current_phase
         self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), self._bytes)
@@ -161,8 +159,33 @@ class MemoryTracker:
         self.peak_bytes = self._bytes
         self.peak_phase = phase
         threshold = max(_RESNAPSHOT_FRACTION * self._snapshot_at, _RESNAPSHOT_MIN)
-        if self._snapshot_at >= 0 and self._bytes - self._snapshot_at < threshold:
+        if phase == self._snapshot_phase and self._bytes - self._snapshot_at < threshold:
             return
-        self._snapshot_at = self._bytes
-        self.peak_by_category = self.breakdown()
-        self.peak_largest = self.largest()
+        self._snapshot_at, self._snapshot_phase = self._bytes, phase
+        self._sweep()
+        owners = self.owners()
+        self._peak_live = [(ref, key, nbytes, owners.get(key), tag, site)
+                           for key, (ref, nbytes, tag, site) in self._live.items()]
+
+    def _at_peak(self) -> list[tuple[int, str, str | None]]:
+        """``(bytes, category, site)`` of every storage alive at the peak."""
+        owners = self.owners()
+        out = []
+        for ref, key, nbytes, owner, tag, site in self._peak_live:
+            if owner is None and not ref.expired():
+                owner = owners.get(key)
+            out.append((nbytes, owner or tag, site))
+        return out
+
+    @property
+    def peak_by_category(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for nbytes, category, _ in self._at_peak():
+            out[category] = out.get(category, 0) + nbytes
+        return out
+
+    @property
+    def peak_largest(self) -> list[tuple[int, str, str]]:
+        """The biggest storages alive at the peak: ``(bytes, category, where allocated)``."""
+        return [(nbytes, category, site or "?") for nbytes, category, site
+                in sorted(self._at_peak(), key=lambda entry: -entry[0])[:_LARGEST]]

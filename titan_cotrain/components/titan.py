@@ -58,6 +58,7 @@ __all__ = [
     "device_type",
     "encode_without_special_tokens",
     "expert_parallel_style",
+    "on_expert_parallel_mesh",
     "use_device_type",
     "fsdp_sum_gradients",
     "init_distributed",
@@ -283,12 +284,11 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, pp_mesh
     draft) still joins the PP reduction, with a zero on the device: torchtitan's
     ``get_total_norm([])`` is a host tensor, which NCCL cannot reduce."""
     init_torchtitan()
-    from torch.distributed.tensor import DTensor
     from torchtitan.distributed.utils import clip_grad_norm_ as titan_clip
 
     parameters = list(parameters)
     if any(p.grad is not None for p in parameters):
-        ep_enabled = any(isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ()) for p in parameters)
+        ep_enabled = any(map(on_expert_parallel_mesh, parameters))
         return titan_clip(parameters, max_norm, foreach=True, pp_mesh=pp_mesh, ep_enabled=ep_enabled)
     squares = torch.zeros((), dtype=torch.float32, device=device_type())
     if pp_mesh is not None:
@@ -332,6 +332,14 @@ def device_memory_stats() -> dict[str, float]:
     # ru_maxrss is KiB on Linux, bytes on macOS.
     scale = 1 if sys.platform == "darwin" else 1024
     return {"memory/max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**30}
+
+
+def on_expert_parallel_mesh(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor over a mesh with torchtitan's ``ep`` dimension (the experts
+    ``expert_parallel_style`` sharded)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor) and "ep" in (t.device_mesh.mesh_dim_names or ())
 
 
 def build_moe(dim: int, hidden_dim: int, n_experts: int, top_k: int, route_norm: bool) -> nn.Module:

@@ -23,10 +23,9 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from titan_cotrain.components.titan import expert_parallel_style
+from titan_cotrain.components.titan import expert_parallel_style, on_expert_parallel_mesh
 
 __all__ = ["apply_expert_parallel", "experts_fsdp_mesh", "is_expert_parallel", "routed_experts"]
 
@@ -51,8 +50,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
 def is_expert_parallel(module: nn.Module) -> bool:
     """Whether ``module``'s own parameters are sharded over an ``ep`` mesh (the experts
     ``apply_expert_parallel`` sharded)."""
-    return any(isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())
-               for p in module.parameters(recurse=False))
+    return any(map(on_expert_parallel_mesh, module.parameters(recurse=False)))
 
 
 def experts_fsdp_mesh(parallel_dims) -> DeviceMesh:

@@ -152,6 +152,7 @@ class MemoryTracker:
         return out
 
     def _note_peak(self) -> None:
+        """After a sweep: record a new peak and, when it moved enough, what is alive at it."""
         phase = self.current_phase
         self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), self._bytes)
         if self._bytes <= self.peak_bytes:
@@ -162,7 +163,6 @@ class MemoryTracker:
         if phase == self._snapshot_phase and self._bytes - self._snapshot_at < threshold:
             return
         self._snapshot_at, self._snapshot_phase = self._bytes, phase
-        self._sweep()
         owners = self.owners()
         self._peak_live = [(ref, key, nbytes, owners.get(key), tag, site)
                            for key, (ref, nbytes, tag, site) in self._live.items()]

@@ -205,8 +205,12 @@ def test_expert_parallel_degree_is_checked():
             "context_parallel_degree = 1 x 2", overrides=ep(4, "--parallelism.data_parallel_replicate_degree", "2",
                                                             "--parallelism.context_parallel_degree", "2"),
             world_size=4)
-    _expect(DEFAULT, "parallelism.expert_parallel_degree (2) with pipeline parallelism is not built yet",
-            overrides=ep(2, "--parallelism.pipeline_parallel_degree", "2"), world_size=4)
+    # Under PP, each PP coordinate's data-parallel ranks hold the ep groups.
+    pp_ep = _load(DEFAULT, *ep(2, "--parallelism.pipeline_parallel_degree", "2"), world_size=4).parallelism
+    assert (pp_ep.pipeline_parallel_degree, pp_ep.expert_parallel_degree) == (2, 2)
+    _expect(DEFAULT, "parallelism.expert_parallel_degree (4) must divide data_parallel_shard_degree x "
+            "context_parallel_degree = 2 x 1", overrides=ep(4, "--parallelism.pipeline_parallel_degree", "2"),
+            world_size=4)
     _expect(DEFAULT, "parallelism.expert_parallel_degree (2) with a compiled policy is not built yet",
             overrides=ep(2, "--compile.enable"), world_size=2)
 
@@ -217,13 +221,6 @@ def test_an_engine_tensor_parallel_degree_must_divide_the_peers_and_the_heads():
     _expect(DEFAULT, "rollout.tensor_parallel_degree (4) must divide the policy's kv heads",
             overrides=("--rollout.tensor_parallel_degree", "4", "--parallelism.context_parallel_degree", "4",
                        "--model.name", "qwen3", "--model.flavor", "debugmodel"), world_size=4)
-
-
-def test_a_mixture_of_experts_policy_is_refused_under_pipeline_parallelism():
-    moe = ("--model.name", "qwen3", "--model.flavor", "debugmoe", "--parallelism.pipeline_parallel_degree", "2")
-    _expect(DEFAULT, "parallelism.pipeline_parallel_degree (2): a mixture-of-experts policy is not built under "
-            "pipeline parallelism", overrides=moe, world_size=2)
-    assert _load(DEFAULT, *moe[:4]).model.flavor == "debugmoe"
 
 
 def test_truncated_importance_sampling_needs_one_update_per_step():

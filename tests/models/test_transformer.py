@@ -124,6 +124,19 @@ def test_tied_head_shares_the_embedding():
     assert _model("llama3").lm_head.weight is not _model("llama3").embed_tokens.weight
 
 
+def test_a_tied_head_and_its_embedding_are_filled_alike_when_held_apart():
+    """Under PP the embedding (first stage) and the head (last stage) are two parameters on
+    two ranks: the init fills both, by name, with the one draw a shared tensor ends up with."""
+    shared = _model("qwen3")
+    held_apart = _model("qwen3")
+    held_apart.lm_head.weight = torch.nn.Parameter(torch.empty_like(held_apart.embed_tokens.weight))
+    for model in (shared, held_apart):
+        model.init_weights(generator=torch.Generator().manual_seed(5))
+    assert torch.equal(held_apart.embed_tokens.weight, held_apart.lm_head.weight)
+    for name, param in shared.named_parameters():
+        assert torch.equal(param, dict(held_apart.named_parameters())[name]), name
+
+
 def test_bad_packing_is_rejected():
     model = _model("llama3")
     tokens = _tokens(1, 6)

@@ -83,6 +83,11 @@ class ModelArgs:
         return (self.n_experts > 0 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
 
+    @property
+    def n_sparse_layers(self) -> int:
+        """How many decoder layers have the MoE feed-forward (0 for a dense model)."""
+        return sum(map(self.is_sparse_layer, range(self.n_layers)))
+
     def replace(self, **changes) -> "ModelArgs":
         return dataclasses.replace(self, **changes)
 

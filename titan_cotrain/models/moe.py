@@ -31,11 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_cotrain.components.private_torch import check_private_api
+from titan_cotrain.components.private_torch import in_backward
 from titan_cotrain.components.titan import build_moe
 from titan_cotrain.models.args import ModelArgs
 
-__all__ = ["RouterLoad", "load_balancing_loss", "reset_expert_tallies", "sparse_feed_forward"]
+__all__ = ["RouterLoad", "load_balancing_loss", "pooled_loss", "reset_expert_tallies", "router_load",
+           "sparse_feed_forward"]
 
 
 class RouterLoad(NamedTuple):
@@ -80,34 +81,39 @@ def _record_router_load(router: nn.Module, inputs: tuple, outputs: tuple) -> Non
     probs = F.softmax(router.gate(x.detach()).float(), dim=-1)
     # Activation checkpointing's rerun must redo these ops (it matches what they save), but
     # keeps the forward's record.
-    if not _in_backward():
+    if not in_backward():
         router.router_load = RouterLoad(probs.sum(dim=0), counts.detach().float(), x.shape[0])
 
 
 def load_balancing_loss(model: nn.Module) -> torch.Tensor | None:
     """The auxiliary load-balancing loss (module docstring) of the MoE layers in ``model`` (a
-    ``Transformer``, a pipeline stage, any module holding routers) over their last forward
-    run with gradients; a 0-dim fp32 tensor, or None when ``model`` has no router that
-    recorded one (a dense model; a forward under ``no_grad``).
+    ``Transformer``, any module holding routers) over their last forward run with gradients;
+    a 0-dim fp32 tensor, or None when ``model`` has no router that recorded one (a dense
+    model; a forward under ``no_grad``).
 
     Each router's record holds its ``[N, E]`` probabilities and its input until the next
     forward, or until this loss's backward has run: backpropagate it (weighted by ``[model]
     moe_aux_loss_weight``) with the policy loss of the same forward, or drop both."""
-    loads = [m.router_load for m in model.modules() if getattr(m, "router_load", None) is not None]
+    load = router_load(model)
+    return None if load is None else pooled_loss(load)
+
+
+def router_load(module: nn.Module) -> RouterLoad | None:
+    """The ``RouterLoad`` of every router in ``module`` together (probabilities and counts
+    summed over its routers, rows added) over their last forward run with gradients; None
+    when none recorded one, and inside a backward (an activation-checkpoint rerun, whose
+    records stay the forward's). A pipeline stage adds its layers' to the total it passes on."""
+    if in_backward():
+        return None
+    loads = [m.router_load for m in module.modules() if getattr(m, "router_load", None) is not None]
     if not loads:
         return None
-    rows = sum(load.rows for load in loads)
-    fraction_routed = torch.stack([load.counts for load in loads]).sum(dim=0) / rows
-    mean_prob = torch.stack([load.probs for load in loads]).sum(dim=0) / rows
+    return RouterLoad(torch.stack([load.probs for load in loads]).sum(dim=0),
+                      torch.stack([load.counts for load in loads]).sum(dim=0), sum(load.rows for load in loads))
+
+
+def pooled_loss(load: RouterLoad) -> torch.Tensor:
+    """``E * sum_e f_e * P_e`` (module docstring) of a ``RouterLoad`` pooled over MoE layers."""
+    fraction_routed = load.counts.detach() / load.rows
+    mean_prob = load.probs / load.rows
     return len(fraction_routed) * torch.sum(fraction_routed * mean_prob)
-
-
-# Whether autograd is running a backward on this thread, which torch answers only privately
-# (``torch._C._current_graph_task_id``: -1 outside one; its own checkpointing reads it). The
-# same in torch 2.11-2.13, where the project runs; this is our one use of it.
-_GRAPH_TASK_TORCH = ("2.11", "2.12", "2.13")
-
-
-def _in_backward() -> bool:
-    check_private_api("torch._C._current_graph_task_id", "titan_cotrain.models.moe", _GRAPH_TASK_TORCH)
-    return torch._C._current_graph_task_id() != -1

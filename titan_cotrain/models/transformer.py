@@ -113,10 +113,18 @@ def init_weights_(model: nn.Module, std: float, generator: torch.Generator | Non
     whole)``: a plain copy here; for sharded parameters the caller passes a fill that keeps
     only this rank's slice, so a rank never holds more than one whole tensor and every
     sharding gives the same values."""
+    # A head tied to the embedding: both get the head's draw (drawn last, it is what one
+    # shared tensor ends up holding), filled into each by name, since under PP the first
+    # and the last stage hold the two apart.
+    tied = getattr(getattr(model, "args", None), "tie_embeddings", False)
     for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
             whole = torch.empty(module.weight.shape, dtype=module.weight.dtype).normal_(0.0, std, generator=generator)
+            if tied and module is model.embed_tokens:
+                continue
             fill(module.weight, whole)
+            if tied and module is model.lm_head:
+                fill(model.embed_tokens.weight, whole)
         elif isinstance(module, RMSNorm):
             module.weight.fill_(1.0)
         else:  # weights a module holds itself: the MoE experts' [E, ...] stacks

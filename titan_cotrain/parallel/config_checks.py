@@ -23,7 +23,7 @@ def compile_errors(config, world_size: int) -> list[str]:
 def expert_parallel_errors(config, world_size: int) -> list[str]:
     """``[parallelism] expert_parallel_degree`` (``parallel.expert_parallel``): a mixture of
     experts whose experts split evenly, over ranks that torchtitan's mesh cuts from the
-    data-parallel x CP ones; not under PP or a compiled policy yet."""
+    data-parallel x CP ones (of each PP coordinate); not under a compiled policy yet."""
     p = config.parallelism
     ep = p.expert_parallel_degree
     if ep <= 1:  # < 1: reported by validate_job_config
@@ -45,9 +45,6 @@ def expert_parallel_errors(config, world_size: int) -> list[str]:
     if fsdp % ep:
         errors.append(f"{key} must divide data_parallel_shard_degree x context_parallel_degree = {shard} x "
                       f"{p.context_parallel_degree}: torchtitan's mesh cuts those ranks into efsdp x ep")
-    if p.pipeline_parallel_degree > 1:
-        errors.append(f"{key} with pipeline parallelism is not built yet: the stages' experts are neither "
-                      "dispatched nor FSDP-sharded apart (use pipeline_parallel_degree = 1)")
     if config.compile.enable and "model" in config.compile.components:
         errors.append(f"{key} with a compiled policy is not built yet: each block compiles fullgraph, and the "
                       "dispatch's all-to-all splits are read on the host (drop \"model\" from compile.components)")

@@ -8,7 +8,7 @@ from titan_cotrain.data.prompts import PromptDatasetError, dataset_format
 from titan_cotrain.models.build import resolve_model_args
 from titan_cotrain.rl.tasks import DATASET_TASKS, TASKS
 
-__all__ = ["dataset_errors", "moe_update_errors", "task_errors"]
+__all__ = ["dataset_errors", "task_errors"]
 
 
 @config_check
@@ -40,21 +40,3 @@ def dataset_errors(config, world_size: int) -> list[str]:
         elif not os.access(t.dataset_path, os.R_OK):
             errors.append(f"task.dataset_path = {t.dataset_path!r}: not readable")
     return errors
-
-
-@config_check
-def moe_update_errors(config, world_size: int) -> list[str]:
-    """A mixture-of-experts policy trains single-stage only: its load-balancing loss pools
-    the routers of every layer (``models.moe``), which a pipeline's stages hold apart, and
-    ``PipelineUpdate`` does not gather them."""
-    if config.parallelism.pipeline_parallel_degree == 1:
-        return []
-    try:
-        args = resolve_model_args(config)
-    except ValueError:  # the model keys: reported by validate_job_config itself
-        return []
-    if args.n_experts:
-        return [f"parallelism.pipeline_parallel_degree ({config.parallelism.pipeline_parallel_degree}): a mixture-of-"
-                "experts policy is not built under pipeline parallelism yet (its load-balancing loss pools the "
-                "routers of every stage); use 1"]
-    return []

@@ -13,8 +13,9 @@ are means over the minibatches; ``nonfinite/*`` is the fraction of updates skipp
   rows (FSDP and CP inside the models; a mixture of experts' load-balancing loss added with
   ``[model] moe_aux_loss_weight``), then ``cotrain.step.clip_grad_norms``.
 * ``PipelineUpdate``: the minibatch padded with empty rows (loss mask 0) to whole schedule
-  steps, ``pipeline_step`` over them, then the same clipping over this PP rank's parameters;
-  dense policies only (``rl.config_checks.moe_update_errors``).
+  steps, ``pipeline_step`` over them (a mixture of experts' load-balancing loss pooled over
+  the stages, ``parallel.pipeline.stage``), then the same clipping over this PP rank's
+  parameters.
 """
 
 from collections.abc import Callable

@@ -157,6 +157,7 @@ def make_pipeline(
     device: torch.device | str | None = None,
     shard: Callable[[nn.Module], None] | None = None,
     activation_dtype: torch.dtype | None = None,
+    moe_aux_loss_weight: float = 0.0,
 ) -> Pipeline:
     """Split ``policy`` (whole, or built on the meta device) into this rank's stages as
     ``plan`` says, put ``draft`` on the last stage, and build the TapChannel and the schedule.
@@ -176,6 +177,7 @@ def make_pipeline(
     The stage modules reference the policy's modules (no copy); the layers of other stages
     are not referenced and go away with the caller's ``policy``. ``tap_prefetch`` and
     ``tap_timeout``: the TapChannel's receives posted ahead and bound on every wait.
+    ``moe_aux_loss_weight``: a mixture of experts' load-balancing loss weight (``[model]``).
     """
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
     pp_ranks = pp_mesh.mesh.flatten().tolist()
@@ -210,7 +212,8 @@ def make_pipeline(
                              device=device, prefetch=tap_prefetch, timeout=tap_timeout)
     last_rank = pp_rank == plan.stage_ranks[-1]
     loss = CotrainLoss(policy_loss_fn, draft if last_rank else None, channel, policy.tap_layers,
-                       ttt_steps=ttt_steps, pass_decay=pass_decay)
+                       ttt_steps=ttt_steps, pass_decay=pass_decay, moe=policy.args.n_sparse_layers > 0,
+                       moe_aux_loss_weight=moe_aux_loss_weight)
     if shard is not None and draft is not None and last_rank:
         shard(draft)
     stages, parts = [], []
@@ -222,9 +225,11 @@ def make_pipeline(
             part.head = loss.head
         if shard is not None:
             shard(part)
-        inputs = (_example((microbatch_size, local_len), torch.int64, False) if i == 0
-                  else _example(hidden_shape, dtype, True))
-        outputs = _example((), torch.float32, True) if i == last else _example(hidden_shape, dtype, True)
+        hidden = _example(hidden_shape, dtype, True)
+        if part.n_experts:  # and the routers' load so far (``TransformerStage``)
+            hidden = (hidden, _example((2, part.n_experts), torch.float32, True))
+        inputs = _example((microbatch_size, local_len), torch.int64, False) if i == 0 else hidden
+        outputs = _example((), torch.float32, True) if i == last else hidden
         stages.append(PipelineStage(part, i, plan.num_stages, device, input_args=inputs, output_args=outputs,
                                     group=pp_group))
         parts.append(part)
@@ -257,7 +262,8 @@ def build_pipeline(
     ``pipeline_parallel_microbatch_size``, ``module_fqns_per_model_part`` (explicit split,
     our module names) or ``pipeline_parallel_layers_per_stage``, the first/last stage
     weights; ``[training] local_batch_size, seq_len``; ``[draft]`` TTT settings;
-    ``[comm] train_timeout_seconds`` bounds the TapChannel's waits; under mixed precision
+    ``[comm] train_timeout_seconds`` bounds the TapChannel's waits; ``[model]
+    moe_aux_loss_weight`` weighs a mixture of experts' load-balancing loss; under mixed precision
     (``[training] mixed_precision_param``) the stages pass activations in that dtype. With
     ``context_parallel_degree > 1``, pass the ``cp`` mesh and the CP row length; ``device``
     and ``shard`` as in ``make_pipeline``."""
@@ -276,6 +282,7 @@ def build_pipeline(
         cp_row_len=cp_row_len, tap_timeout=timedelta(seconds=config.comm.train_timeout_seconds),
         device=device, shard=shard,
         activation_dtype=_DTYPES[t.mixed_precision_param] if shard is not None else None,
+        moe_aux_loss_weight=config.model.moe_aux_loss_weight,
     )
 
 

@@ -9,6 +9,10 @@ detached, its graph is its own, so the schedule never runs its backward, zero-bu
 passes have nothing to miss, and the taps' landing slots are free when the loss returns. The
 loss returns the policy sum, which the schedule backpropagates. All sums go to one
 ``CotrainSums``; ``pipeline_step`` turns them into gradient scales after the last microbatch.
+
+A mixture of experts' head also gets the routers' load pooled over every stage
+(``TransformerStage``) and adds ``moe_aux_loss_weight x n_policy x aux`` to the policy sum,
+as the one-stage step does; its backward reaches every stage's routers.
 """
 
 from __future__ import annotations
@@ -21,11 +25,14 @@ from titan_cotrain.cotrain.step import (
     CotrainSums,
     Microbatch,
     PolicyLossFn,
+    add_moe_aux_sums,
     add_policy_sums,
     draft_sums,
     policy_head,
 )
+from titan_cotrain.components.private_torch import in_backward
 from titan_cotrain.models.draft import Draft
+from titan_cotrain.models.moe import RouterLoad, pooled_loss
 from titan_cotrain.parallel.tap_channel import EMBEDDINGS, TapChannel
 
 __all__ = ["CotrainLoss"]
@@ -35,11 +42,14 @@ class CotrainLoss:
     """``head`` (called inside the last stage's forward) and the schedule's
     ``loss_fn(policy_sum, rows)`` (called after it, in microbatch order). ``policy_loss_fn``
     and ``train_draft`` may change between steps (``pipeline_step`` sets them): a trainer's
-    warm start and RL phases share one pipeline."""
+    warm start and RL phases share one pipeline. ``moe``: the policy is a mixture of experts
+    (its load-balancing loss is logged, and added with ``moe_aux_loss_weight``)."""
 
     def __init__(self, policy_loss_fn: PolicyLossFn, draft: Draft | None, channel: TapChannel | None,
-                 tap_layers: Sequence[int], *, ttt_steps: int, pass_decay: float, chunk_tokens: int = 2048) -> None:
+                 tap_layers: Sequence[int], *, ttt_steps: int, pass_decay: float, chunk_tokens: int = 2048,
+                 moe: bool = False, moe_aux_loss_weight: float = 0.0) -> None:
         self.policy_loss_fn, self.draft, self.channel = policy_loss_fn, draft, channel
+        self.moe, self.moe_aux_loss_weight = moe, moe_aux_loss_weight
         self.tap_layers = tuple(tap_layers)
         self.ttt_steps, self.pass_decay, self.chunk_tokens = ttt_steps, pass_decay, chunk_tokens
         self.train_draft = True
@@ -55,12 +65,23 @@ class CotrainLoss:
     def begin_schedule_step(self, microbatches: Sequence[Microbatch]) -> None:
         self._microbatches, self._heads, self._next = microbatches, {}, 0
 
-    def head(self, hidden: torch.Tensor, weight: torch.Tensor, microbatch: int) -> torch.Tensor:
+    def head(self, hidden: torch.Tensor, weight: torch.Tensor, microbatch: int,
+             router_load: RouterLoad | None = None) -> torch.Tensor:
+        """Microbatch ``microbatch``'s policy sum (plus the weighted load-balancing loss of
+        ``router_load``), recorded in the sums. A rerun inside the backward (activation
+        checkpointing of the stage) recomputes the same values and records nothing."""
         draft = self.draft if self.train_draft else None
         head_out = policy_head(self._microbatches[microbatch], self.policy_loss_fn, draft, self.chunk_tokens)(
             hidden, weight)
-        self._heads[microbatch] = head_out
-        return add_policy_sums(self.sums, head_out)
+        sums = CotrainSums() if in_backward() else self.sums
+        if sums is self.sums:
+            self._heads[microbatch] = head_out
+        loss = add_policy_sums(sums, head_out)
+        if router_load is not None:
+            weighted = add_moe_aux_sums(sums, pooled_loss(router_load), head_out.policy.count)
+            if self.moe_aux_loss_weight:  # 0: logged only
+                loss = loss + self.moe_aux_loss_weight * weighted
+        return loss
 
     def __call__(self, policy_sum: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         microbatch = int(rows[0]) // rows.numel()  # rows: the schedule's host target

@@ -10,6 +10,14 @@ forwards (every schedule runs a stage's forwards in microbatch order; a recomput
 input). So the only tensor a stage receives
 is its activation, and nothing the host needs goes through FSDP's moving of inputs to the
 device.
+
+A mixture of experts' load-balancing loss pools the routers of every sparse layer
+(``models.moe``), which the stages hold apart: a stage of a mixture-of-experts policy also
+receives and passes on ``load [2, E]`` (fp32; row 0 the top-k assignments per expert, row 1
+the sums of the router probabilities, differentiable in the routers' weights), to which it
+adds its own layers' records; the last stage hands the total to the loss, whose backward
+reaches every stage's routers back through the pipeline. ``[2, E]`` per microbatch is all
+it costs on the wire.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from torch import nn
 
 from titan_cotrain.data.batch import Microbatch
 from titan_cotrain.models.draft import Draft
+from titan_cotrain.models.moe import RouterLoad, router_load
 from titan_cotrain.models.transformer import Transformer, run_layers
 from titan_cotrain.ops.attention import packed_cu_seqlens
 from titan_cotrain.parallel.tap_channel import EMBEDDINGS, TapChannel
@@ -34,8 +43,11 @@ class TransformerStage(nn.Module):
     ``forward(x)``: ``x`` is ``tokens: int64 [mb, S_local]`` on the first stage, the packed
     hidden stream ``[mb * S_local, H]`` elsewhere (a fresh tensor, never a view, which
     zero-bubble schedules detach in place). Returns the hidden stream, or on the last stage
-    what ``head(final-normed hidden [mb * S_local, H], lm_head weight, microbatch)`` returns
-    (the co-training loss's policy sum, ``CotrainLoss.head``): no ``[mb, S, V]`` logits. The
+    what ``head(final-normed hidden [mb * S_local, H], lm_head weight, microbatch,
+    router load)`` returns (the co-training loss's policy sum, ``CotrainLoss.head``): no
+    ``[mb, S, V]`` logits. A mixture of experts' stages take and return ``(x, load)`` (the
+    module docstring; the first stage starts it), and the head gets the pooled ``RouterLoad``
+    of every sparse layer (None for a dense policy). The
     ops are ``Transformer.forward``'s, so hidden states and taps are bitwise the single-device
     ones. With a ``channel``, the detached ``[mb, S_local, H]`` output of every tapped layer
     it holds (and the embedding output) is sent the moment it is computed.
@@ -52,6 +64,10 @@ class TransformerStage(nn.Module):
         # forward and backward run in the loss, outside this stage's forward and backward.
         self.__dict__["draft"] = draft if last else None
         self.register_buffer("rope_inv_freq", policy.rope_inv_freq, persistent=False)
+        # A mixture of experts (with a sparse layer anywhere) passes on its routers' load.
+        n_sparse = policy.args.n_sparse_layers
+        self.n_experts, self.n_sparse_layers = (policy.args.n_experts, n_sparse) if n_sparse else (0, 0)
+        self.last = last
         self.channel = channel
         sources = ({EMBEDDINGS} if first else set()) | (set(layers) & set(policy.tap_layers))
         self.tap_sources = frozenset(sources) if channel is not None else frozenset()
@@ -59,9 +75,10 @@ class TransformerStage(nn.Module):
         self.microbatches: Sequence[Microbatch] = ()
         self.head: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None
         self._inputs: list[tuple[torch.Tensor, int]] = []
+        self._router_loads: dict[int, torch.Tensor] = {}
 
     def begin_schedule_step(self, microbatches: Sequence[Microbatch]) -> None:
-        self.microbatches, self._inputs = microbatches, []
+        self.microbatches, self._inputs, self._router_loads = microbatches, [], {}
 
     def _microbatch_of(self, x: torch.Tensor) -> int:
         """The microbatch of input ``x``: the next one, unless ``x`` was seen before (an
@@ -72,7 +89,7 @@ class TransformerStage(nn.Module):
         self._inputs.append((x, len(self._inputs)))
         return len(self._inputs) - 1
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, load: torch.Tensor | None = None):
         microbatch = self._microbatch_of(x)
         mb = self.microbatches[microbatch]
         b, s = mb.positions.shape
@@ -82,9 +99,27 @@ class TransformerStage(nn.Module):
         x = run_layers(((int(name), layer) for name, layer in self.layers.items()), self.rope_inv_freq, x,
                        mb.positions, packed_cu_seqlens(mb.cu_seqlens),
                        lambda layer, out: self._tap(microbatch, layer, out, b, s))
-        if self.lm_head is None:
-            return x
-        return self.head(self.norm(x), self.lm_head.weight, microbatch)
+        if self.n_experts:
+            load = self._add_router_load(load, microbatch, x.device)
+        if not self.last:
+            return (x, load) if self.n_experts else x
+        pooled = None
+        if self.n_experts:  # every sparse layer saw this rank's x.shape[0] tokens
+            pooled = RouterLoad(probs=load[1], counts=load[0], rows=self.n_sparse_layers * x.shape[0])
+        return self.head(self.norm(x), self.lm_head.weight, microbatch, pooled)
+
+    def _add_router_load(self, load: torch.Tensor | None, microbatch: int, device: torch.device) -> torch.Tensor:
+        """``load`` (zeros on the first stage) plus this stage's routers' records of
+        ``microbatch``'s forward, as a fresh tensor. An activation-checkpoint rerun adds the
+        forward's records again (kept per microbatch: the routers record only in a
+        forward), so what it recomputes for the loss's backward is the forward's values."""
+        if load is None:
+            load = torch.zeros(2, self.n_experts, dtype=torch.float32, device=device)
+        own = router_load(self.layers)  # None inside a backward
+        if own is not None:
+            self._router_loads[microbatch] = torch.stack([own.counts, own.probs])
+        own = self._router_loads.get(microbatch)
+        return load.clone() if own is None else load + own
 
     def _tap(self, microbatch: int, source: int, x: torch.Tensor, b: int, s: int) -> None:
         if self.send_taps and source in self.tap_sources:

@@ -82,11 +82,12 @@ def pipeline_step(
 
 def _metric_names(p: Pipeline, draft_on: bool) -> list[str]:
     """The metric keys of a step, known on every rank without communication: the policy
-    loss's (from a call on zero tokens) and, with the draft, its per-pass ones."""
+    loss's (from a call on zero tokens), a mixture of experts' load-balancing loss and, with
+    the draft, its per-pass ones."""
     empty = torch.zeros(1, 0)
     rows = LabelRows(empty.long(), empty.bool(), empty, empty, empty)
     metric_sums = p.loss.policy_loss_fn(torch.zeros(1, 0, 1), rows).metric_sums
-    return metric_names(metric_sums, p.loss.ttt_steps if draft_on else None)
+    return metric_names(metric_sums, p.loss.ttt_steps if draft_on else None, moe_aux=p.loss.moe)
 
 
 def _schedule_step(p: Pipeline, batch: PackedBatch, draft_on: bool) -> None:

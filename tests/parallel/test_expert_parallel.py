@@ -66,7 +66,7 @@ def _run(policy, tokens, valid: torch.Tensor | None = None, **layout):
     return logits.detach(), [record[0] for record in routing]
 
 
-def _ep_rank(rank, world_size, ep, reference, overrides):
+def _ep_rank(rank, world_size, ep, reference, overrides, width_sharded=False):
     from torch.distributed.tensor import DTensor, Shard
 
     from titan_cotrain.data.batch import PackedBatch
@@ -87,6 +87,8 @@ def _ep_rank(rank, world_size, ep, reference, overrides):
                 w1 = layer.mlp.experts.w1
                 assert isinstance(w1, DTensor) and w1.device_mesh.mesh_dim_names[-2:] == ("efsdp", "ep")
                 assert w1.placements[-1] == Shard(0)
+                # More efsdp ranks than a rank's experts: FSDP shards each expert's width.
+                assert w1.placements[-2] == (Shard(1) if width_sharded else Shard(0))
     batch_rank = dims.get_mesh("batch").get_local_rank() if dims.dp_enabled else 0
     rows = slice(batch_rank * ROWS_PER_RANK, (batch_rank + 1) * ROWS_PER_RANK)
     tokens, whole_logits = _tokens(reference["logits"].shape[0])[rows], reference["logits"][rows]
@@ -115,8 +117,8 @@ def _ep_rank(rank, world_size, ep, reference, overrides):
     torch.testing.assert_close(titan.clip_grad_norm_(list(policy.parameters()), 1e9), whole_norm, **GRAD_TOL)
 
 
-def _single_device(rows: int) -> dict:
-    config = _config(1, 1)
+def _single_device(rows: int, *overrides: str) -> dict:
+    config = _config(1, 1, *overrides)
     policy = build_target(config)
     init_target_(policy, config)
     logits, routing = _run(policy, _tokens(rows))
@@ -146,3 +148,20 @@ def test_expert_parallel_matches_single_device(world_size, ep, degrees):
     config = _config(world_size, ep, *degrees)
     data_parallel = config.parallelism.data_parallel_replicate_degree * config.parallelism.data_parallel_shard_degree
     run_on_ranks(_ep_rank, world_size, ep, _single_device(data_parallel * ROWS_PER_RANK), degrees)
+
+
+@pytest.mark.slow
+def test_experts_fewer_than_their_fsdp_ranks_are_sharded_by_width(tmp_path):
+    """8 ranks, ep 2 x efsdp 4, over a 4-expert policy read from a Hugging Face folder: a rank
+    holds 2 experts, fewer than the 4 ranks that FSDP-shard them, so each expert is split on
+    its width (dim 1) instead; the step still equals the single device's."""
+    from titan_cotrain.models.args import model_args_for
+    from titan_cotrain.models.hf import save_hf
+    from titan_cotrain.models.transformer import Transformer
+
+    policy = Transformer(model_args_for("qwen3", "debugmoe").replace(n_experts=4))
+    policy.init_weights(std=0.2, generator=torch.Generator().manual_seed(4))
+    save_hf(policy, tmp_path)
+    folder = ("--model.hf_path", str(tmp_path))
+    degrees = (*_degrees(dp_shard=8), *folder)
+    run_on_ranks(_ep_rank, 8, 2, _single_device(8 * ROWS_PER_RANK, *folder), degrees, True)

@@ -48,6 +48,11 @@ class RealRun:
                             for k in names])
         return dict(zip(names, flat.tolist()))
 
+    def agreed_kv_budget(self, budget, group, device: torch.device):
+        """The KV budget (``engine.kv_budget.KVBudget``) every rank of a tensor-parallel
+        engine ``group`` can hold: their largest training state and transient (a collective)."""
+        return budget.agreed(group, device)
+
     def rollout_generator(self, seed: int, device: torch.device) -> torch.Generator | None:
         """The generator of a rollout's draws."""
         return torch.Generator(device=device).manual_seed(seed)

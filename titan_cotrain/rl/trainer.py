@@ -130,7 +130,8 @@ class Trainer:
             n_taps=len(models.engine_policy.tap_layers) if models.engine_draft is not None else 0,
             simulated_gib=run.gpu_memory_gib)
         if self.engine_mesh is not None and isinstance(kv_cache, KVBudget):
-            kv_cache = kv_cache.agreed(self.engine_mesh.get_group(), self.device)  # one schedule per engine group
+            # One schedule per engine group: the pool its fullest rank can hold.
+            kv_cache = run.agreed_kv_budget(kv_cache, self.engine_mesh.get_group(), self.device)
         self.engine = RolloutEngine.from_models(
             models.engine_policy, models.engine_draft, device=self.device, max_batch_size=rows,
             max_seq_len=max_seq_len, max_draft_tokens=rollout_draft_tokens(config),

@@ -42,6 +42,12 @@ class Simulation(RealRun):
         """Unknown: every value reads 0."""
         return dict.fromkeys(values, 0.0)
 
+    def agreed_kv_budget(self, budget, group, device: torch.device):
+        """This rank's own budget: the fake group's ranks hold no values to compare. Each
+        simulated role (``[simulate] ranks``) sizes its pool from its own training state, at
+        least the group's agreed pool, so its peak is never understated."""
+        return budget
+
     def rollout_generator(self, seed: int, device: torch.device) -> None:
         """The simulated device has no generators (and its draws are fake)."""
         return None

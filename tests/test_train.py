@@ -226,9 +226,9 @@ MATCHED = ("loss/policy", "loss/draft", "grad_norm/policy", "grad_norm/draft", "
            "rollout/acceptance_length")
 
 
-def _assert_match(reference: Path, run: Path) -> None:
+def _assert_match(reference: Path, run: Path, keys: tuple[str, ...] = MATCHED) -> None:
     for a, b in zip(_metrics(reference), _metrics(run), strict=True):
-        for key in MATCHED:
+        for key in keys:
             if key in a:
                 assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(a[key])), (a["step"], key, a[key], b[key])
 
@@ -245,6 +245,26 @@ def test_pipeline_with_context_parallelism_matches_one_process(tmp_path):
                "--job.dump_folder", str(tmp_path / "pp_cp"), nproc=4)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     _assert_match(tmp_path / "single", tmp_path / "pp_cp")
+
+
+@pytest.mark.slow
+def test_a_mixture_of_experts_pipeline_job_matches_one_process(tmp_path):
+    """``debug_cpu_moe.toml``'s policy in two stages (pp=2, no expert parallelism: 2 ranks
+    leave no data-parallel ones to hold ep groups) and in one process: warm-start and RL
+    losses, the load-balancing loss pooled over both stages' routers, the global gradient
+    norms and the speculative rollouts match."""
+    args = ("--job.config_file", "train_configs/debug_cpu_moe.toml", *ONE_EACH, "--checkpoint.no-enable",
+            "--parallelism.expert_parallel_degree", "1", "--metrics.no-enable_tensorboard")
+    # The load-balancing loss pools a forward's tokens: one process runs the pipeline's
+    # microbatches of one row (the default pipeline_parallel_microbatch_size).
+    single = _run(*args, "--training.local_batch_size", "1", "--job.dump_folder", str(tmp_path / "single"),
+                  nproc=None)
+    assert single.returncode == 0, single.stderr[-3000:]
+    run = _run(*args, "--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+               "--job.dump_folder", str(tmp_path / "pp"))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    _assert_match(tmp_path / "single", tmp_path / "pp", (*MATCHED, "loss/moe_aux"))
+    assert all(m["loss/moe_aux"] > 0 for m in _metrics(tmp_path / "pp"))
 
 
 @pytest.mark.slow

@@ -177,7 +177,7 @@ def test_an_auto_kv_pool_keeps_the_margin_in_the_phases_that_hold_it(tmp_path):
 @pytest.mark.slow
 def test_a_released_tensor_parallel_engine_leaves_the_update(tmp_path):
     """With ``release_between_rollouts`` a tensor-parallel engine's weights (DTensor slices)
-    and pool are freed after the rollout: after the step only the engine's buffers remain,
+    and its pool (sized by ``"auto"``) are freed after the rollout: after the step only the engine's buffers remain,
     as with an engine of one rank, and the update peaks lower than with the engine kept.
     Reading a released DTensor's storage through a view would allocate it again on the
     fake device; the simulator reads the local shard itself."""
@@ -191,7 +191,11 @@ def test_a_released_tensor_parallel_engine_leaves_the_update(tmp_path):
         return simulate(load_job_config(args, world_size="config"), "debug_cpu.toml",
                         args=(args, "config"))["ranks"][0]
 
-    kept, released = rank_0(), rank_0("--rollout.release_between_rollouts")
+    # The released engine's pool is "auto": a tensor-parallel group's agreement on it is one
+    # more collective the fake group answers without values (the rank's own budget stands).
+    # On the default 80 GiB it reaches the whole batch at its longest, the fixed pool's size.
+    kept, released = rank_0(), rank_0("--rollout.release_between_rollouts", "--rollout.kv_cache_gib", "auto")
+    assert released["kv_pool_gib"] == kept["kv_pool_gib"] > 0
     buffers = released["after_step_gib"]["buffers"]
     assert released["after_step_gib"]["engine weights"] == pytest.approx(buffers, rel=0.01)
     assert released["after_step_gib"]["KV cache"] == 0

@@ -218,9 +218,13 @@ def test_expert_parallel_degree_is_checked():
 def test_an_engine_tensor_parallel_degree_must_divide_the_peers_and_the_heads():
     _expect(DEFAULT, "rollout.tensor_parallel_degree (2) must divide context_parallel_degree x "
             "pipeline_parallel_degree = 1", overrides=("--rollout.tensor_parallel_degree", "2"), world_size=2)
-    _expect(DEFAULT, "rollout.tensor_parallel_degree (4) must divide the policy's kv heads",
-            overrides=("--rollout.tensor_parallel_degree", "4", "--parallelism.context_parallel_degree", "4",
-                       "--model.name", "qwen3", "--model.flavor", "debugmodel"), world_size=4)
+    qwen3 = ("--model.name", "qwen3", "--model.flavor", "debugmodel")  # 4 heads, 2 KV heads
+    _expect(DEFAULT, "rollout.tensor_parallel_degree (8) must divide the policy's heads (4)",
+            overrides=("--rollout.tensor_parallel_degree", "8", "--parallelism.context_parallel_degree", "8",
+                       "--simulate.gpus_per_node", "8", *qwen3), world_size=8)
+    # More engine ranks than KV heads: each KV head is computed on two of them.
+    assert _load(DEFAULT, "--rollout.tensor_parallel_degree", "4", "--parallelism.context_parallel_degree", "4",
+                 *qwen3, world_size=4).rollout.tensor_parallel_degree == 4
 
 
 def test_truncated_importance_sampling_needs_one_update_per_step():

@@ -1,6 +1,7 @@
 """A tensor-parallel rollout engine (``[rollout] tensor_parallel_degree``): its policy copy is split
 over the ranks of an engine group and still generates what the one-rank engine generates, a
-mixture of experts' too (every expert split over its width)."""
+mixture of experts' too (every expert split over its width), and over more ranks than the
+policy has KV heads (each KV head computed on ``t / n_kv`` ranks from whole ``k/v`` weights)."""
 
 import pytest
 import torch
@@ -35,7 +36,7 @@ def _tp_engine_matches_one_rank(rank: int, world_size: int, flavor) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from titan_cotrain.parallel.engine_tp import engine_tp_mesh
+    from titan_cotrain.parallel.engine_tp import engine_tp_mesh, kv_heads_per_rank
 
     target, draft = _models(3, flavor)
     reference = RolloutEngine(*_models(3, flavor), max_batch_size=5, max_seq_len=40,
@@ -51,7 +52,13 @@ def _tp_engine_matches_one_rank(rank: int, world_size: int, flavor) -> None:
                                        max_draft_tokens=3, tp_mesh=tp)
     q_proj = engine.policy.layers[0].self_attn.q_proj.weight
     assert isinstance(q_proj, DTensor) and q_proj.to_local().shape[0] == q_proj.shape[0] // world_size
-    assert engine.target_pool.k.shape[3] == target.args.n_kv_heads // world_size
+    n_kv = target.args.n_kv_heads
+    assert engine.target_pool.k.shape[3] == kv_heads_per_rank(n_kv, world_size) == max(n_kv // world_size, 1)
+    k_proj = engine.policy.layers[0].self_attn.k_proj.weight
+    if world_size > n_kv:  # whole on every rank; each rank caches its query heads' one KV head
+        assert not isinstance(k_proj, DTensor) and k_proj.shape == target.layers[0].self_attn.k_proj.weight.shape
+    else:
+        assert k_proj.to_local().shape[0] == k_proj.shape[0] // world_size
     assert engine.policy.lm_head.weight is engine.policy.embed_tokens.weight or not target.args.tie_embeddings
     for layer in engine.policy.layers:
         if layer.sparse:  # each rank holds half of every expert's width; the router whole
@@ -72,9 +79,10 @@ def _tp_engine_matches_one_rank(rank: int, world_size: int, flavor) -> None:
         assert torch.equal(ours.response_lens, theirs.response_lens), what
         torch.testing.assert_close(ours.logprobs, theirs.logprobs, rtol=0, atol=1e-5, msg=what)
         # The ranks of the engine group hold the very same rollouts (bitwise), as they must.
-        both = [None, None]
-        dist.all_gather_object(both, (ours.tokens, ours.logprobs))
-        assert torch.equal(both[0][0], both[1][0]) and torch.equal(both[0][1], both[1][1]), what
+        every = [None] * world_size
+        dist.all_gather_object(every, (ours.tokens, ours.logprobs))
+        assert all(torch.equal(tokens, ours.tokens) and torch.equal(logprobs, ours.logprobs)
+                   for tokens, logprobs in every), what
 
     # Released and refreshed from other weights, it follows them like a fresh one-rank engine.
     engine.release()
@@ -86,9 +94,14 @@ def _tp_engine_matches_one_rank(rank: int, world_size: int, flavor) -> None:
     assert torch.equal(engine.generate(prompts, params).tokens, fresh.generate(prompts, params).tokens)
 
 
-@pytest.mark.parametrize("flavor", [DENSE, MOE], ids=["dense", "moe"])
-def test_a_tensor_parallel_engine_generates_what_one_rank_generates(flavor):
-    run_on_ranks(_tp_engine_matches_one_rank, 2, flavor)
+@pytest.mark.parametrize("flavor, world_size", [
+    (DENSE, 2), (MOE, 2),
+    (DENSE, 4),  # 4 ranks, 2 KV heads: each KV head on 2 ranks
+    pytest.param(MOE, 4, marks=pytest.mark.slow),
+], ids=["dense", "moe", "dense_kv_heads_replicated", "moe_kv_heads_replicated"])
+def test_a_tensor_parallel_engine_generates_what_one_rank_generates(flavor, world_size):
+    assert model_args_for(*flavor).n_kv_heads == 2
+    run_on_ranks(_tp_engine_matches_one_rank, world_size, flavor)
 
 
 def test_tensor_parallel_kv_bytes_are_a_share_of_the_targets():
@@ -99,6 +112,20 @@ def test_tensor_parallel_kv_bytes_are_a_share_of_the_targets():
     # The draft's cache stays whole on every rank.
     with_draft = kv_bytes_per_sequence(args, draft, 1024, 4, torch.bfloat16, tensor_parallel=8)
     assert with_draft - whole // 8 == kv_bytes_per_sequence(args, draft, 1024, 4, torch.bfloat16) - whole
+
+
+def test_kv_heads_split_or_replicate():
+    from titan_cotrain.parallel.engine_tp import engine_tp_errors
+
+    args = model_args_for("qwen3", "235B-A22B")  # 64 query heads, 4 KV heads
+    assert engine_tp_errors(args, 4) == engine_tp_errors(args, 8) == []
+    assert engine_tp_errors(args.replace(n_kv_heads=3, n_heads=48), 2) == [
+        "rollout.tensor_parallel_degree (2) must divide the policy's kv heads (3) or be a multiple of them (each kv "
+        "head then computed on t / kv heads ranks)"]
+    # At 8 ranks a KV head's keys are cached on 2 of them: a rank's cache is a 4-way engine's.
+    draft = DraftArgs.from_target(args, n_taps=3, draft_vocab_size=32000)
+    assert (kv_bytes_per_sequence(args, draft, 1024, 4, torch.bfloat16, tensor_parallel=8)
+            == kv_bytes_per_sequence(args, draft, 1024, 4, torch.bfloat16, tensor_parallel=4))
 
 
 def test_a_mixture_of_experts_splits_by_its_expert_width():

@@ -311,9 +311,10 @@ class Rollout:
     layout, ``titan_cotrain.parallel.engine_tp``), for a policy whose bf16 copy does not fit
     one GPU beside its training state. The ranks of an engine group are consecutive CP x PP
     peers of one data-parallel coordinate (ranks that train the same rows), so it must divide
-    ``context_parallel_degree x pipeline_parallel_degree``, and the policy's heads, KV heads,
-    FFN width and vocabulary. Each rank holds ``1 / t`` of the weights and of the target's KV
-    cache; the draft stays whole. The engine groups of a coordinate share its prompts out.
+    ``context_parallel_degree x pipeline_parallel_degree``, and the policy's heads, FFN width
+    and vocabulary; the KV heads it divides or is a multiple of. Each rank holds ``1 / t`` of
+    the weights and of the target's KV cache (one KV head, with ``k_proj``/``v_proj`` whole, when
+    ``t`` exceeds the KV heads); the draft stays whole. The engine groups of a coordinate share its prompts out.
     It may not exceed a node's processes (torchrun's ``LOCAL_WORLD_SIZE``, else ``[simulate]
     gpus_per_node``); ``[parallelism] rank_order`` keeps a group in one node, and a group whose
     ranks still lie on several nodes (``pp_outer`` chosen by hand) is warned about at start."""
@@ -330,7 +331,7 @@ class Rollout:
     as they grow and give back when they finish; a GRPO group's samples share their prompt's
     blocks. Sequences enter the running batch while the pool can hold them at their longest,
     the rest as others finish (continuous batching). One position costs ``2 (keys, values) x
-    bytes per element x (target layers x kv heads / tensor_parallel_degree x head dim + draft
+    bytes per element x (target layers x max(kv heads / tensor_parallel_degree, 1) x head dim + draft
     kv heads x head dim)``; beside the pool each row keeps ``k - 1`` draft chain slots
     (``k = draft_tokens``). The caches and the engine's weights are bf16 on an accelerator and
     fp32 on CPU (no key sets it). 0 sizes the pool for the rank's whole batch at its longest

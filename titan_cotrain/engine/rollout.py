@@ -50,6 +50,7 @@ from titan_cotrain.models.draft import Draft, DraftArgs, DraftKVCache
 from titan_cotrain.models.kv_cache import PagedKV, RowsKV
 from titan_cotrain.models.transformer import Transformer
 from titan_cotrain.ops import flash
+from titan_cotrain.parallel.engine_tp import kv_heads_per_rank
 from titan_cotrain.parallel.storage import FreedStorages, device_storages
 from titan_cotrain.engine.engine_copy import copy_state, empty_copy
 from titan_cotrain.engine.kv_blocks import Admitted, BlockAllocator, Resumed, Scheduler
@@ -89,8 +90,8 @@ def _cache_slots(max_seq_len: int, max_draft_tokens: int) -> tuple[int, int]:
 def kv_bytes_per_position(policy: ModelArgs, draft: DraftArgs | None, dtype: torch.dtype,
                           tensor_parallel: int = 1) -> int:
     """KV bytes of one position of one sequence on one rank: keys and values of every target
-    layer (``1 / tensor_parallel`` of its KV heads) and, with a draft, of its trunk."""
-    elements = policy.n_layers * (policy.n_kv_heads // tensor_parallel) * policy.head_dim
+    layer (``1 / tensor_parallel`` of its KV heads, at least one) and, with a draft, of its trunk."""
+    elements = policy.n_layers * kv_heads_per_rank(policy.n_kv_heads, tensor_parallel) * policy.head_dim
     if draft is not None:
         elements += draft.n_kv_heads * draft.head_dim
     return 2 * elements * dtype.itemsize
@@ -192,7 +193,8 @@ class RolloutEngine:
         self.blocks_per_sequence = blocks_per_sequence
         self.compiled = compile
         self.target_pool = policy.new_kv_pool(n_blocks, self.block_size, dtype,
-                                              n_kv_heads=policy.args.n_kv_heads // self.tensor_parallel)
+                                              n_kv_heads=kv_heads_per_rank(policy.args.n_kv_heads,
+                                                                           self.tensor_parallel))
         self.draft_pool = self.chain_k = self.chain_v = None
         if draft is not None:
             self.draft_pool = draft.new_kv_pool(n_blocks, self.block_size, dtype)

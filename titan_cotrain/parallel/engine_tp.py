@@ -17,6 +17,13 @@ of the columns of ``w2`` ``[E, dim, moe_inter_dim]`` (dim 2), so each rank compu
 every routed token's expert output, and the MoE's output is all-reduced as ``down_proj``'s is.
 The router stays whole: fed the same whole input on every rank, every rank routes alike.
 
+A policy with fewer KV heads than ``t`` (Qwen3-235B-A22B has 4) keeps ``k_proj`` and ``v_proj``
+whole on every rank and each rank takes its one KV head from their output: rank ``r`` holds
+query heads ``r Hq / t ...`` whose GQA group is KV head ``r // (t / Hkv)``, so each KV head is
+computed (and cached) on ``t / Hkv`` ranks. Whole ``k/v`` weights cost a rank ``2 Hkv Dh x dim``
+a layer (under 1% of a 235B-A22B layer's share); they let an engine split such a policy 8
+ways, where splitting by KV heads stops at 4.
+
 Norm weights and the draft stay whole on every rank (the draft is one layer). Every rank of
 an engine group runs the same generation on the same inputs, with the same seed: the
 collectives' results are identical on every rank, so are the logits and the draws.
@@ -35,8 +42,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleOutput, RowwiseParallel, parallelize_module
 
-__all__ = ["engine_tp_errors", "engine_tp_mesh", "fill_from_whole", "tensor_parallel_engine_policy",
-           "whole_host_state", "whole_tensor"]
+__all__ = ["engine_tp_errors", "engine_tp_mesh", "fill_from_whole", "kv_heads_per_rank",
+           "tensor_parallel_engine_policy", "whole_host_state", "whole_tensor"]
 
 
 def engine_tp_mesh(device_type: str, groups: Sequence[Sequence[int]]) -> DeviceMesh:
@@ -50,13 +57,23 @@ def engine_tp_mesh(device_type: str, groups: Sequence[Sequence[int]]) -> DeviceM
 
 def engine_tp_errors(args, t: int) -> list[str]:
     """What keeps the layout above from splitting a policy of ``args`` (``ModelArgs``) ``t``
-    ways: every split dimension must divide evenly."""
-    split = [("heads", args.n_heads), ("kv heads", args.n_kv_heads), ("vocabulary", args.vocab_size)]
+    ways: every split dimension must divide evenly, and the KV heads split or replicate."""
+    split = [("heads", args.n_heads), ("vocabulary", args.vocab_size)]
     if not all(args.is_sparse_layer(i) for i in range(args.n_layers)):
         split.append(("ffn width", args.ffn_dim))
     if args.n_experts:
         split.append(("expert width", args.moe_inter_dim))
-    return [f"rollout.tensor_parallel_degree ({t}) must divide the policy's {what} ({n})" for what, n in split if n % t]
+    errors = [f"rollout.tensor_parallel_degree ({t}) must divide the policy's {what} ({n})" for what, n in split if n % t]
+    if args.n_kv_heads % t and t % args.n_kv_heads:
+        errors.append(f"rollout.tensor_parallel_degree ({t}) must divide the policy's kv heads ({args.n_kv_heads}) "
+                      "or be a multiple of them (each kv head then computed on t / kv heads ranks)")
+    return errors
+
+
+def kv_heads_per_rank(n_kv_heads: int, t: int) -> int:
+    """The KV heads a rank of a ``t``-way engine computes and caches: ``n_kv_heads / t``, or
+    one when ``t`` is a multiple of them (module docstring)."""
+    return max(n_kv_heads // t, 1)
 
 
 def tensor_parallel_engine_policy(policy: nn.Module, mesh: DeviceMesh) -> None:
@@ -70,8 +87,15 @@ def tensor_parallel_engine_policy(policy: nn.Module, mesh: DeviceMesh) -> None:
         "embed_tokens": RowwiseParallel(input_layouts=Replicate()),
         "lm_head": ColwiseParallel(output_layouts=Replicate()),
     }
+    t, n_kv = mesh.size(), policy.args.n_kv_heads
     for i, layer in enumerate(policy.layers):
-        plan |= {f"layers.{i}.self_attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")}
+        if t <= n_kv:
+            plan |= {f"layers.{i}.self_attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")}
+        else:
+            plan[f"layers.{i}.self_attn.q_proj"] = ColwiseParallel()
+            head = mesh.get_local_rank() // (t // n_kv)
+            for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
+                _keep_one_head(proj, head, policy.args.head_dim)
         plan[f"layers.{i}.self_attn.o_proj"] = RowwiseParallel()
         if layer.sparse:
             _split_experts(layer.mlp.experts, mesh)
@@ -82,6 +106,12 @@ def tensor_parallel_engine_policy(policy: nn.Module, mesh: DeviceMesh) -> None:
     parallelize_module(policy, mesh, plan)
     if tied:
         policy.lm_head.weight = policy.embed_tokens.weight
+
+
+def _keep_one_head(proj: nn.Linear, head: int, head_dim: int) -> None:
+    """``proj`` (a whole ``k_proj`` / ``v_proj``, its weight a plain tensor on every rank)
+    returns only KV head ``head`` of its output (module docstring)."""
+    proj.register_forward_hook(lambda module, args, out: out.narrow(-1, head * head_dim, head_dim))
 
 
 def _split_experts(experts: nn.Module, mesh: DeviceMesh) -> None:

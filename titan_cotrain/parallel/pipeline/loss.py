@@ -73,8 +73,9 @@ class CotrainLoss:
         draft = self.draft if self.train_draft else None
         head_out = policy_head(self._microbatches[microbatch], self.policy_loss_fn, draft, self.chunk_tokens)(
             hidden, weight)
-        sums = CotrainSums() if in_backward() else self.sums
-        if sums is self.sums:
+        rerun = in_backward()
+        sums = CotrainSums() if rerun else self.sums  # a rerun's go nowhere
+        if not rerun:
             self._heads[microbatch] = head_out
         loss = add_policy_sums(sums, head_out)
         if router_load is not None:

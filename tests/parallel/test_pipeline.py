@@ -61,11 +61,11 @@ SCHEDULES = {
 
 
 
-def _models(args: ModelArgs = ARGS) -> tuple[Transformer, Draft]:
+def _models(args: ModelArgs = ARGS, std: float = 0.1) -> tuple[Transformer, Draft]:
     """A policy and a draft over a reduced vocabulary: the draft's token count then depends
     on the policy's logits (anchors whose teacher argmax is out of vocabulary are masked)."""
     policy = Transformer(args)
-    policy.init_weights(std=0.1, generator=torch.Generator().manual_seed(0))
+    policy.init_weights(std=std, generator=torch.Generator().manual_seed(0))
     maps = draft_vocab_from_counts(torch.arange(args.vocab_size).flip(0).float(), DRAFT_VOCAB)
     draft = Draft(DraftArgs.from_target(args, n_taps=3, draft_vocab_size=DRAFT_VOCAB), *maps)
     draft.init_weights(std=0.1, generator=torch.Generator().manual_seed(1))

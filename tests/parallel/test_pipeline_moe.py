@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from tests.multiprocess import one_thread, run_on_ranks
+from tests.parallel.test_pipeline import _models as pipeline_models
 from tests.parallel.test_pipeline import (
-    DRAFT_VOCAB,
     POLICY_LOSS,
     STEP,
     STEP_BOUND_S,
@@ -34,9 +34,6 @@ from tests.parallel.test_pipeline import (
 )
 from titan_cotrain.cotrain.step import forward_backward
 from titan_cotrain.models.args import model_args_for
-from titan_cotrain.models.draft import Draft, DraftArgs
-from titan_cotrain.models.draft_vocab import draft_vocab_from_counts
-from titan_cotrain.models.transformer import Transformer
 from titan_cotrain.parallel.pipeline import plan_pipeline
 
 ARGS = model_args_for("qwen3", "debugmoe").replace(tie_embeddings=False)  # V schedules refuse tied weights
@@ -53,13 +50,8 @@ SCHEDULES = [  # (schedule, layers per stage, stage forward checkpointed)
 ]
 
 
-def _models() -> tuple[Transformer, Draft]:
-    policy = Transformer(ARGS)
-    policy.init_weights(std=0.2, generator=torch.Generator().manual_seed(0))
-    maps = draft_vocab_from_counts(torch.arange(ARGS.vocab_size).flip(0).float(), DRAFT_VOCAB)
-    draft = Draft(DraftArgs.from_target(ARGS, n_taps=3, draft_vocab_size=DRAFT_VOCAB), *maps)
-    draft.init_weights(std=0.1, generator=torch.Generator().manual_seed(1))
-    return policy, draft
+def _models():
+    return pipeline_models(ARGS, std=0.2)  # routers far from uniform
 
 
 def _reference(policy, draft, batch, weight: float):

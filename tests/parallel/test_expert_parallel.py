@@ -87,8 +87,10 @@ def _ep_rank(rank, world_size, ep, reference, overrides, width_sharded=False):
                 w1 = layer.mlp.experts.w1
                 assert isinstance(w1, DTensor) and w1.device_mesh.mesh_dim_names[-2:] == ("efsdp", "ep")
                 assert w1.placements[-1] == Shard(0)
-                # More efsdp ranks than a rank's experts: FSDP shards each expert's width.
-                assert w1.placements[-2] == (Shard(1) if width_sharded else Shard(0))
+                # FSDP over efsdp on top: on the expert dimension (strided, under ep's split) or,
+                # with more efsdp ranks than a rank's experts, on each expert's width.
+                fsdp = w1.placements[-2]
+                assert getattr(fsdp, "dim", None) == (1 if width_sharded else 0), fsdp  # Shard or _StridedShard
     batch_rank = dims.get_mesh("batch").get_local_rank() if dims.dp_enabled else 0
     rows = slice(batch_rank * ROWS_PER_RANK, (batch_rank + 1) * ROWS_PER_RANK)
     tokens, whole_logits = _tokens(reference["logits"].shape[0])[rows], reference["logits"][rows]

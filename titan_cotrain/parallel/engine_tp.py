@@ -59,7 +59,7 @@ def engine_tp_errors(args, t: int) -> list[str]:
     """What keeps the layout above from splitting a policy of ``args`` (``ModelArgs``) ``t``
     ways: every split dimension must divide evenly, and the KV heads split or replicate."""
     split = [("heads", args.n_heads), ("vocabulary", args.vocab_size)]
-    if not all(args.is_sparse_layer(i) for i in range(args.n_layers)):
+    if args.n_sparse_layers < args.n_layers:  # a dense layer's SwiGLU splits too
         split.append(("ffn width", args.ffn_dim))
     if args.n_experts:
         split.append(("expert width", args.moe_inter_dim))
@@ -88,12 +88,12 @@ def tensor_parallel_engine_policy(policy: nn.Module, mesh: DeviceMesh) -> None:
         "lm_head": ColwiseParallel(output_layouts=Replicate()),
     }
     t, n_kv = mesh.size(), policy.args.n_kv_heads
+    head = mesh.get_local_rank() // (t // n_kv) if t > n_kv else None  # this rank's one KV head
     for i, layer in enumerate(policy.layers):
-        if t <= n_kv:
+        if head is None:
             plan |= {f"layers.{i}.self_attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")}
         else:
             plan[f"layers.{i}.self_attn.q_proj"] = ColwiseParallel()
-            head = mesh.get_local_rank() // (t // n_kv)
             for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
                 _keep_one_head(proj, head, policy.args.head_dim)
         plan[f"layers.{i}.self_attn.o_proj"] = RowwiseParallel()

@@ -67,13 +67,12 @@ class TransformerStage(nn.Module):
         # A mixture of experts (with a sparse layer anywhere) passes on its routers' load.
         n_sparse = policy.args.n_sparse_layers
         self.n_experts, self.n_sparse_layers = (policy.args.n_experts, n_sparse) if n_sparse else (0, 0)
-        self.last = last
         self.channel = channel
         sources = ({EMBEDDINGS} if first else set()) | (set(layers) & set(policy.tap_layers))
         self.tap_sources = frozenset(sources) if channel is not None else frozenset()
         self.send_taps = True  # off in a step that does not train the draft (``pipeline_step``)
         self.microbatches: Sequence[Microbatch] = ()
-        self.head: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None
+        self.head: Callable[[torch.Tensor, torch.Tensor, int, RouterLoad | None], torch.Tensor] | None = None
         self._inputs: list[tuple[torch.Tensor, int]] = []
         self._router_loads: dict[int, torch.Tensor] = {}
 
@@ -101,7 +100,7 @@ class TransformerStage(nn.Module):
                        lambda layer, out: self._tap(microbatch, layer, out, b, s))
         if self.n_experts:
             load = self._add_router_load(load, microbatch, x.device)
-        if not self.last:
+        if self.lm_head is None:  # not the last stage
             return (x, load) if self.n_experts else x
         pooled = None
         if self.n_experts:  # every sparse layer saw this rank's x.shape[0] tokens

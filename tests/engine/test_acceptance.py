@@ -206,6 +206,10 @@ def _tp_acceptance(rank: int, world_size: int, states, prompts) -> None:
     check_rounds(engine, target, draft, prompts, out, 8, 3)
 
 
-def test_tensor_parallel_engine_acceptance_is_the_ttt_accuracy(pair):
+@pytest.mark.parametrize("world_size", [2, 4], ids=["kv_heads_split", "kv_heads_replicated"])
+def test_tensor_parallel_engine_acceptance_is_the_ttt_accuracy(pair, world_size):
+    """2 ranks split the debug model's 2 KV heads; 4 ranks compute each on two of them, from
+    whole k/v projections: either way the draft reads the keys the training code's taps saw."""
     target, draft, prompts = pair
-    run_on_ranks(_tp_acceptance, 2, (target.state_dict(), draft.state_dict()), prompts[:4])
+    assert target.args.n_kv_heads == 2
+    run_on_ranks(_tp_acceptance, world_size, (target.state_dict(), draft.state_dict()), prompts[:4])

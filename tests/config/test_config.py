@@ -125,6 +125,19 @@ def test_parallel_degrees_must_multiply_to_world_size():
             overrides=("--parallelism.data_parallel_shard_degree", "3"), world_size=4)
 
 
+def test_a_simulated_job_validates_against_its_own_world(tmp_path, monkeypatch):
+    """``[simulate] enable = true`` in the file (not only on the command line): the job is
+    checked against the world its degrees describe, not the launch's ``WORLD_SIZE``."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    job = tmp_path / "sim.toml"
+    job.write_text(f'[job]\nextends = "{Path(DEFAULT).resolve()}"\n[parallelism]\ndata_parallel_shard_degree = 8\n'
+                   '[simulate]\nenable = true\n')
+    config = load_job_config(["--job.config_file", str(job)])
+    assert config.simulate.enable and config.parallelism.data_parallel_shard_degree == 8
+    with pytest.raises(ConfigError, match="world size is 1"):  # the same job, not simulated
+        load_job_config(["--job.config_file", str(job), "--simulate.no-enable"])
+
+
 def test_shard_degree_cannot_be_inferred():
     _expect(DEFAULT, "world size 3 is not divisible", overrides=("--parallelism.context_parallel_degree", "2"),
             world_size=3)

@@ -179,7 +179,7 @@ def _a_bad_draft_is_switched_off(rank, world_size, folder):
     # made sharp on its own random choices is nearly never accepted.
     with torch.no_grad():
         trainer.engine.draft.lm_head.weight.mul_(200.0)
-    chosen = [trainer.rollout_phase(step)[1]["rollout/draft_tokens"] for step in (1, 2, 3, 4)]
+    chosen = [trainer.rollouts(step)[1]["rollout/draft_tokens"] for step in (1, 2, 3, 4)]
     # The first call measures every k per round, the second plain decoding. Then drafting does
     # not pay: plain decoding, or (a tiny draft's catch-up costs about nothing here, so the two
     # are a coin toss on these cores) the draft follows and its rounds draft 0, but for the

@@ -83,7 +83,7 @@ def _split_rollouts(rank: int, world_size: int, folder: str) -> None:
 
     trainer.engine.generate = recording
     trainer.refresh_engine()
-    samples, metrics = trainer.rollout_phase(1)
+    samples, metrics = trainer.rollouts(1)
     _, prompts = trainer.rollouts.prompts(1)
     # This rank generated its share only: its problems (of 4), each prefilled once for both samples.
     assert len(generated) == 1 and generated[0] == ([prompts[i] for i in (2 * rank, 4 + 2 * rank)], 2)
@@ -97,14 +97,14 @@ def _split_rollouts(rank: int, world_size: int, folder: str) -> None:
         {k: v for k, v in both[1][1].items() if not k.startswith(volatile)}
     mine = {tuple(p) for p in generated[0][0]}
     assert {tuple(s.prompt) for s in samples} - mine  # the rest was received, not generated
-    update = trainer.update_phase(1, samples)  # the CP update trains the received rows
+    update = trainer.update.step(trainer.pack(samples, 1), trainer.rl_loss, train_draft=True)  # trains the received rows
     assert torch.isfinite(torch.tensor(update["loss/policy"]))
 
     # Peers that drew different prompts cannot share rollouts: every one of them stops.
     if rank == 1:
         trainer.rollouts.prompts = lambda step, real=trainer.rollouts.prompts: real(step + 1)
     with pytest.raises(RuntimeError, match=r"the ranks \[0, 1\], which train the same rows, drew different prompts"):
-        trainer.rollout_phase(1)
+        trainer.rollouts(1)
 
 
 def test_cp_peers_generate_a_share_each_and_train_the_same_received_batch(tmp_path):

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from titan_cotrain.cotrain.ttt import tau
+from titan_cotrain.rl.draft_health import AcceptanceWatch
 from titan_cotrain.rl.progress import step_line
-from titan_cotrain.rl.rollout_metrics import AcceptanceWatch, acceptance_over_tau, tau_at
+from titan_cotrain.rl.rollout_metrics import acceptance_over_tau, tau_at
 
 ACCURACY = (0.9, 0.8, 0.5)  # draft/acc_pass1..3 of a draft trained with ttt_steps = 3
 

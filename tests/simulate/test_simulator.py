@@ -48,6 +48,23 @@ def test_parameter_and_optimizer_bytes_match_the_analytic_count(tmp_path):
     assert rollout["rounds"] > 0 and rollout["modeled_rollout_s"] > 0
 
 
+def test_the_simulator_measures_the_phases_the_trainer_takes(tmp_path):
+    """The simulated step is ``Trainer.rl_step`` itself: the phases the report measures between
+    the optimizers' state and the checkpoint are, in order, those a real one-process RL step
+    of the same job enters (``RealRun.phase``)."""
+    from titan_cotrain.rl.real_run import RealRun
+    from titan_cotrain.rl.trainer import Trainer
+
+    seen: list[str] = []
+    args = ["--job.config_file", "train_configs/debug_cpu.toml", "--job.dump_folder", str(tmp_path / "real"),
+            "--task.sft_steps", "0", "--checkpoint.no-enable", "--metrics.no-enable_tensorboard",
+            "--rollout.max_new_tokens", "8"]
+    Trainer(load_job_config(args, world_size=1), 1, 0, mode=RealRun(on_phase=seen.append)).rl_step(1)
+    assert seen == ["offload", "refresh", "rollout", "release", "restore", "pack", "update"]
+    simulated = simulate(_config(tmp_path), "debug_cpu.toml")["ranks"][0]["phase_peak_gib"]
+    assert list(simulated) == ["construction", "optimizer state", *seen, "checkpoint"]
+
+
 def test_a_dataset_task_simulates_without_its_file(tmp_path, monkeypatch):
     """The simulator never reads ``[task] dataset_path``: its prompts are synthetic, of
     ``[simulate] prompt_tokens`` (here capped by the 128 - 64 = 64-token prompt budget)."""

@@ -163,8 +163,9 @@ def read_job_toml(path: Path, _chain: tuple[Path, ...] = ()) -> dict:
 def load_job_config(args: list[str] | None = None, world_size: int | None = None):
     """Parse ``args`` (``--job.config_file F`` plus overrides) into a validated JobConfig.
 
-    ``world_size`` defaults to the ``WORLD_SIZE`` environment variable (1 when unset);
-    ``"config"`` takes the product of the config's parallel degrees (the simulator's world).
+    ``world_size`` defaults to the ``WORLD_SIZE`` environment variable (1 when unset), or,
+    for a config with ``[simulate] enable`` (in the file or on the command line), to
+    ``"config"``: the product of the config's parallel degrees (the simulator's world).
     Raises ``ConfigError`` for anything wrong; tyro exits with its own message for a
     malformed command-line override.
     """
@@ -173,6 +174,8 @@ def load_job_config(args: list[str] | None = None, world_size: int | None = None
     if not raw.get("job", {}).get("custom_config_module"):
         args = [*args, "--job.custom_config_module", CUSTOM_CONFIG_MODULE]
     config = titan.parse_job_config(raw, args)
+    if world_size is None and config.simulate.enable:
+        world_size = "config"
     if world_size == "config":  # the simulator: the world the config's degrees describe
         p = config.parallelism
         world_size = (p.data_parallel_replicate_degree * max(p.data_parallel_shard_degree, 1)

@@ -1,12 +1,16 @@
-"""The draft's health in the rollouts: a warning, and the ``draft/collapse`` metric, when the
-acceptance the rollouts measure collapses. Speculative sampling stays lossless whatever the
+"""The draft's health in the rollouts: a warning when the rollouts accept much less than the
+draft's training metric predicts on the same sequences (``AcceptanceWatch``), and a warning
+and the ``draft/collapse`` metric when the acceptance the rollouts measure collapses
+(``DraftCollapseWatch``). Speculative sampling stays lossless whatever the
 draft computes, so a draft that stopped predicting (past its ``max_position_embeddings``, on
 weights the engine never refreshed, or left behind by a policy that moved) only makes rollouts
 slower, with no error; the tuner then falls back to plain decoding, and the user must be told."""
 
 from __future__ import annotations
 
-__all__ = ["DraftCollapseWatch"]
+from titan_cotrain.rl.rollout_metrics import predicted_acceptance
+
+__all__ = ["AcceptanceWatch", "DraftCollapseWatch"]
 
 
 class DraftCollapseWatch:
@@ -75,3 +79,35 @@ class DraftCollapseWatch:
                 "stopped training ([draft] freeze_after_sft) while the policy moved. draft/collapse and "
                 "rollout/acceptance_length_q1..q4 in TensorBoard show it; [rollout] collapse_fraction, "
                 "collapse_position_rate and collapse_steps set the test.")
+
+
+class AcceptanceWatch:
+    """Warns when speculative rollouts realise much less than the draft's training metric
+    predicts: ``rollout/acceptance_over_tau`` below ``fraction`` for ``patience`` speculative
+    RL steps in a row (``[rollout] acceptance_warning_fraction``, ``acceptance_warning_steps``).
+    Steps without the ratio (plain decoding, no draft trained) neither count nor break a run of
+    low ones; a step at or above ``fraction`` ends it. One warning per run of low steps. The
+    count is not checkpointed: after a resume it starts again."""
+
+    def __init__(self, fraction: float, patience: int) -> None:
+        self.fraction, self.patience = fraction, patience
+        self.low_steps = 0
+
+    def observe(self, step: int, metrics: dict[str, float]) -> str | None:
+        """The warning to print after step ``step``, or None."""
+        ratio = metrics.get("rollout/acceptance_over_tau")
+        if ratio is None or self.fraction <= 0:
+            return None
+        if ratio >= self.fraction:
+            self.low_steps = 0
+            return None
+        self.low_steps += 1
+        if self.low_steps != self.patience:
+            return None
+        return (f"step {step}: for {self.patience} speculative RL steps in a row the rollouts accepted less than "
+                f"{self.fraction:g} x what the draft's training metric predicts on the same rollouts (now "
+                f"{metrics['rollout/acceptance_length']:.2f} tokens per round against "
+                f"{predicted_acceptance(metrics):.2f}, draft/tau over the passes the rounds drafted): the engine's "
+                "draft may read other inputs than training gives it "
+                "(stale KV blocks, a missed weight refresh). rollout/acceptance_over_tau in TensorBoard shows the "
+                "gap; [rollout] acceptance_warning_fraction sets the threshold.")

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import ContextManager
 
 import torch
 from torch import nn
@@ -117,17 +118,24 @@ class TrainingStateOffload:
 
 
 @contextlib.contextmanager
-def offloaded(offload: TrainingStateOffload | None):
+def offloaded(offload: TrainingStateOffload | None, phase: Callable[[str], ContextManager] | None = None):
     """``offload``'s training state off the device for the block and back after it, also
     after an error (None: nothing). The gradients and the optimizers' state leave first; the
     block refreshes the engine (which reads the parameters) and then calls the function this
     yields, which moves the parameters too: the KV pool the refresh allocates never sits
-    beside the optimizers' state."""
-    if offload is None:
-        yield lambda: None
-        return
-    offload.away(weights=False)
+    beside the optimizers' state. ``phase`` (the run mode's, ``RealRun.phase``) names the two
+    moves ``offload`` and ``restore``."""
+    phase = phase or _no_phase
+    with phase("offload"):
+        if offload is not None:
+            offload.away(weights=False)
     try:
-        yield offload.away
+        yield offload.away if offload is not None else lambda: None
     finally:
-        offload.back()
+        with phase("restore"):
+            if offload is not None:
+                offload.back()
+
+
+def _no_phase(name: str) -> ContextManager:
+    return contextlib.nullcontext()

@@ -10,7 +10,7 @@ from titan_cotrain.rl.batching import Sample
 from titan_cotrain.engine.rollout import RolloutStats
 from titan_cotrain.engine.rollout_state import RoundTable
 
-__all__ = ["AcceptanceWatch", "acceptance_over_tau", "predicted_acceptance", "rollout_metrics", "tau_at"]
+__all__ = ["acceptance_over_tau", "predicted_acceptance", "rollout_metrics", "tau_at"]
 
 
 def rollout_metrics(all_reduce: Callable[[list[float]], list[float]], samples: list[Sample], details: list[dict],
@@ -124,35 +124,3 @@ def acceptance_over_tau(metrics: dict[str, float]) -> dict[str, float]:
     if predicted is None:
         return {}
     return {"rollout/acceptance_over_tau": metrics["rollout/acceptance_length"] / predicted}
-
-
-class AcceptanceWatch:
-    """Warns when speculative rollouts realise much less than the draft's training metric
-    predicts: ``rollout/acceptance_over_tau`` below ``fraction`` for ``patience`` speculative
-    RL steps in a row (``[rollout] acceptance_warning_fraction``, ``acceptance_warning_steps``).
-    Steps without the ratio (plain decoding, no draft trained) neither count nor break a run of
-    low ones; a step at or above ``fraction`` ends it. One warning per run of low steps. The
-    count is not checkpointed: after a resume it starts again."""
-
-    def __init__(self, fraction: float, patience: int) -> None:
-        self.fraction, self.patience = fraction, patience
-        self.low_steps = 0
-
-    def observe(self, step: int, metrics: dict[str, float]) -> str | None:
-        """The warning to print after step ``step``, or None."""
-        ratio = metrics.get("rollout/acceptance_over_tau")
-        if ratio is None or self.fraction <= 0:
-            return None
-        if ratio >= self.fraction:
-            self.low_steps = 0
-            return None
-        self.low_steps += 1
-        if self.low_steps != self.patience:
-            return None
-        return (f"step {step}: for {self.patience} speculative RL steps in a row the rollouts accepted less than "
-                f"{self.fraction:g} x what the draft's training metric predicts on the same rollouts (now "
-                f"{metrics['rollout/acceptance_length']:.2f} tokens per round against "
-                f"{predicted_acceptance(metrics):.2f}, draft/tau over the passes the rounds drafted): the engine's "
-                "draft may read other inputs than training gives it "
-                "(stale KV blocks, a missed weight refresh). rollout/acceptance_over_tau in TensorBoard shows the "
-                "gap; [rollout] acceptance_warning_fraction sets the threshold.")

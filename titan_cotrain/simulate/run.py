@@ -5,11 +5,14 @@
 For each simulated rank (``[simulate] ranks``; default rank 0 and, under PP, the first
 rank of every other pipeline role: the head's, and the middle rank with the most layers)
 the real ``Trainer`` runs at the config's world size and shapes on ``simgpu``
-(``titan_cotrain.simulate.device``) with torch's fake process group: construction; the optimizers' state made first, as a running job holds it from its first
-step on; one rollout phase (the real engine: the sequences its KV pool admits at once, then
-``[simulate] decode_rounds`` decoding rounds at their longest); packing; one update over the real microbatches (the first
-``[simulate] microbatches`` of them, or one schedule step under PP: memory repeats from one
-to the next); the optimizer step; the engine refresh; the checkpoint's state dicts. Rollout
+(``titan_cotrain.simulate.device``) with torch's fake process group: construction; the
+optimizers' state made first, as a running job holds it from its first step on; then the
+trainer's own ``rl_step``, each of its phases measured as the trainer enters it (``offload``,
+``refresh``, ``rollout``: the real engine, the sequences its KV pool admits at once, then
+``[simulate] decode_rounds`` decoding rounds at their longest; ``release``, ``restore``,
+``pack``, ``update``: one update over the first ``[simulate] microbatches`` of the real
+microbatches, or one schedule step under PP, memory repeating from one to the next, and the
+optimizer step); the checkpoint's state dicts. Rollout
 *contents* are unknown on fake tensors, so the rank trains on the worst case: every
 response is ``rollout.max_new_tokens`` long.
 
@@ -135,9 +138,29 @@ def _warm_optimizers(trainer) -> None:
             optimizer.zero_grad(set_to_none=True)
 
 
+class _KernelsByPhase:
+    """The flash kernels the accelerator path called, per phase (``SimulatedDevice.attention_kernels``
+    counted from each phase's start); ``calls``: the phases that called any."""
+
+    def __init__(self, device: SimulatedDevice) -> None:
+        self.device, self.calls = device, {}
+        self._phase, self._start = None, collections.Counter()
+
+    def enter(self, phase: str | None) -> None:
+        """Close the current phase's count and start ``phase``'s (None: stop counting)."""
+        now = collections.Counter(self.device.attention_kernels)
+        if self._phase is not None and now - self._start:
+            calls = collections.Counter(self.calls.get(self._phase, {})) + (now - self._start)
+            self.calls[self._phase] = dict(calls)
+        self._phase, self._start = phase, now
+
+
 def simulate_rank(config, rank: int, world_size: int) -> tuple[dict, list[str]]:
-    """Run one rank's step on the simulated device; returns its report and host collectives."""
-    from titan_cotrain.rl.offload import offloaded
+    """Run one rank's step on the simulated device; returns its report and host collectives.
+
+    The step is the trainer's own ``rl_step``: the simulation is told each phase as the
+    trainer enters it (``RealRun.phase``) and measures it, so the phases reported are the
+    phases the trainer takes, in its order."""
     from titan_cotrain.rl.trainer import Trainer
     from titan_cotrain.simulate.simulation import Simulation
 
@@ -148,40 +171,27 @@ def simulate_rank(config, rank: int, world_size: int) -> tuple[dict, list[str]]:
     dist.init_process_group(SIM_BACKEND, store=FakeStore(), rank=rank, world_size=world_size)
     holder: dict = {"trainer": None}
     tracker = MemoryTracker(owners=lambda: _owners(holder["trainer"]))
-    sim_cfg = config.simulate
     try:
         with SimulatedDevice(on_alloc=tracker) as device:
-            tracker.phase("construction")
-            trainer = holder["trainer"] = Trainer(config, world_size, rank, mode=Simulation(sim_cfg))
-            step = config.task.sft_steps + 1
-            tracker.phase("optimizer state")
+            kernels = _KernelsByPhase(device)
+
+            def enter(phase: str) -> None:
+                kernels.enter(phase)
+                tracker.phase(phase)
+
+            enter("construction")
+            trainer = holder["trainer"] = Trainer(config, world_size, rank,
+                                                  mode=Simulation(config.simulate, on_phase=enter))
+            enter("optimizer state")
             # A job creates it in its first update, where release_between_rollouts has freed the engine.
-            released = config.rollout.release_between_rollouts
-            if released:
+            if config.rollout.release_between_rollouts:
                 trainer.engine.release()
             _warm_optimizers(trainer)
-            # As the RL step runs it: the refresh allocates the pool beside the parameters (the
-            # offloaded gradients and optimizer state already gone), then the rollout without them.
-            with offloaded(trainer.offload) as parameters_away:
-                if released:
-                    trainer.engine.restore()
-                parameters_away()
-                tracker.phase("rollout")
-                kernels = {"construction": dict(device.attention_kernels)}
-                samples, _ = trainer.rollout_phase(step)
+            trainer.rl_step(config.task.sft_steps + 1)
             host_bytes = trainer.offload.host_bytes if trainer.offload is not None else 0
-            kernels["rollout"] = dict(device.attention_kernels - collections.Counter(kernels["construction"]))
-            tracker.phase("update")
-            before = collections.Counter(device.attention_kernels)
-            trainer.update_phase(step, samples)
-            kernels["update"] = dict(device.attention_kernels - before)
-            tracker.phase("refresh")
-            with offloaded(trainer.offload):  # the next step's refresh, as the RL step runs it
-                trainer.refresh_engine()
-                if released:  # freed after its rollout, before the state comes back
-                    trainer.engine.release()
-            tracker.phase("checkpoint")
+            enter("checkpoint")
             trainer.checkpoint_state_dicts()
+            kernels.enter(None)
             role = trainer.role
             kv_pool = trainer.engine.kv_pool_bytes
             rollout = _rollout_model(trainer, config)
@@ -198,7 +208,7 @@ def simulate_rank(config, rank: int, world_size: int) -> tuple[dict, list[str]]:
         "largest_at_peak": [{"gib": b / GIB, "category": c, "site": w} for b, c, w in tracker.peak_largest],
         "phase_peak_gib": {k: v / GIB for k, v in tracker.phase_peaks.items()},
         "after_step_gib": {k: v / GIB for k, v in sorted(after_step.items(), key=lambda kv: -kv[1])},
-        "attention_kernels": {phase: calls for phase, calls in kernels.items() if calls},
+        "attention_kernels": kernels.calls,
         "offloaded_gib": host_bytes / GIB,
         "kv_pool_gib": kv_pool / GIB,
         "rollout": rollout,

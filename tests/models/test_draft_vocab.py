@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from titan_cotrain.config import load_job_config
-from titan_cotrain.models.build import build_draft, build_target
-from titan_cotrain.models.draft_vocab import MIN_SEEN_FRACTION, count_tokens, draft_vocab_from_counts, draft_vocab_maps
+from titan_cotrain.models.build import build_draft, build_target, draft_vocab_maps
+from titan_cotrain.models.draft_vocab import MIN_SEEN_FRACTION, count_tokens, draft_vocab_from_counts
 from titan_cotrain.models.eagle3 import save_eagle3
 
 VOCAB, DRAFT_VOCAB = 300, 40

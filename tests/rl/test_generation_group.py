@@ -97,7 +97,8 @@ def _split_rollouts(rank: int, world_size: int, folder: str) -> None:
         {k: v for k, v in both[1][1].items() if not k.startswith(volatile)}
     mine = {tuple(p) for p in generated[0][0]}
     assert {tuple(s.prompt) for s in samples} - mine  # the rest was received, not generated
-    update = trainer.update.step(trainer.pack(samples, 1), trainer.rl_loss, train_draft=True)  # trains the received rows
+    # The update trains the received rows.
+    update = trainer.update.step(trainer.pack(samples, 1), trainer.rl_loss, train_draft=True, warm_start=False)
     assert torch.isfinite(torch.tensor(update["loss/policy"]))
 
     # Peers that drew different prompts cannot share rollouts: every one of them stops.

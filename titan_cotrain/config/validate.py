@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from titan_cotrain.models.build import resolve_model_args, resolve_tap_layers
 
-__all__ = ["config_check", "rollout_draft_tokens", "validate_job_config"]
+__all__ = ["config_check", "validate_job_config"]
 
 # (config, world_size) -> problems; see config_check.
 _CHECKS: list[Callable[..., list[str]]] = []
@@ -30,12 +30,6 @@ def _config_error(message: str):
     from titan_cotrain.config.loader import ConfigError
 
     return ConfigError(message)
-
-
-def rollout_draft_tokens(config) -> int:
-    """k of the rollouts: ``[rollout] draft_tokens`` when decoding speculatively (``[rollout]
-    speculative`` with ``[draft] enable``), else 0 (plain decoding)."""
-    return config.rollout.draft_tokens if config.rollout.speculative and config.draft.enable else 0
 
 
 def _parallel_errors(p, world_size: int) -> list[str]:

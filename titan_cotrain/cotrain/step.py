@@ -28,9 +28,9 @@ from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from titan_cotrain.components import titan
+from titan_cotrain.components.shards import local_shard
 from titan_cotrain.cotrain.ttt import TTTStats, draft_loss, pass_weights, tau, ttt_unroll
 from titan_cotrain.cotrain.vocab import chunked_policy_head
 from titan_cotrain.data.batch import Microbatch, PackedBatch, PolicyLossFn, PrepareMicrobatch, labels_of
@@ -123,7 +123,7 @@ def scales_and_metrics(sums: dict[str, torch.Tensor], ttt_steps: int, pass_decay
 def scale_gradients(params, scale: torch.Tensor) -> None:
     """``grad *= scale`` for every parameter with a gradient (FSDP shards: their local part)."""
     grads = [p.grad for p in params if p.grad is not None]
-    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    local = [local_shard(g) for g in grads]
     if local:
         torch._foreach_mul_(local, scale.to(local[0].dtype))
 

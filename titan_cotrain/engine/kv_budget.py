@@ -30,8 +30,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from titan_cotrain.components.shards import local_shard
 from titan_cotrain.models.args import ModelArgs
-from titan_cotrain.parallel.storage import device_storages, local_shard
+from titan_cotrain.parallel.storage import device_storages
 
 __all__ = ["KV_MARGIN_FRACTION", "KVBudget", "OPTIMIZER_MOMENTS", "device_bytes", "gpu_total_bytes",
            "kv_cache_setting", "kv_pool_line", "optimizer_state_bytes", "transient_bytes"]

@@ -13,12 +13,13 @@ import torch
 
 from titan_cotrain.models.args import ARCHITECTURES, ModelArgs, model_args_for
 from titan_cotrain.models.draft import Draft, DraftArgs
-from titan_cotrain.models.draft_vocab import draft_vocab_maps
+from titan_cotrain.models.draft_vocab import draft_vocab_from_counts
 from titan_cotrain.models.taps import default_tap_layers, validate_tap_layers
 from titan_cotrain.models.transformer import Transformer, rope_inv_freq
 
 __all__ = [
-    "build_draft", "build_target", "init_draft_", "init_target_", "job_seed", "resolve_model_args", "resolve_tap_layers",
+    "build_draft", "build_target", "draft_vocab_maps", "init_draft_", "init_target_", "job_seed", "resolve_model_args",
+    "resolve_tap_layers",
 ]
 
 # fill(param, whole): copy a whole host tensor (or a reader of its slices) into ``param``.
@@ -61,6 +62,18 @@ def resolve_tap_layers(config, n_layers: int) -> tuple[int, ...]:
 def job_seed(config) -> int:
     """``[debug] seed``, 0 when unset: the root of every random choice of a job."""
     return config.debug.seed if config.debug.seed is not None else 0
+
+
+def draft_vocab_maps(config, token_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d2t, t2d)`` of the ``[draft] vocab_size`` most frequent tokens of ``token_counts [V]``;
+    a corpus too small for that size (``draft_vocab_from_counts``) is refused naming the keys."""
+    try:
+        return draft_vocab_from_counts(token_counts, config.draft.vocab_size)
+    except ValueError as e:
+        raise ValueError(f"[draft] vocab_size = {config.draft.vocab_size}: {e}. Count more text "
+                         "([draft] vocab_samples: task samples; [draft] vocab_generations: the policy's own "
+                         "responses, with [model] hf_path), lower [draft] vocab_size, or set it to 0 (the "
+                         "target's vocabulary)") from None
 
 
 def _plain_fill(param: torch.Tensor, whole) -> None:

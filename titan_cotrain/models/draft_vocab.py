@@ -3,20 +3,18 @@
 A draft with ``V_d`` output ids predicts only the ``V_d`` most frequent target tokens of a
 corpus. Two maps say which: ``d2t: int64 [V_d]`` with ``target_id = draft_id + d2t[draft_id]``
 (the EAGLE-3 checkpoint's convention) and ``t2d: bool [V]``, True at the target ids the draft
-can emit. Here: the corpus (``[draft] vocab_samples`` task samples, and optionally the initial
-policy's own generations, ``[draft] vocab_generations``), counting it, choosing the maps from
-the counts (``[draft] vocab_size``), the identity maps of a full vocabulary, checking stored
-maps, and writing new ones into a draft.
+can emit. Here: counting a corpus, choosing the maps from the counts, the identity maps of a
+full vocabulary, checking stored maps, and writing new ones into a draft. Which corpus and
+which size a job asks for is read by its builders (``models.build.draft_vocab_maps``,
+``rl.draft_vocab_setup``).
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 if TYPE_CHECKING:  # draft.py imports this module
     from titan_cotrain.models.draft import Draft
@@ -26,12 +24,9 @@ __all__ = [
     "checked_vocab_maps",
     "count_tokens",
     "draft_vocab_from_counts",
-    "draft_vocab_from_generations",
-    "draft_vocab_maps",
     "identity_vocab_maps",
     "set_vocab_maps_",
     "t2d_from_d2t",
-    "task_token_counts",
     "vocab_map_problem",
 ]
 
@@ -93,18 +88,6 @@ def set_vocab_maps_(draft: Draft, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
     draft.t2d.copy_(t2d)
 
 
-def draft_vocab_maps(config, token_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(d2t, t2d)`` of the ``[draft] vocab_size`` most frequent tokens of ``token_counts [V]``;
-    a corpus too small for that size (``draft_vocab_from_counts``) is refused naming the keys."""
-    try:
-        return draft_vocab_from_counts(token_counts, config.draft.vocab_size)
-    except ValueError as e:
-        raise ValueError(f"[draft] vocab_size = {config.draft.vocab_size}: {e}. Count more text "
-                         "([draft] vocab_samples: task samples; [draft] vocab_generations: the policy's own "
-                         "responses, with [model] hf_path), lower [draft] vocab_size, or set it to 0 (the "
-                         "target's vocabulary)") from None
-
-
 def checked_vocab_maps(d2t: torch.Tensor | None, t2d: torch.Tensor | None, draft_vocab_size: int,
                        vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Stored maps, checked: ``(d2t int64 [V_d], t2d bool [V])``; a missing ``t2d`` is rebuilt
@@ -147,43 +130,3 @@ def vocab_map_problem(d2t: torch.Tensor, t2d: torch.Tensor | None, vocab_size: i
     if t2d is not None and not torch.equal(t2d, t2d_from_d2t(d2t, vocab_size)):
         return "t2d does not mark exactly the target ids that d2t maps the draft vocabulary to"
     return None
-
-
-def _vocab_size(config) -> int:
-    from titan_cotrain.models.build import resolve_model_args  # build imports this module
-
-    return resolve_model_args(config).vocab_size
-
-
-def task_token_counts(problems, config) -> torch.Tensor:
-    """``int64 [V]``: tokens of ``[draft] vocab_samples`` task samples (prompt + demonstration,
-    from the ``ProblemStream`` ``problems``), the same on every rank: the corpus of a reduced
-    draft vocabulary."""
-    rng = random.Random(f"{problems.seed}/vocab")
-    return count_tokens((sum(problems.demonstration(rng), []) for _ in range(config.draft.vocab_samples)),
-                        _vocab_size(config))
-
-
-def draft_vocab_from_generations(config, problems, engine, params, draft, refresh_engine=None) -> None:
-    """The reduced draft vocabulary from the task samples' tokens plus the initial policy's own
-    responses (``engine`` sampling with ``params``) to ``[draft] vocab_generations`` prompts
-    (each data-parallel rank answers its share, counts are summed over all ranks, so every rank
-    chooses the same), written into the trained ``draft`` (None off a pipeline's last stage)
-    and the engine's copy. ``refresh_engine``: fills the engine first (a pipeline's engine gets
-    its weights streamed from the stages). A collective: every rank calls it."""
-    rng = problems.rng(0, "vocab")
-    per_rank = -(-config.draft.vocab_generations // problems.dp_degree)
-    prompts = [problems.encode_prompt(problems.task.sample(rng).prompt) for _ in range(per_rank)]
-    if refresh_engine is not None:
-        refresh_engine()
-    device = engine.device
-    generator = torch.Generator(device=device).manual_seed(problems.seed * 1_000_003 + problems.dp_rank)
-    out = engine.generate(prompts, params, generator=generator, draft_tokens=0)
-    counts = count_tokens((out.tokens[i, :n].tolist() for i, n in enumerate(out.response_lens.tolist())),
-                          _vocab_size(config)).to(device)
-    if dist.is_initialized():
-        dist.all_reduce(counts)
-    d2t, t2d = draft_vocab_maps(config, counts.cpu() + task_token_counts(problems, config))
-    for model in (draft, engine.draft):
-        if model is not None:
-            set_vocab_maps_(model, d2t.to(model.d2t.device), t2d.to(model.t2d.device))

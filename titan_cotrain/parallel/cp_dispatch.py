@@ -48,6 +48,7 @@ check_torch_version()
 from torch.distributed.tensor import DTensor, Shard  # noqa: E402
 from torch.distributed.tensor.experimental._context_parallel import _attention as _torch_cp  # noqa: E402
 
+from titan_cotrain.components.shards import local_shard  # noqa: E402
 from titan_cotrain.ops.ring_attention import (  # noqa: E402
     DEFAULT_PIECES,
     RingComm,
@@ -88,10 +89,6 @@ def _local(x, dim: int, name: str) -> torch.Tensor:
     return x.to_local()
 
 
-def _plain(x) -> torch.Tensor:
-    return x.to_local() if isinstance(x, DTensor) else x
-
-
 def _shard(x: torch.Tensor, mesh, dim: int) -> DTensor:
     return DTensor.from_local(x.contiguous(), mesh, (Shard(dim),), run_check=False)
 
@@ -105,7 +102,7 @@ def _ring_op(a: dict, with_branch: bool) -> tuple:
     mesh = a["q"].device_mesh
     q, k, v = (_local(a[n], 0, n) for n in ("q", "k", "v"))
     branch = tuple(_local(a[n], 1, n) for n in ("branch_k", "branch_v")) if with_branch else (None, None)
-    return mesh, (q, k, v, *branch, _plain(a["cu_seqlens"]), a["scale"], ring_name(mesh.get_group()), "zigzag",
+    return mesh, (q, k, v, *branch, local_shard(a["cu_seqlens"]), a["scale"], ring_name(mesh.get_group()), "zigzag",
                   DEFAULT_PIECES)
 
 

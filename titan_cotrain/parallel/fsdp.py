@@ -8,6 +8,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from titan_cotrain.components.private_torch import check_private_api
+from titan_cotrain.components.shards import local_shard
 from titan_cotrain.components.titan import fsdp_sum_gradients
 from titan_cotrain.parallel.expert_parallel import is_expert_parallel
 
@@ -107,7 +108,7 @@ def copy_whole_into_(param: torch.Tensor, whole) -> None:
     a host tensor, or a function of an index tuple that reads just that part (a safetensors
     slice). One tensor at a time, so a rank never holds a whole model."""
     index = local_slices(param)
-    local = param.to_local() if isinstance(param, DTensor) else param
+    local = local_shard(param)
     if index is None or local.numel() == 0:
         return
     part = whole(index) if callable(whole) else whole[index]

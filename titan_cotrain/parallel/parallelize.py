@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from titan_cotrain.components.shards import local_shard
 from titan_cotrain.cotrain.step import prepare_microbatch
 from titan_cotrain.data.batch import PrepareMicrobatch
 from titan_cotrain.models.build import build_draft, build_target, init_draft_, init_target_
@@ -232,4 +233,4 @@ def _restore_buffers(module: nn.Module, host: dict[str, torch.Tensor]) -> None:
 def copy_shards(source: nn.Module, target: nn.Module) -> None:
     """``target``'s parameters <- ``source``'s, shard by shard (both sharded alike)."""
     for dst, src in zip(target.parameters(), source.parameters()):
-        (dst.to_local() if hasattr(dst, "to_local") else dst).copy_(src.to_local() if hasattr(src, "to_local") else src)
+        local_shard(dst).copy_(local_shard(src))

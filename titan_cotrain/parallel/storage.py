@@ -6,9 +6,10 @@ training-state offload during a rollout (``rl.offload``). Both shrink storages t
 and later give them their size back, so compiled graphs, optimizers and a tensor-parallel
 copy's DTensors keep pointing at the same tensors.
 
-A DTensor's storage is read from its local shard itself, not from ``to_local()``: that
-makes a view, and under fake tensors (the scale simulator) a view of a storage shrunk to
-nothing grows it back to the view's size, so reading a released weight would allocate it.
+A DTensor's storage is read from its local shard itself (``components.shards.local_shard``),
+not from ``to_local()``: that makes a view, and under fake tensors (the scale simulator) a view
+of a storage shrunk to nothing grows it back to the view's size, so reading a released weight
+would allocate it.
 """
 
 from __future__ import annotations
@@ -16,19 +17,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch.distributed.tensor import DTensor
 
-__all__ = ["FreedStorages", "device_storages", "local_shard"]
+from titan_cotrain.components.shards import local_shard
 
-
-def local_shard(t: torch.Tensor) -> torch.Tensor:
-    """This rank's tensor of ``t``: a DTensor's local shard itself (its inner tensor under
-    the tensor-subclass flattening protocol, which torch 2.13 lists beside the mesh), not a
-    view of it; any other tensor as it is."""
-    if isinstance(t, DTensor):
-        names, _ = t.__tensor_flatten__()
-        return next(inner for inner in map(t.__getattribute__, names) if isinstance(inner, torch.Tensor))
-    return t
+__all__ = ["FreedStorages", "device_storages"]
 
 
 def device_storages(tensors: Iterable[torch.Tensor | None], device_type: str, *,

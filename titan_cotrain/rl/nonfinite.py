@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from titan_cotrain.components.shards import local_shard
+
 __all__ = ["NonfiniteStop", "NonfiniteWeights", "SaveGuard", "all_finite", "count_skipped_updates",
            "forward_is_finite", "nonfinite_flags"]
 
@@ -59,7 +61,7 @@ def all_finite(modules: Iterable[nn.Module | None], device: torch.device, *, col
         if module is None:
             continue
         for tensor in [*module.parameters(), *module.buffers()]:
-            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            local = local_shard(tensor)
             if local.is_floating_point() and local.numel():
                 ok = torch.minimum(ok, torch.isfinite(local).all().float())
     return _on_every_rank(ok, collective)

@@ -6,7 +6,6 @@ import time
 
 import torch
 
-from titan_cotrain.config.validate import rollout_draft_tokens
 from titan_cotrain.rl.batching import Sample
 from titan_cotrain.rl.grpo import group_advantages
 from titan_cotrain.rl.progress import RolloutProgress
@@ -15,6 +14,7 @@ from titan_cotrain.engine.rollout_state import RoundTable, live_bucket
 from titan_cotrain.engine.sampling import SamplingParams
 from titan_cotrain.engine.speculation import SpeculationTuner
 from titan_cotrain.rl.tasks import score
+from titan_cotrain.rl.trainer_setup import rollout_draft_tokens
 
 __all__ = ["RolloutPhase"]
 

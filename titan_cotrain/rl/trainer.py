@@ -20,18 +20,17 @@ import time
 import torch
 
 from titan_cotrain.components import titan
-from titan_cotrain.config.validate import rollout_draft_tokens
 from titan_cotrain.data.prompts import ChatTemplate, PromptEncoder
 from titan_cotrain.engine.kv_budget import KVBudget, kv_cache_setting, kv_pool_line
 from titan_cotrain.engine.rollout import RolloutEngine
 from titan_cotrain.models.build import job_seed, resolve_model_args
-from titan_cotrain.models.draft_vocab import draft_vocab_from_generations, task_token_counts
 from titan_cotrain.parallel.engine_tp import engine_tp_mesh
 from titan_cotrain.parallel.parallelize import copy_shards, parallelize
 from titan_cotrain.parallel.pipeline import gather_state_dict
 from titan_cotrain.parallel.rank_layout import describe_role, gpus_per_node, rank_layout
 from titan_cotrain.rl.batching import Sample, pack_rank_batch
 from titan_cotrain.rl.draft_health import DraftCollapseWatch
+from titan_cotrain.rl.draft_vocab_setup import draft_vocab_from_generations, task_token_counts
 from titan_cotrain.rl.export import export_job
 from titan_cotrain.rl.generation_group import GenerationGroup
 from titan_cotrain.rl.grpo import next_token_loss, ppo_loss
@@ -44,7 +43,14 @@ from titan_cotrain.rl.real_run import RealRun
 from titan_cotrain.rl.reference import reference_logprobs
 from titan_cotrain.rl.rollout_metrics import AcceptanceWatch, acceptance_over_tau
 from titan_cotrain.rl.rollout_phase import RolloutPhase
-from titan_cotrain.rl.trainer_setup import TrainerState, build_task, lr_phases, tokenizer_folder, training_device
+from titan_cotrain.rl.trainer_setup import (
+    TrainerState,
+    build_task,
+    lr_phases,
+    rollout_draft_tokens,
+    tokenizer_folder,
+    training_device,
+)
 from titan_cotrain.rl.update_step import build_update_step
 
 __all__ = ["Trainer"]
@@ -100,7 +106,8 @@ class Trainer:
             # policy's generations, once it is filled) or do not matter (unknown), every id
             # counts once.
             later = not run.values_known or config.draft.vocab_generations
-            counts = torch.ones(vocab, dtype=torch.int64) if later else task_token_counts(self.problems, config)
+            counts = (torch.ones(vocab, dtype=torch.int64) if later
+                      else task_token_counts(self.problems, config.draft.vocab_samples, vocab))
         models = parallelize(config, dims, world_size, self.device, policy_loss_fn=next_token_loss,
                              token_counts=counts, fill=run.values_known)
         self.policy, self.draft, self.reference, self.pipeline = (models.policy, models.draft, models.reference,
@@ -198,7 +205,7 @@ class Trainer:
             samples.append(Sample(prompt, response, [0.0] * len(response), 0.0))
         batch = pack_rank_batch(samples, self.config, self.sync, step)
         batch.advantages = batch.old_logprobs = None
-        return self.update.step(batch, next_token_loss, train_draft=self.cotrain)
+        return self.update.step(batch, next_token_loss, train_draft=self.cotrain, warm_start=True)
 
     def rl_step(self, step: int) -> dict[str, float]:
         """Refresh the engine, generate and score (``rollout_phase``), update (``update_phase``)."""
@@ -231,7 +238,8 @@ class Trainer:
         t0 = time.perf_counter()
         loss_fn = ppo_loss(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high, cfg.rl.kl_coef, cfg.rollout.temperature,
                            cfg.rl.tis_cap)
-        metrics = self.update.step(batch, loss_fn, train_draft=self.cotrain and not cfg.draft.freeze_after_sft)
+        metrics = self.update.step(batch, loss_fn, train_draft=self.cotrain and not cfg.draft.freeze_after_sft,
+                                   warm_start=False)
         metrics["time/train_s"] = time.perf_counter() - t0
         return metrics
 

@@ -1,5 +1,5 @@
 """What the trainer is built from: the device, the tokenizer's folder, the task and its prompts,
-the two-phase LR schedules and the checkpointed step state."""
+the two-phase LR schedules, the rollouts' draft length and the checkpointed step state."""
 
 import dataclasses
 import os
@@ -10,7 +10,7 @@ from titan_cotrain.components import titan
 from titan_cotrain.data.prompts import PromptEncoder
 from titan_cotrain.rl.tasks import DATASET_TASKS, get_task
 
-__all__ = ["TrainerState", "build_task", "lr_phases", "tokenizer_folder", "training_device"]
+__all__ = ["TrainerState", "build_task", "lr_phases", "rollout_draft_tokens", "tokenizer_folder", "training_device"]
 
 
 def lr_phases(config, sft_peak: float, rl_peak: float) -> list[tuple[object, int, float]]:
@@ -21,6 +21,12 @@ def lr_phases(config, sft_peak: float, rl_peak: float) -> list[tuple[object, int
                               decay_type=config.task.sft_decay_type, min_lr_factor=config.task.sft_min_lr_factor,
                               decay_ratio=None, total_steps=None)
     return [(sft, config.task.sft_steps, sft_peak), (config.lr_scheduler, config.training.steps, rl_peak)]
+
+
+def rollout_draft_tokens(config) -> int:
+    """k of the rollouts: ``[rollout] draft_tokens`` when decoding speculatively (``[rollout]
+    speculative`` with ``[draft] enable``), else 0 (plain decoding)."""
+    return config.rollout.draft_tokens if config.rollout.speculative and config.draft.enable else 0
 
 
 class TrainerState:

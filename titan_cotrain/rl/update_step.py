@@ -1,13 +1,14 @@
-"""The trainer's update: one ``UpdateStep`` per job, single-stage or pipeline.
+"""The trainer's update: one ``UpdateStep`` per job, single-stage or pipeline, with its
+``UpdateSettings`` read from the job config once.
 
-``UpdateStep.step(batch, loss_fn, train_draft=...)`` turns a packed host batch into
-``rl.updates_per_step`` optimizer updates (one for a warm-start batch, which has no
-advantages): the rows are cut into that many consecutive minibatches, and each minibatch is
-one forward-backward over its microbatches (``gradients``, the one thing the two
-implementations do differently), one clipping of the two gradient norms, one host read of
-the metrics and the non-finite verdicts, and the optimizer steps, each model's skipped when
-its loss or gradient norm is not finite on any rank (``rl.nonfinite``). The metrics returned
-are means over the minibatches; ``nonfinite/*`` is the fraction of updates skipped.
+``UpdateStep.step(batch, loss_fn, train_draft=..., warm_start=...)`` turns a packed host batch
+into ``rl.updates_per_step`` optimizer updates (one for a warm-start batch): the rows are cut
+into that many consecutive minibatches, and each minibatch is one forward-backward over its
+microbatches (``gradients``, the one thing the two implementations do differently), one
+clipping of the two gradient norms, one host read of the metrics and the non-finite verdicts,
+and the optimizer steps, each model's skipped when its loss or gradient norm is not finite on
+any rank (``rl.nonfinite``). The metrics returned are means over the minibatches;
+``nonfinite/*`` is the fraction of updates skipped.
 
 * ``SingleStageUpdate``: ``forward_backward`` in microbatches of ``training.local_batch_size``
   rows (FSDP and CP inside the models; a mixture of experts' load-balancing loss added with
@@ -19,6 +20,7 @@ are means over the minibatches; ``nonfinite/*`` is the fraction of updates skipp
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -28,10 +30,42 @@ from titan_cotrain.parallel.pipeline import clip_grad_norms as pipeline_clip_gra
 from titan_cotrain.parallel.pipeline import pipeline_step
 from titan_cotrain.rl.nonfinite import nonfinite_flags
 
-__all__ = ["PipelineUpdate", "SingleStageUpdate", "UpdateStep", "build_update_step"]
+__all__ = ["PipelineUpdate", "SingleStageUpdate", "UpdateSettings", "UpdateStep", "build_update_step"]
 
 # Device metrics -> host floats, in one transfer (``RealRun.host_values``).
 HostValues = Callable[[dict[str, torch.Tensor]], dict[str, float]]
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """What an update reads of the job config, resolved once (``from_config``)."""
+
+    updates_per_step: int
+    """Optimizer updates per RL batch, over consecutive minibatches (``[rl] updates_per_step``)."""
+    microbatch_rows: int
+    """Rows per forward-backward of a single-stage update (``[training] local_batch_size``)."""
+    ttt_steps: int
+    """TTT passes of the draft (``[draft] ttt_steps``)."""
+    pass_decay: float
+    """gamma: the draft loss weighs TTT pass ``d`` by ``gamma ** (d - 1)`` (``[draft] pass_decay``)."""
+    draft_loss_weight: float
+    """lambda of the draft loss (``[draft] loss_weight``)."""
+    draft_loss_on: str
+    """The tokens the draft loss counts, ``"response"`` or ``"all"`` (``[draft] loss_on``)."""
+    moe_aux_loss_weight: float
+    """Weight of a mixture-of-experts policy's load-balancing loss (``[model] moe_aux_loss_weight``)."""
+    policy_max_norm: float
+    """The policy's gradient-norm clip (``[training] max_norm``)."""
+    draft_max_norm: float
+    """The draft's gradient-norm clip (``[draft] grad_clip``)."""
+
+    @classmethod
+    def from_config(cls, config) -> "UpdateSettings":
+        d = config.draft
+        return cls(updates_per_step=config.rl.updates_per_step, microbatch_rows=config.training.local_batch_size,
+                   ttt_steps=d.ttt_steps, pass_decay=d.pass_decay, draft_loss_weight=d.loss_weight,
+                   draft_loss_on=d.loss_on, moe_aux_loss_weight=config.model.moe_aux_loss_weight,
+                   policy_max_norm=config.training.max_norm, draft_max_norm=d.grad_clip)
 
 
 class UpdateStep:
@@ -40,9 +74,9 @@ class UpdateStep:
     ``max_updates`` (None: all): stop after that many minibatches (the simulator's bound:
     every update's memory is the first's)."""
 
-    def __init__(self, config, policy_opt, draft_opt, device: torch.device, host_values: HostValues,
-                 max_updates: int | None = None) -> None:
-        self.config, self.policy_opt, self.draft_opt, self.device = config, policy_opt, draft_opt, device
+    def __init__(self, settings: UpdateSettings, policy_opt, draft_opt, device: torch.device,
+                 host_values: HostValues, max_updates: int | None = None) -> None:
+        self.settings, self.policy_opt, self.draft_opt, self.device = settings, policy_opt, draft_opt, device
         self.host_values, self.max_updates = host_values, max_updates
 
     def gradients(self, minibatch: PackedBatch, loss_fn: PolicyLossFn, train_draft: bool) -> dict[str, torch.Tensor]:
@@ -50,8 +84,10 @@ class UpdateStep:
         device tensors (``loss/*``, the loss's own, ``draft/*``, ``grad_norm/*``)."""
         raise NotImplementedError
 
-    def step(self, batch: PackedBatch, loss_fn: PolicyLossFn, *, train_draft: bool) -> dict[str, float]:
-        n = self.config.rl.updates_per_step if batch.advantages is not None else 1
+    def step(self, batch: PackedBatch, loss_fn: PolicyLossFn, *, train_draft: bool,
+             warm_start: bool) -> dict[str, float]:
+        """``batch``'s updates: one for the warm start, ``updates_per_step`` for an RL batch."""
+        n = 1 if warm_start else self.settings.updates_per_step
         rows = batch.tokens.shape[0]
         metrics: dict[str, float] = {}
         for chunk in range(n)[:self.max_updates]:
@@ -71,21 +107,21 @@ class SingleStageUpdate(UpdateStep):
     ``prepare`` (``parallelize``'s ``prepare_microbatch``), the first ``max_microbatches`` of
     them only when given (the simulator's bound)."""
 
-    def __init__(self, config, policy, draft, prepare, policy_opt, draft_opt, device, host_values: HostValues, *,
-                 max_updates: int | None = None, max_microbatches: int | None = None) -> None:
-        super().__init__(config, policy_opt, draft_opt, device, host_values, max_updates)
+    def __init__(self, settings: UpdateSettings, policy, draft, prepare, policy_opt, draft_opt, device,
+                 host_values: HostValues, *, max_updates: int | None = None,
+                 max_microbatches: int | None = None) -> None:
+        super().__init__(settings, policy_opt, draft_opt, device, host_values, max_updates)
         self.policy, self.draft, self.prepare, self.max_microbatches = policy, draft, prepare, max_microbatches
 
     def gradients(self, minibatch: PackedBatch, loss_fn: PolicyLossFn, train_draft: bool) -> dict[str, torch.Tensor]:
-        cfg = self.config
+        s = self.settings
         draft = self.draft if train_draft else None
-        out = forward_backward(self.policy, draft, minibatch, loss_fn, ttt_steps=cfg.draft.ttt_steps,
-                               pass_decay=cfg.draft.pass_decay, draft_loss_weight=cfg.draft.loss_weight,
-                               draft_loss_on=cfg.draft.loss_on, prepare=self.prepare, device=self.device,
-                               microbatch_rows=cfg.training.local_batch_size, max_microbatches=self.max_microbatches,
-                               moe_aux_loss_weight=cfg.model.moe_aux_loss_weight)
+        out = forward_backward(self.policy, draft, minibatch, loss_fn, ttt_steps=s.ttt_steps, pass_decay=s.pass_decay,
+                               draft_loss_weight=s.draft_loss_weight, draft_loss_on=s.draft_loss_on,
+                               prepare=self.prepare, device=self.device, microbatch_rows=s.microbatch_rows,
+                               max_microbatches=self.max_microbatches, moe_aux_loss_weight=s.moe_aux_loss_weight)
         return out | clip_grad_norms(self.policy.parameters(), draft.parameters() if draft is not None else None,
-                                     cfg.training.max_norm, cfg.draft.grad_clip)
+                                     s.policy_max_norm, s.draft_max_norm)
 
 
 class PipelineUpdate(UpdateStep):
@@ -94,13 +130,13 @@ class PipelineUpdate(UpdateStep):
     ``max_schedule_steps`` of them only when given (the simulator's bound: memory repeats from
     one to the next)."""
 
-    def __init__(self, config, pipeline, policy_opt, draft_opt, device, host_values: HostValues, *,
+    def __init__(self, settings: UpdateSettings, pipeline, policy_opt, draft_opt, device, host_values: HostValues, *,
                  max_updates: int | None = None, max_schedule_steps: int | None = None) -> None:
-        super().__init__(config, policy_opt, draft_opt, device, host_values, max_updates)
+        super().__init__(settings, policy_opt, draft_opt, device, host_values, max_updates)
         self.pipeline, self.max_schedule_steps = pipeline, max_schedule_steps
 
     def gradients(self, minibatch: PackedBatch, loss_fn: PolicyLossFn, train_draft: bool) -> dict[str, torch.Tensor]:
-        p, cfg = self.pipeline, self.config
+        p, s = self.pipeline, self.settings
         per_step = p.n_microbatches * p.microbatch_size
         extra = -minibatch.tokens.shape[0] % per_step
         if extra:
@@ -108,7 +144,7 @@ class PipelineUpdate(UpdateStep):
         if self.max_schedule_steps is not None:
             minibatch = minibatch.map(lambda t: t[:self.max_schedule_steps * per_step])
         out = pipeline_step(p, minibatch, policy_loss_fn=loss_fn, train_draft=train_draft)
-        return out | pipeline_clip_grad_norms(p, cfg.training.max_norm, cfg.draft.grad_clip, train_draft=train_draft)
+        return out | pipeline_clip_grad_norms(p, s.policy_max_norm, s.draft_max_norm, train_draft=train_draft)
 
 
 def build_update_step(config, models, policy_opt, draft_opt, device, run) -> UpdateStep:
@@ -117,8 +153,9 @@ def build_update_step(config, models, policy_opt, draft_opt, device, run) -> Upd
     def host_values(values):
         return run.host_values(values, device)
 
+    settings = UpdateSettings.from_config(config)
     if models.pipeline is not None:
-        return PipelineUpdate(config, models.pipeline, policy_opt, draft_opt, device, host_values,
+        return PipelineUpdate(settings, models.pipeline, policy_opt, draft_opt, device, host_values,
                               max_updates=run.max_updates, max_schedule_steps=run.max_schedule_steps)
-    return SingleStageUpdate(config, models.policy, models.draft, models.prepare_microbatch, policy_opt, draft_opt,
+    return SingleStageUpdate(settings, models.policy, models.draft, models.prepare_microbatch, policy_opt, draft_opt,
                              device, host_values, max_updates=run.max_updates, max_microbatches=run.max_microbatches)

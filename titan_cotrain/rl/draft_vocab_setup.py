@@ -1,0 +1,53 @@
+"""The corpus a reduced draft vocabulary is chosen from: ``[draft] vocab_samples`` task samples
+and, optionally, the initial policy's own responses to ``[draft] vocab_generations`` prompts.
+Counting and choosing are ``models.draft_vocab``'s; this module draws the corpus from the
+job's task and its rollout engine, the same on every rank."""
+
+import random
+
+import torch
+import torch.distributed as dist
+
+from titan_cotrain.engine.rollout import RolloutEngine
+from titan_cotrain.engine.sampling import SamplingParams
+from titan_cotrain.models.build import draft_vocab_maps, resolve_model_args
+from titan_cotrain.models.draft import Draft
+from titan_cotrain.models.draft_vocab import count_tokens, set_vocab_maps_
+from titan_cotrain.rl.problems import ProblemStream
+
+__all__ = ["draft_vocab_from_generations", "task_token_counts"]
+
+
+def task_token_counts(problems: ProblemStream, samples: int, vocab_size: int) -> torch.Tensor:
+    """``int64 [vocab_size]``: tokens of ``samples`` task samples (prompt + demonstration), the
+    same on every rank: the corpus of a reduced draft vocabulary."""
+    rng = random.Random(f"{problems.seed}/vocab")
+    return count_tokens((sum(problems.demonstration(rng), []) for _ in range(samples)), vocab_size)
+
+
+def draft_vocab_from_generations(config, problems: ProblemStream, engine: RolloutEngine, params: SamplingParams,
+                                 draft: Draft | None, refresh_engine=None) -> None:
+    """The reduced draft vocabulary from the task samples' tokens plus the initial policy's own
+    responses (``engine`` sampling with ``params``) to ``[draft] vocab_generations`` prompts
+    (each data-parallel rank answers its share, counts are summed over all ranks, so every rank
+    chooses the same), written into the trained ``draft`` (None off a pipeline's last stage)
+    and the engine's copy. ``refresh_engine``: fills the engine first (a pipeline's engine gets
+    its weights streamed from the stages). A collective: every rank calls it."""
+    vocab_size = resolve_model_args(config).vocab_size
+    rng = problems.rng(0, "vocab")
+    per_rank = -(-config.draft.vocab_generations // problems.dp_degree)
+    prompts = [problems.encode_prompt(problems.task.sample(rng).prompt) for _ in range(per_rank)]
+    if refresh_engine is not None:
+        refresh_engine()
+    device = engine.device
+    generator = torch.Generator(device=device).manual_seed(problems.seed * 1_000_003 + problems.dp_rank)
+    out = engine.generate(prompts, params, generator=generator, draft_tokens=0)
+    counts = count_tokens((out.tokens[i, :n].tolist() for i, n in enumerate(out.response_lens.tolist())),
+                          vocab_size).to(device)
+    if dist.is_initialized():
+        dist.all_reduce(counts)
+    corpus = counts.cpu() + task_token_counts(problems, config.draft.vocab_samples, vocab_size)
+    d2t, t2d = draft_vocab_maps(config, corpus)
+    for model in (draft, engine.draft):
+        if model is not None:
+            set_vocab_maps_(model, d2t.to(model.d2t.device), t2d.to(model.t2d.device))

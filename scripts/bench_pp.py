@@ -75,7 +75,9 @@ from titan_cotrain.models.transformer import Transformer
 from titan_cotrain.parallel.pipeline import (
     CotrainLoss,
     LocalPolicy,
+    MicrobatchIndexedStage,
     Pipeline,
+    PipelineSettings,
     TransformerStage,
     build_schedule,
     make_pipeline,
@@ -92,6 +94,7 @@ from benchtools import command_line, pyplot, save_figure  # noqa: E402
 MODEL = ModelArgs(dim=128, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=16, ffn_dim=256, vocab_size=1024)
 SEQ, MICROBATCHES = 128, 8
 STEP = dict(ttt_steps=3, pass_decay=0.8, draft_loss_weight=0.5)
+SETTINGS = PipelineSettings(microbatch_size=1, n_microbatches=MICROBATCHES, seq_len=SEQ, **STEP)
 POLICY_LOSS = ppo_loss(0.2, 0.2)
 MODES = ("tapchannel", "no_transport", "draft_off", "naive")
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -148,17 +151,16 @@ class NaiveStage(TransformerStage):
     before it as extra inputs and returns them, with its own appended, beside the hidden
     stream; the last stage hands them all to a rank-local TapChannel for the loss."""
 
-    def forward(self, x, *carried):
+    def forward(self, x, *carried, microbatch, context):
         self._carried = list(carried)
-        microbatch = self._microbatch_of(x)
-        out = super().forward(x)
+        out = super().forward(x, microbatch=microbatch, context=context)
         if self.lm_head is None:
             return (out, *self._carried)
         for source, tap in zip(self.channel.sources, self._carried):  # produced in ascending source order
             self.channel.send(microbatch, source, tap)
         return out
 
-    def _tap(self, microbatch, source, x, b, s):
+    def _tap(self, context, microbatch, source, x, b, s):
         if source in self.tap_sources:
             self._carried.append(x.detach().view(b, s, -1))
 
@@ -170,7 +172,7 @@ def naive_pipeline(policy: Transformer, draft: Draft, mesh, plan) -> Pipeline:
     tap_shape = (1, SEQ, MODEL.dim)
     channel = TapChannel(pp_ranks=mesh.mesh.tolist(), pp_rank=pp_rank, consumer=consumer,
                          owners={s: consumer for s in owners}, shape=tap_shape, dtype=torch.float32, device="cpu")
-    loss = CotrainLoss(POLICY_LOSS, draft if pp_rank == consumer else None, channel, policy.tap_layers,
+    loss = CotrainLoss(draft if pp_rank == consumer else None, channel, policy.tap_layers,
                        ttt_steps=STEP["ttt_steps"], pass_decay=STEP["pass_decay"])
 
     def meta(shape, dtype=torch.float32, grad=False):
@@ -183,21 +185,18 @@ def naive_pipeline(policy: Transformer, draft: Draft, mesh, plan) -> Pipeline:
     hidden = meta((SEQ, MODEL.dim), grad=True)
     stages, parts = [], []
     for i in plan.stages_of(pp_rank):
-        part = NaiveStage(policy, plan.layer_ranges[i], first=i == 0, last=i == last, draft=draft, channel=channel)
-        if i == last:
-            part.head = loss.head
+        part = NaiveStage(policy, plan.layer_ranges[i], first=i == 0, last=i == last, draft=draft, channel=channel,
+                          head=loss.head if i == last else None)
         inputs = (meta((1, SEQ), torch.int64),) if i == 0 else (hidden, *[meta(tap_shape)] * taps_before(i))
         outputs = (meta((), grad=True) if i == last
                    else (hidden, *[meta(tap_shape)] * taps_before(i + 1)))
-        from torch.distributed.pipelining import PipelineStage
-
-        stages.append(PipelineStage(part, i, plan.num_stages, torch.device("cpu"), input_args=inputs,
-                                    output_args=outputs, group=mesh.get_group()))
+        stages.append(MicrobatchIndexedStage(part, i, plan.num_stages, torch.device("cpu"), input_args=inputs,
+                                             output_args=outputs, group=mesh.get_group()))
         parts.append(part)
     return Pipeline(schedule=build_schedule(plan.schedule, stages, MICROBATCHES, loss), stages=stages,
                     model_parts=parts, local_policy=LocalPolicy(parts), loss=loss, channel=channel, plan=plan,
-                    pp_mesh=mesh, pp_group=mesh.get_group(), microbatch_size=1, n_microbatches=MICROBATCHES,
-                    draft_loss_weight=STEP["draft_loss_weight"], device=torch.device("cpu"))
+                    pp_mesh=mesh, pp_group=mesh.get_group(), settings=SETTINGS, policy_loss_fn=POLICY_LOSS,
+                    device=torch.device("cpu"))
 
 
 def build(mode: str, schedule: str, mesh) -> Pipeline:
@@ -205,8 +204,8 @@ def build(mode: str, schedule: str, mesh) -> Pipeline:
     plan = plan_pipeline(MODEL.n_layers, mesh.size(), schedule)
     if mode == "naive":
         return naive_pipeline(policy, draft, mesh, plan)
-    pipe = make_pipeline(policy, None if mode == "draft_off" else draft, mesh, plan, microbatch_size=1,
-                         n_microbatches=MICROBATCHES, seq_len=SEQ, policy_loss_fn=POLICY_LOSS, **STEP)
+    pipe = make_pipeline(policy, None if mode == "draft_off" else draft, mesh, plan, SETTINGS,
+                         policy_loss_fn=POLICY_LOSS)
     if mode == "no_transport":
         local = LocalTaps(pipe.channel)
         pipe.channel = pipe.loss.channel = local

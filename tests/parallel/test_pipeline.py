@@ -81,6 +81,14 @@ def _batch(vocab: int = ARGS.vocab_size, rows: int = ROWS, seq: int = SEQ) -> Pa
                        old_logprobs=-4 - torch.rand(rows, seq, generator=g))
 
 
+def _settings(n_microbatches: int = ROWS, **more):
+    """One-row microbatches of ``SEQ`` tokens, ``STEP``'s draft settings, every wait bounded."""
+    from titan_cotrain.parallel.pipeline import PipelineSettings
+
+    return PipelineSettings(microbatch_size=1, n_microbatches=n_microbatches, seq_len=SEQ,
+                            tap_timeout=timedelta(seconds=STEP_BOUND_S), **STEP, **more)
+
+
 def _reference(policy: Transformer, draft: Draft, batch: PackedBatch):
     """Single-device metrics, gradients (keyed ``policy.*`` / ``draft.*``) and taps."""
     metrics = forward_backward(policy, draft, batch, POLICY_LOSS, **STEP)
@@ -172,8 +180,7 @@ def _check_schedules(mesh, reference):
     for schedule, split in SCHEDULES.items():
         policy, draft = _models()
         plan = plan_pipeline(ARGS.n_layers, world_size, schedule, layers_per_stage=split)
-        pipe = make_pipeline(policy, draft, mesh, plan, microbatch_size=1, n_microbatches=ROWS, seq_len=SEQ,
-                             policy_loss_fn=POLICY_LOSS, tap_timeout=timedelta(seconds=STEP_BOUND_S), **STEP)
+        pipe = make_pipeline(policy, draft, mesh, plan, _settings(), policy_loss_fn=POLICY_LOSS)
         received = _spy_on_receives(pipe.channel)
         # Two steps on one pipeline: the second runs on reused landing slots and channel state.
         _bounded_step(pipe, _batch())
@@ -215,17 +222,20 @@ def _global_norms(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _clip_step_and_gather(pipe, reference, whole_policy, whole_draft, max_norm=1e-2, tied=False):
-    """SGD (lr 1) after ``clip_grad_norms``: the norms are the global ones on every rank, and
-    ``gather_state_dict`` gives every rank the whole models moved by the clipped gradients."""
+    """SGD (lr 1) after ``clip_pipeline_grad_norms``: the norms are the global ones on every
+    rank, and ``broadcast_stage_weights`` gives every rank the whole models moved by the
+    clipped gradients, which ``broadcast_state_dicts`` streams into an engine copy in order."""
     from titan_cotrain.cotrain.step import step_optimizers
-    from titan_cotrain.parallel.pipeline import clip_grad_norms, gather_state_dict
+    from titan_cotrain.engine.engine_copy import copy_state
+    from titan_cotrain.parallel.pipeline import broadcast_stage_weights, broadcast_state_dicts, clip_pipeline_grad_norms
 
     _, ref_grads, _ = reference
     policy_opt = torch.optim.SGD(pipe.policy_parameters(), lr=1.0)
     draft_opt = torch.optim.SGD(pipe.draft_parameters(), lr=1.0) if pipe.draft is not None else None
-    norms = clip_grad_norms(pipe, max_norm, max_norm)
+    norms = clip_pipeline_grad_norms(pipe, max_norm, max_norm)
     step_optimizers(policy_opt, draft_opt)
-    state = dict(zip(("policy", "draft"), gather_state_dict(pipe, whole_policy, whole_draft)))
+    state = {"policy": dict(broadcast_stage_weights(pipe, whole_policy)),
+             "draft": dict(broadcast_stage_weights(pipe, whole_draft, draft=True))}
     for kind, expected in _global_norms(ref_grads).items():
         norm = norms[f"grad_norm/{kind}"]
         torch.testing.assert_close(norm, expected, rtol=1e-5, atol=1e-7, msg=lambda m: f"{kind} norm: {m}")
@@ -237,6 +247,8 @@ def _clip_step_and_gather(pipe, reference, whole_policy, whole_draft, max_norm=1
                                        atol=1e-7, msg=lambda m: f"{kind}.{name}: {m}")
     if tied:  # its two copies, on two ranks, moved alike
         assert torch.equal(state["policy"]["lm_head.weight"], state["policy"]["embed_tokens.weight"])
+    copy_state(whole_policy, broadcast_state_dicts(pipe, whole_policy)[0])  # the engine's read, in its order
+    assert all(torch.equal(t, state["policy"][name]) for name, t in whole_policy.state_dict().items())
 
 
 def _check_trainer_hooks(mesh, reference):
@@ -249,8 +261,7 @@ def _check_trainer_hooks(mesh, reference):
     policy, draft = _models()
     whole_policy, whole_draft = _models()
     plan = plan_pipeline(ARGS.n_layers, 2, "1F1B", layers_per_stage=[3, 5])
-    pipe = make_pipeline(policy, draft, mesh, plan, microbatch_size=1, n_microbatches=2, seq_len=SEQ,
-                         policy_loss_fn=_unused_loss, tap_timeout=timedelta(seconds=STEP_BOUND_S), **STEP)
+    pipe = make_pipeline(policy, draft, mesh, plan, _settings(2), policy_loss_fn=_unused_loss)
     metrics = _bounded_step(pipe, _batch(), policy_loss_fn=POLICY_LOSS)
     for key, value in ref_metrics.items():
         torch.testing.assert_close(metrics[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
@@ -259,11 +270,11 @@ def _check_trainer_hooks(mesh, reference):
                                    msg=lambda m: f"{name}: {m}")
     assert {f"policy.{n}" for n, _ in pipe.local_policy.named_parameters()} <= ref_grads.keys()
     _clip_step_and_gather(pipe, reference, whole_policy, whole_draft)
-    metrics = _bounded_step(pipe, _batch(), train_draft=False)
+    metrics = _bounded_step(pipe, _batch(), policy_loss_fn=POLICY_LOSS, train_draft=False)
     assert metrics.keys() == {k for k in ref_metrics if not k.startswith(("loss/draft", "draft/"))}
     assert all(p.grad is None for p in pipe.draft_parameters())
     with pytest.raises(ValueError, match="positive multiple"):
-        _bounded_step(pipe, _batch(rows=3))
+        _bounded_step(pipe, _batch(rows=3), policy_loss_fn=POLICY_LOSS)
 
 
 def _check_config_path(mesh, reference):
@@ -364,10 +375,9 @@ def _pp_cp_and_pp_dp_ranks(rank, world_size, reference):
     for schedule, split in PP_CP_SCHEDULES.items():
         policy, draft = (m.double() for m in _models())
         plan = plan_pipeline(ARGS.n_layers, 2, schedule, layers_per_stage=split)
-        pipe = make_pipeline(policy, draft, mesh["pp"], plan, microbatch_size=1, n_microbatches=ROWS, seq_len=SEQ,
+        pipe = make_pipeline(policy, draft, mesh["pp"], plan, _settings(cp_row_len=CP_ROW_LEN),
                              policy_loss_fn=POLICY_LOSS, loss_group=cp_group, cp_mesh=mesh["cp"],
-                             cp_row_len=CP_ROW_LEN, tap_timeout=timedelta(seconds=STEP_BOUND_S),
-                             shard=_fsdp_over(mesh["cp"]), **STEP)
+                             shard=_fsdp_over(mesh["cp"]))
         assert pipe.channel.shape == (1, CP_ROW_LEN // 2, ARGS.dim)  # taps travel CP-sharded
         metrics = _bounded_step(pipe, _batch())
         for key, value in ref_metrics.items():  # forward_backward reports fp32 metrics
@@ -379,9 +389,8 @@ def _pp_cp_and_pp_dp_ranks(rank, world_size, reference):
     with pytest.raises(ValueError, match="ZBVZeroBubble runs the weight-gradient passes apart"):
         make_pipeline(policy, draft, mesh["pp"], plan_pipeline(ARGS.n_layers, 2, "ZBVZeroBubble",
                                                                layers_per_stage=[2, 2, 2, 2]),
-                      microbatch_size=1, n_microbatches=ROWS, seq_len=SEQ, policy_loss_fn=POLICY_LOSS,
-                      loss_group=cp_group, cp_mesh=mesh["cp"], cp_row_len=CP_ROW_LEN, shard=_fsdp_over(mesh["cp"]),
-                      **STEP)
+                      _settings(cp_row_len=CP_ROW_LEN), policy_loss_fn=POLICY_LOSS, loss_group=cp_group,
+                      cp_mesh=mesh["cp"], shard=_fsdp_over(mesh["cp"]))
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     reductions = {}
@@ -412,7 +421,7 @@ def _counting_reduce_scatters():
 
 
 def _check_sharded_stages(mesh, replicas, fsdp_mesh, reference, what: str, every_microbatch: bool = False,
-                          **cp):
+                          cp_mesh=None, cp_row_len=None):
     """pp=2 with the stages FSDP-sharded over ``fsdp_mesh`` (the data-parallel, and CP, ranks
     of a stage; ``replicas`` their group): each data-parallel rank trains half the rows; every
     rank must end with the whole batch's metrics and gradients of its stages."""
@@ -422,10 +431,9 @@ def _check_sharded_stages(mesh, replicas, fsdp_mesh, reference, what: str, every
     dp_rank, half = mesh["dp"].get_local_rank(), ROWS // 2
     policy, draft = (m.double() for m in _models())
     plan = plan_pipeline(ARGS.n_layers, 2, "1F1B", layers_per_stage=[3, 5])
-    pipe = make_pipeline(policy, draft, mesh["pp"], plan, microbatch_size=1, n_microbatches=half, seq_len=SEQ,
-                         policy_loss_fn=POLICY_LOSS, loss_group=replicas,
-                         shard=_fsdp_over(fsdp_mesh, every_microbatch),
-                         tap_timeout=timedelta(seconds=STEP_BOUND_S), **cp, **STEP)
+    pipe = make_pipeline(policy, draft, mesh["pp"], plan, _settings(half, cp_row_len=cp_row_len),
+                         policy_loss_fn=POLICY_LOSS, loss_group=replicas, cp_mesh=cp_mesh,
+                         shard=_fsdp_over(fsdp_mesh, every_microbatch))
     metrics = _bounded_step(pipe, _batch().map(lambda t: t[dp_rank * half:(dp_rank + 1) * half]))
     for key, value in ref_metrics.items():
         torch.testing.assert_close(metrics[key], value, rtol=1e-6, atol=1e-7, msg=lambda m: f"{what} {key}: {m}")
@@ -547,3 +555,16 @@ def test_tap_channel_asserts_the_order_it_relies_on():
     channel.release(0)
     with pytest.raises(RuntimeError, match="not produced or not sent"):
         channel.finish_step()
+
+
+def test_a_streamed_state_dict_is_read_once_in_order():
+    """What the engine's refresh reads the broadcast weights through: its keys without
+    advancing the stream, each entry once, in order, and a read out of order fails."""
+    from titan_cotrain.parallel.pipeline import StreamedStateDict
+
+    first, second = torch.zeros(2), torch.ones(2)
+    state = StreamedStateDict(iter([("a", first), ("b", second)]), ["a", "b"])
+    assert list(state) == ["a", "b"] and "b" in state and "c" not in state and len(state) == 2
+    assert state["a"] is first
+    with pytest.raises(KeyError, match="next entry is 'b'"):
+        state["a"]

@@ -15,7 +15,6 @@ rank training half the rows.
 """
 
 import functools
-from datetime import timedelta
 
 import pytest
 import torch
@@ -25,10 +24,10 @@ from tests.parallel.test_pipeline import _models as pipeline_models
 from tests.parallel.test_pipeline import (
     POLICY_LOSS,
     STEP,
-    STEP_BOUND_S,
     _batch,
     _bounded_step,
     _reference_name,
+    _settings,
     _stage_parameters,
     _whole,
 )
@@ -85,9 +84,8 @@ def _two_ranks(rank, world_size, reference):
     for schedule, split, checkpointed in SCHEDULES:
         policy, draft = _models()
         plan = plan_pipeline(ARGS.n_layers, world_size, schedule, layers_per_stage=split)
-        pipe = make_pipeline(policy, draft, mesh, plan, microbatch_size=1, n_microbatches=ROWS, seq_len=SEQ,
-                             policy_loss_fn=POLICY_LOSS, tap_timeout=timedelta(seconds=STEP_BOUND_S),
-                             moe_aux_loss_weight=AUX_WEIGHT, **STEP)
+        pipe = make_pipeline(policy, draft, mesh, plan, _settings(moe_aux_loss_weight=AUX_WEIGHT),
+                             policy_loss_fn=POLICY_LOSS)
         if checkpointed:
             for part in pipe.model_parts:
                 part.forward = functools.partial(checkpoint, part.forward, use_reentrant=False)

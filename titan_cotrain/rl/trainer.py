@@ -26,7 +26,7 @@ from titan_cotrain.engine.rollout import RolloutEngine
 from titan_cotrain.models.build import job_seed, resolve_model_args
 from titan_cotrain.parallel.engine_tp import engine_tp_mesh
 from titan_cotrain.parallel.parallelize import copy_shards, parallelize
-from titan_cotrain.parallel.pipeline import gather_state_dict
+from titan_cotrain.parallel.pipeline import broadcast_state_dicts
 from titan_cotrain.parallel.rank_layout import describe_role, gpus_per_node, rank_layout
 from titan_cotrain.rl.batching import Sample, pack_rank_batch
 from titan_cotrain.rl.draft_health import DraftCollapseWatch
@@ -248,7 +248,7 @@ class Trainer:
         calls it; FSDP shards are gathered one tensor at a time, PP stages broadcast)."""
         if self.pipeline is not None:
             self.engine.restore()  # the streamed state takes the engine's shapes
-            self.engine.load_weights(*gather_state_dict(self.pipeline, self.engine.policy, self.engine.draft))
+            self.engine.load_weights(*broadcast_state_dicts(self.pipeline, self.engine.policy, self.engine.draft))
         else:
             self.engine.load_weights(self.policy.state_dict(),
                                      self.draft.state_dict() if self.draft is not None else None)

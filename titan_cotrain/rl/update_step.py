@@ -26,7 +26,7 @@ import torch
 
 from titan_cotrain.cotrain.step import clip_grad_norms, forward_backward, step_optimizers
 from titan_cotrain.data.batch import PackedBatch, PolicyLossFn
-from titan_cotrain.parallel.pipeline import clip_grad_norms as pipeline_clip_grad_norms
+from titan_cotrain.parallel.pipeline import clip_pipeline_grad_norms
 from titan_cotrain.parallel.pipeline import pipeline_step
 from titan_cotrain.rl.nonfinite import nonfinite_flags
 
@@ -144,7 +144,7 @@ class PipelineUpdate(UpdateStep):
         if self.max_schedule_steps is not None:
             minibatch = minibatch.map(lambda t: t[:self.max_schedule_steps * per_step])
         out = pipeline_step(p, minibatch, policy_loss_fn=loss_fn, train_draft=train_draft)
-        return out | pipeline_clip_grad_norms(p, s.policy_max_norm, s.draft_max_norm, train_draft=train_draft)
+        return out | clip_pipeline_grad_norms(p, s.policy_max_norm, s.draft_max_norm, train_draft=train_draft)
 
 
 def build_update_step(config, models, policy_opt, draft_opt, device, run) -> UpdateStep:

@@ -5,6 +5,10 @@ stays that name on whichever stage holds it), so checkpoints and gradients map o
 Data parallelism shards the stages: ``shard`` (FSDP2 over the data-parallel x CP mesh, as
 torchtitan composes PP and FSDP) is applied to the draft and to every stage module before
 the schedule is built; gradients then reduce-scatter in backward like everywhere else.
+
+This is the one module of ``parallel.pipeline`` that reads the job config: ``build_pipeline``
+resolves it once into ``PipelineSettings`` (and the ``PipelinePlan``), which ``make_pipeline``
+and everything after it take.
 """
 
 from __future__ import annotations
@@ -29,10 +33,10 @@ from titan_cotrain.models.transformer import Transformer
 from titan_cotrain.parallel.context_parallel import apply_context_parallel, prepare_cp_microbatch
 from titan_cotrain.parallel.pipeline.loss import CotrainLoss
 from titan_cotrain.parallel.pipeline.plan import PipelinePlan, layers_per_stage_from_fqns, plan_pipeline
-from titan_cotrain.parallel.pipeline.stage import LocalPolicy, TransformerStage
+from titan_cotrain.parallel.pipeline.stage import LocalPolicy, MicrobatchIndexedStage, TransformerStage
 from titan_cotrain.parallel.tap_channel import TapChannel
 
-__all__ = ["Pipeline", "build_pipeline", "build_schedule", "make_pipeline", "plan_from_config"]
+__all__ = ["Pipeline", "PipelineSettings", "build_pipeline", "build_schedule", "make_pipeline", "plan_from_config"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Zero-bubble schedules: their weight passes do not compose with FSDP-sharded stages (yet).
@@ -52,15 +56,65 @@ def build_schedule(
     return schedule_cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
+@dataclass(frozen=True)
+class PipelineSettings:
+    """How a pipeline is built and stepped, resolved from the job config once
+    (``PipelineSettings.from_config``); the tests build it directly."""
+
+    microbatch_size: int
+    """Rows per microbatch (``[parallelism] pipeline_parallel_microbatch_size``)."""
+    n_microbatches: int
+    """Microbatches per run of the schedule (``[training] local_batch_size`` over
+    ``microbatch_size``); a batch is a whole number of runs."""
+    seq_len: int
+    """Host row length (``[training] seq_len``)."""
+    ttt_steps: int
+    """The draft's TTT passes (``[draft] ttt_steps``)."""
+    pass_decay: float
+    """Weight decay of the draft's later passes (``[draft] pass_decay``)."""
+    draft_loss_weight: float
+    """The draft loss's weight ``lambda`` (``[draft] loss_weight``)."""
+    draft_loss_on: str = "response"
+    """Tokens the draft learns on (``[draft] loss_on``)."""
+    cp_row_len: int | None = None
+    """Under context parallelism, the fixed padded row length every microbatch is sharded to
+    (``parallel.context_parallel.plan_padded_rows``); None without it."""
+    tap_prefetch: int = 2
+    """Microbatches of TapChannel receives posted ahead."""
+    tap_timeout: timedelta | None = None
+    """Bound on every TapChannel wait (``[comm] train_timeout_seconds``; None: the process
+    group's default)."""
+    activation_dtype: torch.dtype | None = None
+    """The dtype the stages compute and pass activations in: FSDP's mixed precision
+    (``[training] mixed_precision_param``) when the stages are sharded; None: the parameters'."""
+    moe_aux_loss_weight: float = 0.0
+    """A mixture of experts' load-balancing loss weight (``[model] moe_aux_loss_weight``)."""
+
+    @classmethod
+    def from_config(cls, config, *, sharded: bool, cp_row_len: int | None = None) -> PipelineSettings:
+        """From ``[parallelism]``, ``[training]``, ``[draft]``, ``[comm]`` and ``[model]``;
+        ``sharded``: the stages are FSDP-sharded (their activations then take the mixed
+        precision dtype); ``cp_row_len`` as the field says."""
+        p, t, d = config.parallelism, config.training, config.draft
+        mb = p.pipeline_parallel_microbatch_size
+        return cls(microbatch_size=mb, n_microbatches=t.local_batch_size // mb, seq_len=t.seq_len,
+                   ttt_steps=d.ttt_steps, pass_decay=d.pass_decay, draft_loss_weight=d.loss_weight,
+                   draft_loss_on=d.loss_on, cp_row_len=cp_row_len,
+                   tap_timeout=timedelta(seconds=config.comm.train_timeout_seconds),
+                   activation_dtype=_DTYPES[t.mixed_precision_param] if sharded else None,
+                   moe_aux_loss_weight=config.model.moe_aux_loss_weight)
+
+
 @dataclass
 class Pipeline:
     """Everything one PP rank needs to run a co-training step.
 
     ``model_parts``: this rank's stage modules (one per stage, the draft inside the last);
     ``local_policy``: their policy modules without the draft, under the whole model's names
-    (what the policy's optimizer and checkpoint wrap); ``stages``: torch's
-    ``PipelineStage`` around each part; ``loss``: the last stage's loss (present on every
+    (what the policy's optimizer and checkpoint wrap); ``stages``: the
+    ``MicrobatchIndexedStage`` (torch's ``PipelineStage``) around each part; ``loss``: the last stage's loss (present on every
     rank, only called where the last stage runs); ``channel``: None when the draft is off.
+    ``policy_loss_fn``: the policy loss of a step that names none (``pipeline_step``).
     ``loss_group``: the data-parallel x CP ranks of this PP coordinate, which share the global
     token counts (None: neither); ``device``: where microbatches go; ``prepare``: how a
     microbatch's host rows become this rank's inputs (under CP: its zigzag shard).
@@ -75,14 +129,20 @@ class Pipeline:
     plan: PipelinePlan
     pp_mesh: DeviceMesh  # this rank's PP column
     pp_group: dist.ProcessGroup
-    microbatch_size: int
-    n_microbatches: int
-    draft_loss_weight: float
+    settings: PipelineSettings
+    policy_loss_fn: PolicyLossFn
     device: torch.device
-    draft_loss_on: str = "response"
     loss_group: dist.ProcessGroup | None = None
     prepare: PrepareMicrobatch = prepare_microbatch
     tied_group: dist.ProcessGroup | None = field(default=None, repr=False)
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.settings.microbatch_size
+
+    @property
+    def n_microbatches(self) -> int:
+        return self.settings.n_microbatches
 
     @property
     def has_last_stage(self) -> bool:
@@ -138,60 +198,46 @@ def _tied_group(policy: Transformer, plan: PipelinePlan, pp_ranks: list[int], pp
 def make_pipeline(
     policy: Transformer,
     draft: Draft | None,
-    pp_mesh,
+    pp_mesh: DeviceMesh,
     plan: PipelinePlan,
+    settings: PipelineSettings,
     *,
-    microbatch_size: int,
-    n_microbatches: int,
-    seq_len: int,
     policy_loss_fn: PolicyLossFn,
-    ttt_steps: int,
-    pass_decay: float,
-    draft_loss_weight: float,
-    draft_loss_on: str = "response",
     loss_group: dist.ProcessGroup | None = None,
-    cp_mesh=None,
-    cp_row_len: int | None = None,
-    tap_prefetch: int = 2,
-    tap_timeout: timedelta | None = None,
+    cp_mesh: DeviceMesh | None = None,
     device: torch.device | str | None = None,
     shard: Callable[[nn.Module], None] | None = None,
-    activation_dtype: torch.dtype | None = None,
-    moe_aux_loss_weight: float = 0.0,
 ) -> Pipeline:
     """Split ``policy`` (whole, or built on the meta device) into this rank's stages as
     ``plan`` says, put ``draft`` on the last stage, and build the TapChannel and the schedule.
 
     ``pp_mesh``: the 1-D ``pp`` device mesh of this rank's PP column. Batches must be
-    ``[n_microbatches * microbatch_size, seq_len]`` host rows. ``loss_group``: the
-    data-parallel x CP ranks of this PP coordinate, which share the global token counts;
-    with more than one data-parallel rank, ``shard`` must shard the stages over them
-    (``shard(module)`` is applied to the draft, then to every stage module: FSDP2), and
-    ``activation_dtype`` is the dtype the stages compute in (FSDP's mixed precision;
-    default the parameters'). ``cp_mesh``: this rank's 1-D ``cp`` mesh for context
-    parallelism, applied here to the policy's and the draft's attention
-    (``parallel.context_parallel.apply_context_parallel``), with ``cp_row_len``, the fixed
-    padded row length every microbatch is sharded to (see
-    ``titan_cotrain.parallel.context_parallel.plan_padded_rows``). ``device``: where
-    microbatches and taps live (default: the policy's; pass it when the policy is on meta).
-    The stage modules reference the policy's modules (no copy); the layers of other stages
-    are not referenced and go away with the caller's ``policy``. ``tap_prefetch`` and
-    ``tap_timeout``: the TapChannel's receives posted ahead and bound on every wait.
-    ``moe_aux_loss_weight``: a mixture of experts' load-balancing loss weight (``[model]``).
+    ``[k * n_microbatches * microbatch_size, seq_len]`` host rows (``settings``).
+    ``policy_loss_fn``: the policy loss of a step that names none. ``loss_group``: the
+    data-parallel x CP ranks of this PP coordinate, which share the global token counts; with
+    more than one data-parallel rank, ``shard`` must shard the stages over them
+    (``shard(module)`` is applied to the draft, then to every stage module: FSDP2).
+    ``cp_mesh``: this rank's 1-D ``cp`` mesh for context parallelism, applied here to the
+    policy's and the draft's attention (``parallel.context_parallel.apply_context_parallel``),
+    with ``settings.cp_row_len``. ``device``: where microbatches and taps live (default: the
+    policy's; pass it when the policy is on meta). The stage modules reference the policy's
+    modules (no copy); the layers of other stages are not referenced and go away with the
+    caller's ``policy``.
     """
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
     pp_ranks = pp_mesh.mesh.flatten().tolist()
     pp_group = pp_mesh.get_group()
     if plan.pp != pp:
         raise ValueError(f"the plan is for {plan.pp} PP ranks, the mesh has {pp}")
-    local_len, cp_size, prepare = seq_len, 1, prepare_microbatch
+    local_len, cp_size, prepare = settings.seq_len, 1, prepare_microbatch
     if cp_mesh is not None:
-        if not cp_row_len or cp_row_len % (2 * cp_mesh.size()):
+        row_len = settings.cp_row_len
+        if not row_len or row_len % (2 * cp_mesh.size()):
             raise ValueError(f"context parallelism needs a fixed cp_row_len, a multiple of 2 x cp = "
-                             f"{2 * cp_mesh.size()}; got {cp_row_len}")
-        local_len, cp_size = cp_row_len // cp_mesh.size(), cp_mesh.size()
+                             f"{2 * cp_mesh.size()}; got {row_len}")
+        local_len, cp_size = row_len // cp_mesh.size(), cp_mesh.size()
         apply_context_parallel(cp_mesh, policy, draft)  # every stage's attention, and the draft's
-        prepare = partial(prepare_cp_microbatch, group=cp_mesh, row_len=cp_row_len)
+        prepare = partial(prepare_cp_microbatch, group=cp_mesh, row_len=row_len)
     if loss_group is not None and dist.get_world_size(loss_group) > cp_size and shard is None:
         raise ValueError("data parallelism under PP shards the stages: pass shard (FSDP over the data-parallel "
                          "x CP mesh)")
@@ -202,27 +248,26 @@ def make_pipeline(
     tied_group = _tied_group(policy, plan, pp_ranks, pp_rank)
     param = policy.embed_tokens.weight
     device = torch.device(device) if device is not None else param.device
-    dtype = activation_dtype or param.dtype
+    dtype = settings.activation_dtype or param.dtype
+    microbatch_size = settings.microbatch_size
     hidden_shape = (microbatch_size * local_len, policy.args.dim)
     channel = None
     if draft is not None:
         channel = TapChannel(pp_ranks=pp_ranks, pp_rank=pp_rank, consumer=plan.stage_ranks[-1],
                              owners=plan.tap_owners(policy.tap_layers),
                              shape=(microbatch_size, local_len, policy.args.dim), dtype=dtype,
-                             device=device, prefetch=tap_prefetch, timeout=tap_timeout)
+                             device=device, prefetch=settings.tap_prefetch, timeout=settings.tap_timeout)
     last_rank = pp_rank == plan.stage_ranks[-1]
-    loss = CotrainLoss(policy_loss_fn, draft if last_rank else None, channel, policy.tap_layers,
-                       ttt_steps=ttt_steps, pass_decay=pass_decay, moe=policy.args.n_sparse_layers > 0,
-                       moe_aux_loss_weight=moe_aux_loss_weight)
+    loss = CotrainLoss(draft if last_rank else None, channel, policy.tap_layers, ttt_steps=settings.ttt_steps,
+                       pass_decay=settings.pass_decay, moe=policy.args.n_sparse_layers > 0,
+                       moe_aux_loss_weight=settings.moe_aux_loss_weight)
     if shard is not None and draft is not None and last_rank:
         shard(draft)
     stages, parts = [], []
     last = plan.num_stages - 1
     for i in plan.stages_of(pp_rank):
         part = TransformerStage(policy, plan.layer_ranges[i], first=i == 0, last=i == last, draft=draft,
-                                channel=channel)
-        if i == last:
-            part.head = loss.head
+                                channel=channel, head=loss.head if i == last else None)
         if shard is not None:
             shard(part)
         hidden = _example(hidden_shape, dtype, True)
@@ -230,18 +275,17 @@ def make_pipeline(
             hidden = (hidden, _example((2, part.n_experts), torch.float32, True))
         inputs = _example((microbatch_size, local_len), torch.int64, False) if i == 0 else hidden
         outputs = _example((), torch.float32, True) if i == last else hidden
-        stages.append(PipelineStage(part, i, plan.num_stages, device, input_args=inputs, output_args=outputs,
-                                    group=pp_group))
+        stages.append(MicrobatchIndexedStage(part, i, plan.num_stages, device, input_args=inputs,
+                                             output_args=outputs, group=pp_group))
         parts.append(part)
-    sched = build_schedule(plan.schedule, stages, n_microbatches, loss)
+    sched = build_schedule(plan.schedule, stages, settings.n_microbatches, loss)
     expected = dict(enumerate(plan.stage_ranks))
     if getattr(sched, "stage_index_to_group_rank", expected) != expected:
         raise RuntimeError(f"schedule {plan.schedule} places stages as {sched.stage_index_to_group_rank}, "
                            f"the plan as {expected}")
     return Pipeline(schedule=sched, stages=stages, model_parts=parts, local_policy=LocalPolicy(parts), loss=loss,
-                    channel=channel, plan=plan, pp_mesh=pp_mesh, pp_group=pp_group, microbatch_size=microbatch_size,
-                    n_microbatches=n_microbatches, draft_loss_weight=draft_loss_weight, device=device,
-                    draft_loss_on=draft_loss_on, loss_group=loss_group, prepare=prepare,
+                    channel=channel, plan=plan, pp_mesh=pp_mesh, pp_group=pp_group, settings=settings,
+                    policy_loss_fn=policy_loss_fn, device=device, loss_group=loss_group, prepare=prepare,
                     tied_group=tied_group)
 
 
@@ -249,41 +293,30 @@ def build_pipeline(
     policy: Transformer,
     draft: Draft | None,
     config,
-    pp_mesh,
+    pp_mesh: DeviceMesh,
     *,
     policy_loss_fn: PolicyLossFn,
     loss_group: dist.ProcessGroup | None = None,
-    cp_mesh=None,
+    cp_mesh: DeviceMesh | None = None,
     cp_row_len: int | None = None,
     device: torch.device | str | None = None,
     shard: Callable[[nn.Module], None] | None = None,
 ) -> Pipeline:
-    """``make_pipeline`` from a job config: ``[parallelism] pipeline_parallel_schedule``,
-    ``pipeline_parallel_microbatch_size``, ``module_fqns_per_model_part`` (explicit split,
-    our module names) or ``pipeline_parallel_layers_per_stage``, the first/last stage
-    weights; ``[training] local_batch_size, seq_len``; ``[draft]`` TTT settings;
-    ``[comm] train_timeout_seconds`` bounds the TapChannel's waits; ``[model]
-    moe_aux_loss_weight`` weighs a mixture of experts' load-balancing loss; under mixed precision
-    (``[training] mixed_precision_param``) the stages pass activations in that dtype. With
-    ``context_parallel_degree > 1``, pass the ``cp`` mesh and the CP row length; ``device``
-    and ``shard`` as in ``make_pipeline``."""
-    p, t, d = config.parallelism, config.training, config.draft
+    """``make_pipeline`` from a job config: the plan from ``[parallelism]``
+    (``plan_from_config``), the settings from the sections ``PipelineSettings.from_config``
+    reads (under mixed precision, ``[training] mixed_precision_param``, the stages pass
+    activations in that dtype). With ``context_parallel_degree > 1``, pass the ``cp`` mesh
+    and the CP row length; ``device`` and ``shard`` as in ``make_pipeline``."""
+    p = config.parallelism
     if p.pipeline_parallel_schedule_csv:
         raise NotImplementedError("parallelism.pipeline_parallel_schedule_csv is not supported")
     if (p.context_parallel_degree > 1) != (cp_mesh is not None):
         raise ValueError(f"parallelism.context_parallel_degree is {p.context_parallel_degree}: pass cp_mesh "
                          "(and cp_row_len) exactly when it is above 1")
-    plan = plan_from_config(config, policy.args.n_layers)
-    mb = p.pipeline_parallel_microbatch_size
-    return make_pipeline(
-        policy, draft, pp_mesh, plan, microbatch_size=mb, n_microbatches=t.local_batch_size // mb,
-        seq_len=t.seq_len, policy_loss_fn=policy_loss_fn, ttt_steps=d.ttt_steps, pass_decay=d.pass_decay,
-        draft_loss_weight=d.loss_weight, draft_loss_on=d.loss_on, loss_group=loss_group, cp_mesh=cp_mesh,
-        cp_row_len=cp_row_len, tap_timeout=timedelta(seconds=config.comm.train_timeout_seconds),
-        device=device, shard=shard,
-        activation_dtype=_DTYPES[t.mixed_precision_param] if shard is not None else None,
-        moe_aux_loss_weight=config.model.moe_aux_loss_weight,
-    )
+    settings = PipelineSettings.from_config(config, sharded=shard is not None, cp_row_len=cp_row_len)
+    return make_pipeline(policy, draft, pp_mesh, plan_from_config(config, policy.args.n_layers), settings,
+                         policy_loss_fn=policy_loss_fn, loss_group=loss_group, cp_mesh=cp_mesh, device=device,
+                         shard=shard)
 
 
 def plan_from_config(config, n_layers: int) -> PipelinePlan:

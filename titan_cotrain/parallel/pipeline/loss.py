@@ -7,8 +7,9 @@ function on it, which runs the draft's TTT forward *and* backward for microbatch
 the taps the TapChannel brought (``draft_sums``, the one-stage step's): the draft's inputs are
 detached, its graph is its own, so the schedule never runs its backward, zero-bubble weight
 passes have nothing to miss, and the taps' landing slots are free when the loss returns. The
-loss returns the policy sum, which the schedule backpropagates. All sums go to one
-``CotrainSums``; ``pipeline_step`` turns them into gradient scales after the last microbatch.
+loss returns the policy sum, which the schedule backpropagates. All sums go to the
+``CotrainSums`` of the run's context; ``pipeline_step`` turns them into gradient scales after
+the last microbatch.
 
 A mixture of experts' head also gets the routers' load pooled over every stage
 (``TransformerStage``) and adds ``moe_aux_loss_weight x n_policy x aux`` to the policy sum,
@@ -21,60 +22,44 @@ from collections.abc import Sequence
 
 import torch
 
-from titan_cotrain.cotrain.step import (
-    CotrainSums,
-    Microbatch,
-    PolicyLossFn,
-    add_moe_aux_sums,
-    add_policy_sums,
-    draft_sums,
-    policy_head,
-)
+from titan_cotrain.cotrain.step import CotrainSums, add_moe_aux_sums, add_policy_sums, draft_sums, policy_head
 from titan_cotrain.components.private_torch import in_backward
 from titan_cotrain.models.draft import Draft
 from titan_cotrain.models.moe import RouterLoad, pooled_loss
+from titan_cotrain.parallel.pipeline.step_context import PipelineStepContext
 from titan_cotrain.parallel.tap_channel import EMBEDDINGS, TapChannel
 
 __all__ = ["CotrainLoss"]
 
 
 class CotrainLoss:
-    """``head`` (called inside the last stage's forward) and the schedule's
-    ``loss_fn(policy_sum, rows)`` (called after it, in microbatch order). ``policy_loss_fn``
-    and ``train_draft`` may change between steps (``pipeline_step`` sets them): a trainer's
-    warm start and RL phases share one pipeline. ``moe``: the policy is a mixture of experts
-    (its load-balancing loss is logged, and added with ``moe_aux_loss_weight``)."""
+    """``head`` (called inside the last stage's forward) and the schedule's loss function
+    (``loss_fn(policy_sum, microbatch, context=...)``, called after it, in microbatch order).
+    What changes from one run of the schedule to the next (the policy loss, whether the draft
+    trains, the microbatches, where the sums go) comes in with each call, in the run's
+    ``PipelineStepContext``: a trainer's warm start and RL phases share one pipeline. ``moe``:
+    the policy is a mixture of experts (its load-balancing loss is logged, and added with
+    ``moe_aux_loss_weight``)."""
 
-    def __init__(self, policy_loss_fn: PolicyLossFn, draft: Draft | None, channel: TapChannel | None,
-                 tap_layers: Sequence[int], *, ttt_steps: int, pass_decay: float, chunk_tokens: int = 2048,
-                 moe: bool = False, moe_aux_loss_weight: float = 0.0) -> None:
-        self.policy_loss_fn, self.draft, self.channel = policy_loss_fn, draft, channel
+    def __init__(self, draft: Draft | None, channel: TapChannel | None, tap_layers: Sequence[int], *,
+                 ttt_steps: int, pass_decay: float, chunk_tokens: int = 2048, moe: bool = False,
+                 moe_aux_loss_weight: float = 0.0) -> None:
+        self.draft, self.channel = draft, channel
         self.moe, self.moe_aux_loss_weight = moe, moe_aux_loss_weight
         self.tap_layers = tuple(tap_layers)
         self.ttt_steps, self.pass_decay, self.chunk_tokens = ttt_steps, pass_decay, chunk_tokens
-        self.train_draft = True
-        self.sums = CotrainSums()
-        self._microbatches: Sequence[Microbatch] = ()
-        self._heads: dict[int, object] = {}
-        self._next = 0
+        self._heads: dict[int, object] = {}  # a microbatch's head outputs, from its head call to its loss call
 
-    def begin_step(self) -> None:
-        """Start a ``pipeline_step`` (one or more schedule steps): the sums restart."""
-        self.sums = CotrainSums()
-
-    def begin_schedule_step(self, microbatches: Sequence[Microbatch]) -> None:
-        self._microbatches, self._heads, self._next = microbatches, {}, 0
-
-    def head(self, hidden: torch.Tensor, weight: torch.Tensor, microbatch: int,
+    def head(self, hidden: torch.Tensor, weight: torch.Tensor, *, microbatch: int, context: PipelineStepContext,
              router_load: RouterLoad | None = None) -> torch.Tensor:
         """Microbatch ``microbatch``'s policy sum (plus the weighted load-balancing loss of
-        ``router_load``), recorded in the sums. A rerun inside the backward (activation
+        ``router_load``), recorded in ``context.sums``. A rerun inside the backward (activation
         checkpointing of the stage) recomputes the same values and records nothing."""
-        draft = self.draft if self.train_draft else None
-        head_out = policy_head(self._microbatches[microbatch], self.policy_loss_fn, draft, self.chunk_tokens)(
+        draft = self.draft if context.train_draft else None
+        head_out = policy_head(context.microbatches[microbatch], context.policy_loss_fn, draft, self.chunk_tokens)(
             hidden, weight)
         rerun = in_backward()
-        sums = CotrainSums() if rerun else self.sums  # a rerun's go nowhere
+        sums = CotrainSums() if rerun else context.sums  # a rerun's go nowhere
         if not rerun:
             self._heads[microbatch] = head_out
         loss = add_policy_sums(sums, head_out)
@@ -84,18 +69,19 @@ class CotrainLoss:
                 loss = loss + self.moe_aux_loss_weight * weighted
         return loss
 
-    def __call__(self, policy_sum: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        microbatch = int(rows[0]) // rows.numel()  # rows: the schedule's host target
-        if microbatch != self._next:
-            raise RuntimeError(f"CotrainLoss: got microbatch {microbatch}, expected {self._next} (in-order losses)")
-        self._next += 1
-        head_out = self._heads.pop(microbatch)
-        if self.draft is not None and self.train_draft:
-            mb = self._microbatches[microbatch]
+    def __call__(self, policy_sum: torch.Tensor, microbatch: torch.Tensor, *,
+                 context: PipelineStepContext) -> torch.Tensor:
+        """``microbatch``: the schedule's target for this call, the microbatch's index (a host
+        ``int64 [1]``). Runs the draft's forward and backward on the microbatch's taps (with
+        the draft trained this run) and returns the policy sum for the schedule's backward."""
+        m = int(microbatch)
+        head_out = self._heads.pop(m)
+        if self.draft is not None and context.train_draft:
+            mb = context.microbatches[m]
             b, s = mb.positions.shape
-            taps = self.channel.receive(microbatch)
+            taps = self.channel.receive(m)  # in microbatch order, which the channel checks
             draft_sums(self.draft, mb, torch.cat([taps[layer] for layer in self.tap_layers], dim=-1).reshape(b * s, -1),
-                       taps[EMBEDDINGS].reshape(b * s, -1), head_out, self.sums, ttt_steps=self.ttt_steps,
+                       taps[EMBEDDINGS].reshape(b * s, -1), head_out, context.sums, ttt_steps=self.ttt_steps,
                        pass_decay=self.pass_decay, chunk_tokens=self.chunk_tokens).backward()
-            self.channel.release(microbatch)
+            self.channel.release(m)
         return policy_sum

@@ -3,13 +3,13 @@ whole-model names, plus the embedding on the first stage and the final norm and 
 the last (which also holds the draft, as a model of its own). Its layers run through the
 policy's own layer loop (``models.transformer.run_layers``).
 
-Microbatch metadata (``cu_seqlens`` on the host, positions on the device, the CP shard) is
-prepared once per schedule step by ``pipeline_step`` and handed to every stage as
-``microbatches``; a stage reads its microbatch's entry by counting the distinct inputs of its
-forwards (every schedule runs a stage's forwards in microbatch order; a recompute reuses its
-input). So the only tensor a stage receives
-is its activation, and nothing the host needs goes through FSDP's moving of inputs to the
-device.
+Every forward is called with the index of its microbatch and the run's context
+(``forward(x, microbatch=i, context=...)``): ``MicrobatchIndexedStage`` adds the schedule's
+own chunk id, ``pipeline_step`` passes the ``PipelineStepContext`` (the microbatches'
+metadata, prepared once per run of the schedule) to ``schedule.step``. Both are host objects,
+not tensors: FSDP moves a root module's tensor inputs to the device, so the only tensor a
+stage receives is its activation, and nothing the host needs costs a sync. An
+activation-checkpoint rerun gets the forward's arguments again, its index included.
 
 A mixture of experts' load-balancing loss pools the routers of every sparse layer
 (``models.moe``), which the stages hold apart: a stage of a mixture-of-experts policy also
@@ -22,40 +22,67 @@ it costs on the wire.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
 
-from titan_cotrain.data.batch import Microbatch
 from titan_cotrain.models.draft import Draft
 from titan_cotrain.models.moe import RouterLoad, router_load
 from titan_cotrain.models.transformer import Transformer, run_layers
 from titan_cotrain.ops.attention import packed_cu_seqlens
+from titan_cotrain.parallel.pipeline.step_context import PipelineStepContext
 from titan_cotrain.parallel.tap_channel import EMBEDDINGS, TapChannel
 
-__all__ = ["LocalPolicy", "TransformerStage"]
+__all__ = ["LocalPolicy", "MicrobatchIndexedStage", "StageHead", "TransformerStage"]
+
+
+class StageHead(Protocol):
+    """What the last stage runs in place of its ``lm_head`` (``CotrainLoss.head``)."""
+
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, *, microbatch: int,
+                 context: PipelineStepContext, router_load: RouterLoad | None) -> torch.Tensor: ...
+
+
+class MicrobatchIndexedStage(PipelineStage):
+    """torch's ``PipelineStage``, calling its module with the index of the microbatch each
+    forward runs: ``microbatch=i``, the schedule's own chunk id (every torch schedule, GPipe to
+    DualPipeV, runs microbatch ``i`` of a stage as ``forward_one_chunk(i, ...)``), beside the
+    keyword arguments given to ``schedule.step``. A Python int rather than an index tensor
+    split by the schedule, which FSDP would move to the device and the stage would read back
+    with a sync."""
+
+    def forward_one_chunk(self, fwd_chunk_id: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
+                          save_forward_output: bool = True):
+        return super().forward_one_chunk(fwd_chunk_id, args, {**(kwargs or {}), "microbatch": fwd_chunk_id},
+                                         save_forward_output)
 
 
 class TransformerStage(nn.Module):
     """One pipeline stage of the target.
 
-    ``forward(x)``: ``x`` is ``tokens: int64 [mb, S_local]`` on the first stage, the packed
-    hidden stream ``[mb * S_local, H]`` elsewhere (a fresh tensor, never a view, which
-    zero-bubble schedules detach in place). Returns the hidden stream, or on the last stage
-    what ``head(final-normed hidden [mb * S_local, H], lm_head weight, microbatch,
-    router load)`` returns (the co-training loss's policy sum, ``CotrainLoss.head``): no
-    ``[mb, S, V]`` logits. A mixture of experts' stages take and return ``(x, load)`` (the
-    module docstring; the first stage starts it), and the head gets the pooled ``RouterLoad``
-    of every sparse layer (None for a dense policy). The
-    ops are ``Transformer.forward``'s, so hidden states and taps are bitwise the single-device
-    ones. With a ``channel``, the detached ``[mb, S_local, H]`` output of every tapped layer
-    it holds (and the embedding output) is sent the moment it is computed.
+    ``forward(x, microbatch=i, context=...)``: ``x`` is ``tokens: int64 [mb, S_local]`` on the
+    first stage, the packed hidden stream ``[mb * S_local, H]`` elsewhere (a fresh tensor,
+    never a view, which zero-bubble schedules detach in place); ``i`` and ``context`` as the
+    module docstring says. Returns the hidden stream, or on the last stage what ``head``
+    returns for the final-normed hidden ``[mb * S_local, H]`` and the ``lm_head`` weight (the
+    co-training loss's policy sum, ``CotrainLoss.head``): no ``[mb, S, V]`` logits. A mixture
+    of experts' stages take and return ``(x, load)`` (the module docstring; the first stage
+    starts it), and the head gets the pooled ``RouterLoad`` of every sparse layer (None for a
+    dense policy). The ops are ``Transformer.forward``'s, so hidden states and taps are
+    bitwise the single-device ones. With a ``channel``, in a run that trains the draft, the
+    detached ``[mb, S_local, H]`` output of every tapped layer it holds (and the embedding
+    output) is sent the moment it is computed. ``head``: the last stage's, required there.
     """
 
     def __init__(self, policy: Transformer, layers: range, *, first: bool, last: bool,
-                 draft: Draft | None = None, channel: TapChannel | None = None) -> None:
+                 draft: Draft | None = None, channel: TapChannel | None = None,
+                 head: StageHead | None = None) -> None:
         super().__init__()
+        if last and head is None:
+            raise ValueError("the last stage runs the head in place of its lm_head: pass head")
         self.embed_tokens = policy.embed_tokens if first else None
         self.layers = nn.ModuleDict({str(i): policy.layers[i] for i in layers})
         self.norm = policy.norm if last else None
@@ -63,6 +90,7 @@ class TransformerStage(nn.Module):
         # Held, not registered as a submodule: the draft is an FSDP root of its own, since its
         # forward and backward run in the loss, outside this stage's forward and backward.
         self.__dict__["draft"] = draft if last else None
+        self.head = head if last else None
         self.register_buffer("rope_inv_freq", policy.rope_inv_freq, persistent=False)
         # A mixture of experts (with a sparse layer anywhere) passes on its routers' load.
         n_sparse = policy.args.n_sparse_layers
@@ -70,34 +98,20 @@ class TransformerStage(nn.Module):
         self.channel = channel
         sources = ({EMBEDDINGS} if first else set()) | (set(layers) & set(policy.tap_layers))
         self.tap_sources = frozenset(sources) if channel is not None else frozenset()
-        self.send_taps = True  # off in a step that does not train the draft (``pipeline_step``)
-        self.microbatches: Sequence[Microbatch] = ()
-        self.head: Callable[[torch.Tensor, torch.Tensor, int, RouterLoad | None], torch.Tensor] | None = None
-        self._inputs: list[tuple[torch.Tensor, int]] = []
+        # This stage's routers' records per microbatch, kept from a forward for its
+        # activation-checkpoint rerun (the next run's forward of that microbatch replaces them).
         self._router_loads: dict[int, torch.Tensor] = {}
 
-    def begin_schedule_step(self, microbatches: Sequence[Microbatch]) -> None:
-        self.microbatches, self._inputs, self._router_loads = microbatches, [], {}
-
-    def _microbatch_of(self, x: torch.Tensor) -> int:
-        """The microbatch of input ``x``: the next one, unless ``x`` was seen before (an
-        activation-checkpoint recompute calls forward again on the same input object)."""
-        for seen, microbatch in self._inputs:
-            if seen is x:
-                return microbatch
-        self._inputs.append((x, len(self._inputs)))
-        return len(self._inputs) - 1
-
-    def forward(self, x: torch.Tensor, load: torch.Tensor | None = None):
-        microbatch = self._microbatch_of(x)
-        mb = self.microbatches[microbatch]
+    def forward(self, x: torch.Tensor, load: torch.Tensor | None = None, *, microbatch: int,
+                context: PipelineStepContext):
+        mb = context.microbatches[microbatch]
         b, s = mb.positions.shape
         if self.embed_tokens is not None:
             x = self.embed_tokens(x.reshape(-1))
-            self._tap(microbatch, EMBEDDINGS, x, b, s)
+            self._tap(context, microbatch, EMBEDDINGS, x, b, s)
         x = run_layers(((int(name), layer) for name, layer in self.layers.items()), self.rope_inv_freq, x,
                        mb.positions, packed_cu_seqlens(mb.cu_seqlens),
-                       lambda layer, out: self._tap(microbatch, layer, out, b, s))
+                       lambda layer, out: self._tap(context, microbatch, layer, out, b, s))
         if self.n_experts:
             load = self._add_router_load(load, microbatch, x.device)
         if self.lm_head is None:  # not the last stage
@@ -105,7 +119,8 @@ class TransformerStage(nn.Module):
         pooled = None
         if self.n_experts:  # every sparse layer saw this rank's x.shape[0] tokens
             pooled = RouterLoad(probs=load[1], counts=load[0], rows=self.n_sparse_layers * x.shape[0])
-        return self.head(self.norm(x), self.lm_head.weight, microbatch, pooled)
+        return self.head(self.norm(x), self.lm_head.weight, microbatch=microbatch, context=context,
+                         router_load=pooled)
 
     def _add_router_load(self, load: torch.Tensor | None, microbatch: int, device: torch.device) -> torch.Tensor:
         """``load`` (zeros on the first stage) plus this stage's routers' records of
@@ -120,8 +135,9 @@ class TransformerStage(nn.Module):
         own = self._router_loads.get(microbatch)
         return load.clone() if own is None else load + own
 
-    def _tap(self, microbatch: int, source: int, x: torch.Tensor, b: int, s: int) -> None:
-        if self.send_taps and source in self.tap_sources:
+    def _tap(self, context: PipelineStepContext, microbatch: int, source: int, x: torch.Tensor, b: int,
+             s: int) -> None:
+        if context.train_draft and source in self.tap_sources:
             self.channel.send(microbatch, source, x.detach().view(b, s, -1))
 
 

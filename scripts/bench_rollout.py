@@ -76,7 +76,8 @@ from titan_cotrain.data.packing import layout_one_doc_per_row
 from titan_cotrain.models.args import model_args_for
 from titan_cotrain.models.draft import Draft, DraftArgs
 from titan_cotrain.models.transformer import Transformer
-from titan_cotrain.engine.rollout import RolloutEngine, RolloutStats, kv_bytes_per_sequence
+from titan_cotrain.engine.kv_budget import kv_bytes_per_sequence
+from titan_cotrain.engine.rollout import RolloutEngine, RolloutStats
 from titan_cotrain.engine.sampling import SamplingParams
 from titan_cotrain.engine.speculation import SpeculationTuner
 

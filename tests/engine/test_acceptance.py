@@ -28,7 +28,8 @@ from titan_cotrain.data.packing import layout_from_cu_seqlens
 from titan_cotrain.models.args import model_args_for
 from titan_cotrain.models.draft import Draft, DraftArgs
 from titan_cotrain.models.transformer import Transformer
-from titan_cotrain.engine.rollout import RolloutEngine, kv_bytes_per_sequence
+from titan_cotrain.engine.kv_budget import kv_bytes_per_sequence
+from titan_cotrain.engine.rollout import RolloutEngine
 from titan_cotrain.engine.sampling import SamplingParams
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"

@@ -14,7 +14,8 @@ from titan_cotrain.models.args import model_args_for
 from titan_cotrain.models.draft import Draft, DraftArgs, DraftKVCache
 from titan_cotrain.models.draft_vocab import draft_vocab_from_counts
 from titan_cotrain.models.transformer import Transformer
-from titan_cotrain.engine.rollout import RolloutEngine, kv_bytes_per_position, kv_bytes_per_sequence
+from titan_cotrain.engine.kv_budget import kv_bytes_per_position, kv_bytes_per_sequence
+from titan_cotrain.engine.rollout import RolloutEngine
 from titan_cotrain.engine.sampling import SamplingParams
 from titan_cotrain.simulate.device import SimulatedDevice, sim_device
 

@@ -64,3 +64,27 @@ def test_a_rollout_leaves_its_caches_zeroed(models):
     assert all(not cache.any() for cache in engine.cache_tensors())
     out = engine.generate(prompts, PARAMS, samples_per_prompt=SAMPLES, generator=torch.Generator().manual_seed(5))
     assert torch.isfinite(out.logprobs).all()
+
+
+def test_a_compiled_engine_leaves_dynamos_recompile_limit_as_it_found_it(models, monkeypatch):
+    """The compiled steps keep a graph per ``k`` (more than dynamo's limit may allow): the
+    limit is raised while a step runs, and the process's setting is the same after the
+    engine's construction and after a rollout. (An identity ``torch.compile`` here: what
+    dynamo makes of the steps is ``test_acceptance.py``'s subject.)"""
+    seen = []
+
+    def compile_(fn, **kwargs):
+        def step(*args, **kw):
+            seen.append(torch._dynamo.config.recompile_limit)
+            return fn(*args, **kw)
+
+        return step
+
+    monkeypatch.setattr(torch, "compile", compile_)
+    with torch._dynamo.config.patch(recompile_limit=3):
+        engine = RolloutEngine.from_models(*models, device="cpu", max_batch_size=8, max_seq_len=28,
+                                           max_draft_tokens=3, block_size=4, compile=True)
+        assert torch._dynamo.config.recompile_limit == 3
+        engine.generate([torch.arange(1, 6)], PARAMS, samples_per_prompt=2, generator=torch.Generator().manual_seed(5))
+        assert torch._dynamo.config.recompile_limit == 3
+    assert seen and set(seen) == {2 * (3 + 2)}

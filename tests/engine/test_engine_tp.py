@@ -11,7 +11,8 @@ from tests.multiprocess import run_on_ranks
 from tests.engine.test_rollout import DENSE, MOE, _prompts
 from titan_cotrain.models.args import model_args_for
 from titan_cotrain.models.draft import DraftArgs
-from titan_cotrain.engine.rollout import RolloutEngine, kv_bytes_per_sequence
+from titan_cotrain.engine.kv_budget import kv_bytes_per_sequence
+from titan_cotrain.engine.rollout import RolloutEngine
 from titan_cotrain.engine.sampling import SamplingParams
 
 

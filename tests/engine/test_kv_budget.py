@@ -9,15 +9,18 @@ import torch
 from tests.multiprocess import run_on_ranks
 from tests.engine.test_rollout import _models
 from titan_cotrain.config import ConfigError, load_job_config
+from titan_cotrain.engine.build import kv_cache_setting
 from titan_cotrain.engine.kv_budget import (
     KV_MARGIN_FRACTION,
     KVBudget,
-    kv_cache_setting,
+    KVPoolLayout,
+    kv_bytes_per_position,
+    kv_bytes_per_sequence,
     kv_pool_line,
     optimizer_state_bytes,
     transient_bytes,
 )
-from titan_cotrain.engine.rollout import RolloutEngine, kv_bytes_per_position, kv_bytes_per_sequence
+from titan_cotrain.engine.rollout import RolloutEngine
 
 GIB = 2**30
 
@@ -53,6 +56,27 @@ def test_an_auto_engine_takes_the_blocks_the_budget_leaves_and_refuses_none():
                                          r"training state .* - engine weights .* - transient .* = -"):
         RolloutEngine(target, draft, max_batch_size=8, max_seq_len=40, max_draft_tokens=3,
                       kv_cache_gib=KVBudget(weights, state, transient))
+
+
+def test_the_pool_layout_is_known_from_the_shapes_and_the_engine_allocates_it():
+    """``KVPoolLayout`` needs no model: a budget of 2.5 sequences at their longest (44
+    positions) holds 2 static rows, or beside 8 rows' draft chains the paged pool's blocks of 4
+    positions; the engine allocates exactly that."""
+    target, draft = _models()
+    per_position = kv_bytes_per_position(target.args, draft.args, torch.float32)
+    per_sequence = kv_bytes_per_sequence(target.args, draft.args, 40, 3, torch.float32)
+    gib = 2.5 * per_sequence / GIB
+    shapes = dict(engine_weights=0, max_batch_size=8, max_seq_len=40, max_draft_tokens=3, block_size=4)
+    static = KVPoolLayout.from_budget(gib, target.args, draft.args, torch.float32, paged=False, **shapes)
+    assert (static.max_batch_size, static.n_blocks, static.block_size, static.blocks_per_sequence) == (2, 2, 44, 1)
+    paged = KVPoolLayout.from_budget(gib, target.args, draft.args, torch.float32, paged=True, **shapes)
+    chains = 8 * (per_sequence - 44 * per_position)
+    assert (paged.max_batch_size, paged.blocks_per_sequence, paged.chain_slots) == (8, 11, 2)
+    assert paged.n_blocks == (int(gib * GIB) - chains) // (4 * per_position) and paged.block_bytes == 4 * per_position
+    engine = RolloutEngine(target, draft, max_batch_size=8, max_seq_len=40, max_draft_tokens=3, block_size=4,
+                           kv_cache_gib=gib)
+    assert engine.layout == paged and engine.target_pool.n_blocks == engine.draft_pool.n_blocks == paged.n_blocks
+    assert engine.kv_pool_bytes == paged.n_blocks * paged.block_bytes + chains
 
 
 def test_the_optimizer_state_is_counted_before_it_exists():

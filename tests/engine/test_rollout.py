@@ -16,6 +16,7 @@ from titan_cotrain.models.draft import Draft, DraftArgs, DraftKVCache
 from titan_cotrain.models.draft_vocab import draft_vocab_from_counts
 from titan_cotrain.models.transformer import Transformer
 from titan_cotrain.engine import rollout
+from titan_cotrain.engine.kv_budget import kv_bytes_per_sequence
 from titan_cotrain.engine.rollout import RolloutEngine
 from titan_cotrain.engine.sampling import SamplingParams, greedy_accept, processed_logits, speculative_accept
 
@@ -166,7 +167,7 @@ def test_greedy_speculative_equals_greedy_plain(vocab, draft_vocab, k, flavor, s
         assert spec.stats.target_forwards < plain.stats.target_forwards
     # Continuous batching and prefix sharing on: 2 samples per prompt sharing its blocks (of 4
     # positions), a pool that holds 2 sequences at their longest, so groups wait and refill.
-    per_sequence = rollout.kv_bytes_per_sequence(target.args, draft.args, 40, k, torch.float32)
+    per_sequence = kv_bytes_per_sequence(target.args, draft.args, 40, k, torch.float32)
     shared = RolloutEngine(target, draft, max_batch_size=8, max_seq_len=40, max_draft_tokens=k, block_size=4,
                            kv_cache_gib=2 * per_sequence / 2**30)
     for draft_tokens in (0, k):
@@ -222,8 +223,8 @@ def _first_tokens_test(params: SamplingParams, k: int, n_samples: int, per_round
     rows, budget = n_samples // 5, 0.0
     if pool_sequences:
         rows = 16
-        budget = pool_sequences * rollout.kv_bytes_per_sequence(target.args, draft.args, len(prompt) + m, k,
-                                                                torch.float32) / 2**30
+        budget = pool_sequences * kv_bytes_per_sequence(target.args, draft.args, len(prompt) + m, k,
+                                                        torch.float32) / 2**30
     engine = RolloutEngine(target, draft, max_batch_size=rows, max_seq_len=len(prompt) + m,
                            max_draft_tokens=k, block_size=2, kv_cache_gib=budget)
     params = SamplingParams(params.temperature, params.top_k, params.top_p, max_new_tokens=m)

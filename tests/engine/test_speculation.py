@@ -6,7 +6,7 @@ draft follows at all, and follows a draft that falls behind."""
 import pytest
 import torch
 
-from titan_cotrain.engine.rollout_state import RoundTable, live_bucket
+from titan_cotrain.engine.round_stats import RoundTable, live_bucket
 from titan_cotrain.engine.speculation import SpeculationTuner, expected_tokens
 
 K = 3
@@ -202,7 +202,7 @@ def _every_rank_learns_the_sum(rank, world_size):
     from titan_cotrain.rl.host_sync import HostSync
     from titan_cotrain.rl.real_run import RealRun
     from titan_cotrain.rl.rollout_phase import RolloutPhase
-    from titan_cotrain.engine.rollout_state import RolloutStats
+    from titan_cotrain.engine.round_stats import RolloutStats
 
     # Each rank's call measured something else: rank r ran r + 1 rounds of 2 live rows at k = 2,
     # (r + 1) seconds each; drafted token 1 was judged 2 (r + 1) times, accepted r + 1 times.

@@ -7,7 +7,8 @@ import torch
 from titan_cotrain.models.args import model_args_for
 from titan_cotrain.models.draft import Draft, DraftArgs
 from titan_cotrain.models.transformer import Transformer
-from titan_cotrain.engine.rollout import RolloutEngine, kv_bytes_per_position, kv_bytes_per_sequence
+from titan_cotrain.engine.kv_budget import kv_bytes_per_position, kv_bytes_per_sequence
+from titan_cotrain.engine.rollout import RolloutEngine
 from titan_cotrain.simulate.rollout_model import GPU_MODELS, GpuModel, LengthLaw, model_rollout
 
 SEQ_LEN, K = 96, 3

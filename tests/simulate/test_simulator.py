@@ -68,16 +68,16 @@ def test_the_simulator_measures_the_phases_the_trainer_takes(tmp_path):
 def test_a_dataset_task_simulates_without_its_file(tmp_path, monkeypatch):
     """The simulator never reads ``[task] dataset_path``: its prompts are synthetic, of
     ``[simulate] prompt_tokens`` (here capped by the 128 - 64 = 64-token prompt budget)."""
-    from titan_cotrain.rl import trainer
+    from titan_cotrain.engine.rollout import RolloutEngine
 
     lengths = []
-    generate = trainer.RolloutEngine.generate
+    start = RolloutEngine.start
 
-    def recording_generate(self, prompts, *args, **kwargs):
+    def recording_start(self, prompts, *args, **kwargs):
         lengths.extend(len(p) for p in prompts for _ in range(kwargs["samples_per_prompt"]))
-        return generate(self, prompts, *args, **kwargs)
+        return start(self, prompts, *args, **kwargs)
 
-    monkeypatch.setattr(trainer.RolloutEngine, "generate", recording_generate)
+    monkeypatch.setattr(RolloutEngine, "start", recording_start)
     config = _config(tmp_path, "--task.name", "gsm8k", "--task.dataset_path", str(tmp_path / "none.jsonl"),
                      "--simulate.prompt_tokens", "100")
     result = simulate(config, "debug_cpu.toml")

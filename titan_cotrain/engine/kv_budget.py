@@ -1,4 +1,6 @@
-"""``[rollout] kv_cache_gib = "auto"``: the KV pool takes what the GPU has left.
+"""The KV pool's size and layout. ``KVPoolLayout``: its blocks, rows and bytes, from the engine's
+shapes and a budget (``kv_bytes_per_sequence`` bytes hold one sequence at its longest).
+``[rollout] kv_cache_gib = "auto"``: the pool takes what the GPU has left.
 
 On one rank, while the pool exists::
 
@@ -32,10 +34,13 @@ from torch import nn
 
 from titan_cotrain.components.shards import local_shard
 from titan_cotrain.models.args import ModelArgs
+from titan_cotrain.models.draft import DraftArgs
+from titan_cotrain.parallel.engine_tp import kv_heads_per_rank
 from titan_cotrain.parallel.storage import device_storages
 
-__all__ = ["KV_MARGIN_FRACTION", "KVBudget", "OPTIMIZER_MOMENTS", "device_bytes", "gpu_total_bytes",
-           "kv_cache_setting", "kv_pool_line", "optimizer_state_bytes", "transient_bytes"]
+__all__ = ["KV_MARGIN_FRACTION", "KVBudget", "KVPoolLayout", "OPTIMIZER_MOMENTS", "device_bytes",
+           "gpu_total_bytes", "kv_bytes_per_position", "kv_bytes_per_sequence", "kv_pool_line",
+           "optimizer_state_bytes", "transient_bytes"]
 
 KV_MARGIN_FRACTION = 0.10
 """Share of the GPU's memory "auto" leaves unused: CUDA context, NCCL buffers, fragmentation."""
@@ -74,6 +79,103 @@ class KVBudget:
         return (f"{1 - KV_MARGIN_FRACTION:g} x {self.total / GIB:.1f} GiB - training state {self.training_state / GIB:.2f}"
                 f" - engine weights {engine_weights / GIB:.2f} - transient {self.transient / GIB:.2f}"
                 f" = {self.pool_bytes(engine_weights) / GIB:.2f} GiB")
+
+
+def _cache_slots(max_seq_len: int, max_draft_tokens: int) -> tuple[int, int]:
+    """``(positions, chain slots)`` of the engine's caches. A round writes ``k + 1`` positions
+    past the last committed one, even for a sequence that is finished and no longer moves;
+    the draft's chain holds passes ``2..k``."""
+    return max_seq_len + max_draft_tokens + 1, max(max_draft_tokens - 1, 0)
+
+
+def kv_bytes_per_position(policy: ModelArgs, draft: DraftArgs | None, dtype: torch.dtype,
+                          tensor_parallel: int = 1) -> int:
+    """KV bytes of one position of one sequence on one rank: keys and values of every target
+    layer (``1 / tensor_parallel`` of its KV heads, at least one) and, with a draft, of its trunk."""
+    elements = policy.n_layers * kv_heads_per_rank(policy.n_kv_heads, tensor_parallel) * policy.head_dim
+    if draft is not None:
+        elements += draft.n_kv_heads * draft.head_dim
+    return 2 * elements * dtype.itemsize
+
+
+def kv_bytes_per_sequence(policy: ModelArgs, draft: DraftArgs | None, max_seq_len: int, max_draft_tokens: int,
+                          dtype: torch.dtype, tensor_parallel: int = 1) -> int:
+    """KV-cache bytes of one sequence at its longest on one rank of a ``RolloutEngine``:
+    ``kv_bytes_per_position`` over ``L = max_seq_len + k + 1`` positions, plus the draft's
+    ``k - 1`` chain slots (``k = max_draft_tokens``), in ``dtype``."""
+    positions, chain = _cache_slots(max_seq_len, max_draft_tokens)
+    chain_bytes = 2 * draft.n_kv_heads * draft.head_dim * chain * dtype.itemsize if draft is not None else 0
+    return positions * kv_bytes_per_position(policy, draft, dtype, tensor_parallel) + chain_bytes
+
+
+@dataclass(frozen=True)
+class KVPoolLayout:
+    """How one rank's KV pool is laid out (``models.kv_cache``): each pool (the target's and,
+    with a draft, its trunk's) is ``n_blocks`` blocks of ``block_size`` positions,
+    ``block_bytes`` of KV per block over both, ``blocks_per_sequence`` covering a sequence at
+    its longest; the running batch has ``max_batch_size`` rows, each with ``chain_slots``
+    positions of the draft's chain. ``paged``: block 0 is the scratch block and sequences
+    take blocks as they grow; else (the static layout) a block is one row's whole sequence."""
+
+    n_blocks: int
+    block_size: int
+    max_batch_size: int
+    block_bytes: int
+    blocks_per_sequence: int
+    chain_slots: int
+    paged: bool
+
+    @classmethod
+    def from_budget(cls, kv_cache_gib: float | KVBudget, policy: ModelArgs, draft: DraftArgs | None,
+                    dtype: torch.dtype, *, engine_weights: int, max_batch_size: int, max_seq_len: int,
+                    max_draft_tokens: int, block_size: int, paged: bool, tensor_parallel: int = 1) -> KVPoolLayout:
+        """The layout of a ``RolloutEngine``'s pool (its arguments, ``max_draft_tokens`` 0
+        without a draft): ``kv_cache_gib`` GiB (0: ``max_batch_size`` sequences at their
+        longest), or what a ``KVBudget`` ("auto") leaves beside the engine's weights of
+        ``engine_weights`` bytes. A budget for fewer sequences at their longest than rows
+        lowers the static layout's rows and the paged layout's blocks (its rows stay: they
+        hold sequences as they grow). Refused when the budget holds no sequence at its
+        longest."""
+        if max_batch_size < 1 or block_size < 1:
+            raise ValueError(f"max_batch_size ({max_batch_size}) and block_size ({block_size}) must be >= 1")
+        positions, chain = _cache_slots(max_seq_len, max_draft_tokens)
+        per_sequence = kv_bytes_per_sequence(policy, draft, max_seq_len, max_draft_tokens, dtype, tensor_parallel)
+        per_position = kv_bytes_per_position(policy, draft, dtype, tensor_parallel)
+        budget = _pool_bytes(kv_cache_gib, engine_weights, per_sequence)
+        block_size = block_size if paged else positions
+        per_block = block_size * per_position
+        blocks_per_sequence = -(-positions // block_size)
+        if not paged:
+            if budget:
+                max_batch_size = min(max_batch_size, budget // per_sequence)
+            n_blocks = max_batch_size
+        else:
+            chain_bytes = per_sequence - positions * per_position
+            n_blocks = max_batch_size * blocks_per_sequence + 1  # + the scratch block
+            if budget:
+                n_blocks = min(n_blocks, (budget - max_batch_size * chain_bytes) // per_block)
+        if budget and (max_batch_size < 1 or n_blocks - paged < blocks_per_sequence):
+            stated = f'"auto" ({budget / 2**30:.3f} GiB)' if isinstance(kv_cache_gib, KVBudget) else kv_cache_gib
+            raise ValueError(
+                f"[rollout] kv_cache_gib = {stated} holds no sequence: one needs "
+                f"{per_sequence / 2**30:.4f} GiB ({per_sequence} bytes: max_seq_len {max_seq_len} + "
+                f"{max_draft_tokens} draft tokens + 1 positions in {dtype})"
+                + (f", with {max_batch_size} rows' draft chains beside it" if paged else ""))
+        return cls(n_blocks=n_blocks, block_size=block_size, max_batch_size=max_batch_size, block_bytes=per_block,
+                   blocks_per_sequence=blocks_per_sequence, chain_slots=chain, paged=paged)
+
+
+def _pool_bytes(kv_cache_gib: float | KVBudget, engine_weights: int, per_sequence: int) -> int:
+    """The pool's bytes: ``kv_cache_gib`` GiB, or what a ``KVBudget`` ("auto") leaves beside
+    the engine's weights, refused when that is not one sequence at its longest."""
+    if not isinstance(kv_cache_gib, KVBudget):
+        return int(kv_cache_gib * 2**30)
+    budget = kv_cache_gib.pool_bytes(engine_weights)
+    if budget < per_sequence:
+        raise ValueError(f'[rollout] kv_cache_gib = "auto" leaves no room for one sequence '
+                         f"({per_sequence / 2**30:.3f} GiB at its longest): "
+                         f"{kv_cache_gib.describe(engine_weights)}")
+    return budget
 
 
 def gpu_total_bytes(device: torch.device, simulated_gib: float | None = None) -> int | None:
@@ -127,30 +229,6 @@ def transient_bytes(policy: ModelArgs, *, rows: int, prompts: int, prompt_tokens
     verify = rows * (draft_tokens + 1) * policy.vocab_size * 4 * 6
     refresh = 4 * max(policy.vocab_size, policy.ffn_dim) * policy.dim * dtype.itemsize
     return max(prefill, verify, refresh)
-
-
-def kv_cache_setting(config, modules: list[nn.Module | None], device: torch.device, policy: ModelArgs, *,
-                     rows: int, prompts: int, prompt_tokens: int, draft_tokens: int, n_taps: int,
-                     simulated_gib: float | None = None) -> float | KVBudget:
-    """What the engine is given for ``[rollout] kv_cache_gib``: its GiB, or for "auto" the
-    ``KVBudget`` beside ``modules`` (the trainer's policy, draft, reference and pipeline
-    stages, all on the device) and the optimizer state they will have; on a CPU, 0 (the
-    whole batch). ``rows`` / ``prompts``: the engine's running batch and the prompts of one
-    of its prefills; ``prompt_tokens``: the longest prompt; the engine's copy of ``policy``
-    is bf16 (an accelerator's)."""
-    ro = config.rollout
-    if ro.kv_cache_gib != "auto":
-        return ro.kv_cache_gib
-    total = gpu_total_bytes(device, simulated_gib)
-    if total is None:
-        return 0.0
-    state = device_bytes(modules, device)
-    if not ro.offload_training_state:  # else it is on the host while the pool exists
-        state += optimizer_state_bytes(modules, config.optimizer.name)
-    transient = transient_bytes(policy, rows=rows, prompts=prompts, prompt_tokens=prompt_tokens,
-                                draft_tokens=draft_tokens, n_taps=n_taps, dtype=torch.bfloat16,
-                                tensor_parallel=ro.tensor_parallel_degree)
-    return KVBudget(total, state, transient)
 
 
 def kv_pool_line(engine, setting: float | KVBudget) -> str:

@@ -33,6 +33,19 @@ youngest is preempted and later recomputed from its committed tokens (``_recompu
 pool sized for a few sequences at their longest runs many at once. A round's shapes depend
 only on ``(rows, k, block-table width)``, the width a power of two of blocks; free rows ride
 along writing to the scratch block, so there is no Python loop over sequences on the device.
+
+The engine steps as a serving engine does (nano-vllm's ``LLMEngine.step``): ``start`` makes a
+call's state (``engine.generation.Generation``) and each ``step`` runs one round of it::
+
+    schedule     admit (prefill new groups, recompute preempted sequences), grow (take the
+                 blocks the round writes, preempt when the pool is dry), plan (compact the
+                 rows, choose k, the caches' views): host bookkeeping, a few index tensors
+    run          a speculative round (draft, verify, accept, catch up) or a plain decode
+    postprocess  the round's one host sync: finished sequences leave their rows and blocks
+
+``generate`` is ``start``, ``step`` until the call is done, ``finish``. The pieces are public
+so that another driver can run a round its own way (the scale simulator's bounded rollout
+plans and runs rounds without reading anything back).
 """
 
 from __future__ import annotations
@@ -45,17 +58,17 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from titan_cotrain.models.args import ModelArgs
-from titan_cotrain.models.draft import Draft, DraftArgs, DraftKVCache
+from titan_cotrain.models.draft import Draft, DraftKVCache
 from titan_cotrain.models.kv_cache import PagedKV, RowsKV
 from titan_cotrain.models.transformer import Transformer
 from titan_cotrain.ops import flash
 from titan_cotrain.parallel.engine_tp import kv_heads_per_rank
 from titan_cotrain.parallel.storage import FreedStorages, device_storages
 from titan_cotrain.engine.engine_copy import copy_state, empty_copy
+from titan_cotrain.engine.generation import Generation, Rollouts, Round, Sequences
 from titan_cotrain.engine.kv_blocks import Admitted, BlockAllocator, Resumed, Scheduler
-from titan_cotrain.engine.kv_budget import KVBudget
-from titan_cotrain.engine.rollout_state import RolloutStats, Rollouts, Sequences, StepCounters, live_bucket
+from titan_cotrain.engine.kv_budget import KVBudget, KVPoolLayout
+from titan_cotrain.engine.round_stats import RolloutStats, StepCounters, live_bucket
 from titan_cotrain.engine.sampling import (
     SamplingParams,
     draw,
@@ -65,7 +78,7 @@ from titan_cotrain.engine.sampling import (
     speculative_accept,
 )
 
-__all__ = ["RolloutEngine", "RolloutStats", "Rollouts", "kv_bytes_per_position", "kv_bytes_per_sequence"]
+__all__ = ["RolloutEngine", "RolloutStats", "Rollouts"]
 
 
 def _pad_prompts(prompts: Sequence[torch.Tensor | Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,31 +93,24 @@ def _pad_prompts(prompts: Sequence[torch.Tensor | Sequence[int]]) -> tuple[torch
     return tokens, lens
 
 
-def _cache_slots(max_seq_len: int, max_draft_tokens: int) -> tuple[int, int]:
-    """``(positions, chain slots)`` of the engine's caches. A round writes ``k + 1`` positions
-    past the last committed one, even for a sequence that is finished and no longer moves;
-    the draft's chain holds passes ``2..k``."""
-    return max_seq_len + max_draft_tokens + 1, max(max_draft_tokens - 1, 0)
+def _compiled_step(graphs: int, device: torch.device) -> Callable[[Callable], Callable]:
+    """``torch.compile`` for a fixed-shape decoding step (CUDA graphs on a GPU: a decode step
+    is launch-bound) that keeps up to ``graphs`` graphs of it: past dynamo's recompile limit a
+    step would fall back to eager silently. The limit is raised only while the step runs, so
+    the process's setting stays what it was."""
+    mode = "reduce-overhead" if device.type == "cuda" else None
 
+    def wrap(fn: Callable) -> Callable:
+        compiled = torch.compile(fn, dynamic=False, mode=mode)
 
-def kv_bytes_per_position(policy: ModelArgs, draft: DraftArgs | None, dtype: torch.dtype,
-                          tensor_parallel: int = 1) -> int:
-    """KV bytes of one position of one sequence on one rank: keys and values of every target
-    layer (``1 / tensor_parallel`` of its KV heads, at least one) and, with a draft, of its trunk."""
-    elements = policy.n_layers * kv_heads_per_rank(policy.n_kv_heads, tensor_parallel) * policy.head_dim
-    if draft is not None:
-        elements += draft.n_kv_heads * draft.head_dim
-    return 2 * elements * dtype.itemsize
+        def step(*args, **kwargs):
+            limit = max(torch._dynamo.config.recompile_limit, graphs)
+            with torch._dynamo.config.patch(recompile_limit=limit):
+                return compiled(*args, **kwargs)
 
+        return step
 
-def kv_bytes_per_sequence(policy: ModelArgs, draft: DraftArgs | None, max_seq_len: int, max_draft_tokens: int,
-                          dtype: torch.dtype, tensor_parallel: int = 1) -> int:
-    """KV-cache bytes of one sequence at its longest on one rank of a ``RolloutEngine``:
-    ``kv_bytes_per_position`` over ``L = max_seq_len + k + 1`` positions, plus the draft's
-    ``k - 1`` chain slots (``k = max_draft_tokens``), in ``dtype``."""
-    positions, chain = _cache_slots(max_seq_len, max_draft_tokens)
-    chain_bytes = 2 * draft.n_kv_heads * draft.head_dim * chain * dtype.itemsize if draft is not None else 0
-    return positions * kv_bytes_per_position(policy, draft, dtype, tensor_parallel) + chain_bytes
+    return wrap
 
 
 class RolloutEngine:
@@ -148,83 +154,60 @@ class RolloutEngine:
                  paged: bool = True, compile: bool = False) -> None:
         if draft is not None and draft.args.target_dim != policy.args.dim:
             raise ValueError(f"draft expects target width {draft.args.target_dim}, policy has {policy.args.dim}")
-        if max_batch_size < 1 or block_size < 1:
-            raise ValueError(f"max_batch_size ({max_batch_size}) and block_size ({block_size}) must be >= 1")
         self.policy, self.draft = policy.eval(), draft.eval() if draft is not None else None
         self._released: FreedStorages | None = None  # what ``release`` freed
         self.max_seq_len = max_seq_len
         self.max_draft_tokens = max_draft_tokens if draft is not None else 0
-        self.paged = paged
         weight = policy.embed_tokens.weight
         dtype = weight.dtype
         self.tensor_parallel = weight.device_mesh.size() if isinstance(weight, DTensor) else 1
-        draft_args = draft.args if draft is not None else None
-        positions, chain = _cache_slots(max_seq_len, self.max_draft_tokens)
-        per_sequence = kv_bytes_per_sequence(policy.args, draft_args, max_seq_len, self.max_draft_tokens, dtype,
-                                             self.tensor_parallel)
-        per_position = kv_bytes_per_position(policy.args, draft_args, dtype, self.tensor_parallel)
-        budget = self._pool_budget(kv_cache_gib, per_sequence)
-        self.block_size = block_size if paged else positions
+        self.layout = layout = KVPoolLayout.from_budget(
+            kv_cache_gib, policy.args, draft.args if draft is not None else None, dtype,
+            engine_weights=self.weight_bytes, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+            max_draft_tokens=self.max_draft_tokens, block_size=block_size, paged=paged,
+            tensor_parallel=self.tensor_parallel)
         if (paged and weight.device.type == "cuda" and flash.has_paged_kernel()
                 and block_size % flash.PAGE_MULTIPLE):
             warnings.warn(f"[rollout] kv_block_size = {block_size} is not a multiple of {flash.PAGE_MULTIPLE}: the "
                           "paged flash kernel cannot read the pool, so every decoding step gathers its rows' blocks "
                           f"instead (set kv_block_size = {flash.PAGE_MULTIPLE})", stacklevel=2)
-        per_block = self.block_size * per_position
-        blocks_per_sequence = -(-positions // self.block_size)
-        if not paged:
-            if budget:
-                max_batch_size = min(max_batch_size, budget // per_sequence)
-            n_blocks = max_batch_size
-        else:
-            chain_bytes = per_sequence - positions * per_position
-            n_blocks = max_batch_size * blocks_per_sequence + 1  # + the scratch block
-            if budget:
-                n_blocks = min(n_blocks, (budget - max_batch_size * chain_bytes) // per_block)
-        if budget and (max_batch_size < 1 or n_blocks - paged < blocks_per_sequence):
-            stated = f'"auto" ({budget / 2**30:.3f} GiB)' if isinstance(kv_cache_gib, KVBudget) else kv_cache_gib
-            raise ValueError(
-                f"[rollout] kv_cache_gib = {stated} holds no sequence: one needs "
-                f"{per_sequence / 2**30:.4f} GiB ({per_sequence} bytes: max_seq_len {max_seq_len} + "
-                f"{self.max_draft_tokens} draft tokens + 1 positions in {dtype})"
-                + (f", with {max_batch_size} rows' draft chains beside it" if paged else ""))
-        self.max_batch_size = max_batch_size
-        self.kv_block_bytes = per_block
-        self.blocks_per_sequence = blocks_per_sequence
         self.compiled = compile
-        self.target_pool = policy.new_kv_pool(n_blocks, self.block_size, dtype,
+        self.target_pool = policy.new_kv_pool(layout.n_blocks, layout.block_size, dtype,
                                               n_kv_heads=kv_heads_per_rank(policy.args.n_kv_heads,
                                                                            self.tensor_parallel))
         self.draft_pool = self.chain_k = self.chain_v = None
         if draft is not None:
-            self.draft_pool = draft.new_kv_pool(n_blocks, self.block_size, dtype)
-            chain_shape = (max_batch_size, chain, draft.args.n_kv_heads, draft.args.head_dim)
+            self.draft_pool = draft.new_kv_pool(layout.n_blocks, layout.block_size, dtype)
+            chain_shape = (layout.max_batch_size, layout.chain_slots, draft.args.n_kv_heads, draft.args.head_dim)
             self.chain_k = torch.zeros(chain_shape, dtype=dtype, device=self.device)
             self.chain_v = torch.zeros(chain_shape, dtype=dtype, device=self.device)
-        # CUDA graphs on a GPU: a decode step is launch-bound.
-        mode = "reduce-overhead" if self.device.type == "cuda" else None
-        maybe_compile = (lambda fn: torch.compile(fn, dynamic=False, mode=mode)) if compile else (lambda fn: fn)
-        if compile:
-            # One graph per k for the verify (k + 1 positions, taps or not) and the catch-up:
-            # k chosen per round reaches every k in 0..max_draft_tokens in one call, and past
-            # dynamo's limit of graphs per function the step would fall back to eager silently.
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
-                                                       2 * (max_draft_tokens + 2))
-        self._target_step = maybe_compile(policy.forward_cached)
-        self._draft_chain_step = maybe_compile(draft.chain_step) if draft is not None else None
-        self._draft_extend = maybe_compile(draft.extend) if draft is not None else None
+        # One graph per k for the verify (k + 1 positions, taps or not) and the catch-up:
+        # k chosen per round reaches every k in 0..max_draft_tokens in one call.
+        step = _compiled_step(graphs=2 * (max_draft_tokens + 2), device=self.device) if compile else (lambda fn: fn)
+        self._target_step = step(policy.forward_cached)
+        self._draft_chain_step = step(draft.chain_step) if draft is not None else None
+        self._draft_extend = step(draft.extend) if draft is not None else None
 
-    def _pool_budget(self, kv_cache_gib: float | KVBudget, per_sequence: int) -> int:
-        """The pool's bytes: ``kv_cache_gib`` GiB, or what a ``KVBudget`` ("auto") leaves beside
-        this engine's weights, refused when that is not one sequence at its longest."""
-        if not isinstance(kv_cache_gib, KVBudget):
-            return int(kv_cache_gib * 2**30)
-        budget = kv_cache_gib.pool_bytes(self.weight_bytes)
-        if budget < per_sequence:
-            raise ValueError(f'[rollout] kv_cache_gib = "auto" leaves no room for one sequence '
-                             f"({per_sequence / 2**30:.3f} GiB at its longest): "
-                             f"{kv_cache_gib.describe(self.weight_bytes)}")
-        return budget
+    @property
+    def max_batch_size(self) -> int:
+        """Rows of the running batch."""
+        return self.layout.max_batch_size
+
+    @property
+    def paged(self) -> bool:
+        return self.layout.paged
+
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
+
+    @property
+    def blocks_per_sequence(self) -> int:
+        return self.layout.blocks_per_sequence
+
+    @property
+    def kv_block_bytes(self) -> int:
+        return self.layout.block_bytes
 
     @property
     def weight_bytes(self) -> int:
@@ -325,8 +308,8 @@ class RolloutEngine:
     @torch.no_grad()
     def generate(self, prompts: Sequence[torch.Tensor | Sequence[int]], params: SamplingParams, *,
                  samples_per_prompt: int = 1, draft_tokens: int | Callable[[int], int] | None = None,
-                 generator: torch.Generator | None = None, progress: Callable[[int, int], None] | None = None,
-                 max_rounds: int | None = None) -> Rollouts | None:
+                 generator: torch.Generator | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> Rollouts:
         """Sample ``samples_per_prompt`` (``G``) responses per prompt.
 
         ``prompts``: token ids, ragged, any number. Row ``i * G + g`` of the result is sample
@@ -339,13 +322,21 @@ class RolloutEngine:
         that drafts nothing) so that any round can draft. ``generator`` (on the engine's
         device) seeds every draw; greedy results do not depend on the schedule, sampled ones
         do (same distribution, other draws). ``progress(finished, total)``, if given, is called
-        after every decoding round with the number of finished responses. ``max_rounds``:
-        admit what fits the empty batch, run exactly that many decoding rounds and return
-        None, reading nothing back from the device (the scale simulator's bounded rollout,
-        whose device values are unknown): the rows are taken to be at their last round,
-        holding every block they can and reading the widest tables. A finished call leaves
-        its caches zeroed.
+        after every decoding round with the number of finished responses. A finished call
+        leaves its caches zeroed.
         """
+        call = self.start(prompts, params, samples_per_prompt=samples_per_prompt, draft_tokens=draft_tokens,
+                          generator=generator, progress=progress)
+        while not call.done():
+            self.step(call)
+        return self.finish(call)
+
+    def start(self, prompts: Sequence[torch.Tensor | Sequence[int]], params: SamplingParams, *,
+              samples_per_prompt: int = 1, draft_tokens: int | Callable[[int], int] | None = None,
+              generator: torch.Generator | None = None,
+              progress: Callable[[int, int], None] | None = None) -> Generation:
+        """A ``generate`` call with nothing run yet (arguments as ``generate``): its prompts
+        queued as GRPO groups, every row free, the outputs allocated."""
         if self._released is not None:
             raise RuntimeError("the engine's weights and caches were released: load_weights first")
         choose = draft_tokens if callable(draft_tokens) else None
@@ -364,74 +355,110 @@ class RolloutEngine:
         if not self.paged and samples > 1:  # the static layout has no shared blocks: G prompts
             prompt, prompt_lens, samples = prompt.repeat_interleave(samples, 0), prompt_lens.repeat_interleave(samples), 1
         total = len(prompt_lens) * samples
-        allocator = BlockAllocator(self.target_pool.n_blocks, scratch=self.paged)
-        scheduler = Scheduler(allocator, self.block_size, self.max_batch_size, prompt_lens.tolist(), samples,
-                              params.max_new_tokens, k, waves=not self.paged)
-        drafting = bool(k)  # the draft follows the call (k is the most a round drafts)
+        scheduler = Scheduler(BlockAllocator(self.target_pool.n_blocks, scratch=self.paged), self.block_size,
+                              self.max_batch_size, prompt_lens.tolist(), samples, params.max_new_tokens, k,
+                              waves=not self.paged)
         draft_to_target = self.draft.d2t + torch.arange(self.draft.args.draft_vocab_size, device=self.device) \
-            if drafting else None
+            if k else None
         counters = StepCounters(synchronize=torch.get_device_module(self.device).synchronize,
                                 k_max=self.max_draft_tokens, buckets=live_bucket(self.max_batch_size) + 1,
                                 width=min(self.max_batch_size, total))
         seqs = Sequences.start(self.max_batch_size, total, params.max_new_tokens, k,
-                               self.draft.args.dim if drafting else 0, self.device, self.policy.embed_tokens.weight.dtype)
-        rounds = 0
-        while not scheduler.done():
-            admitted = scheduler.admit()
-            if admitted:
-                with counters.timed("prefill"):
-                    if admitted.resumed:
-                        self._recompute(seqs, scheduler, admitted.resumed, prompt, prompt_lens, drafting)
-                    if admitted.prompts:
-                        self._prefill(seqs, scheduler, admitted, prompt, params, generator, drafting)
-            round_start = time.perf_counter()
-            if max_rounds is None:  # a simulated round reads the widest tables instead
-                seqs.free(scheduler.grow(), self.device)
-            if self.paged:
-                seqs.move(*scheduler.compact(), self.device)
-            live = scheduler.live()
-            round_k = choose(live) if choose is not None else k
-            if not 0 <= round_k <= k:
-                raise ValueError(f"the per-round choice of draft_tokens must be in 0..{k}, got {round_k}")
-            # Compiled steps see one shape per k: every row, the widest table.
-            rows = self.max_batch_size if self.compiled else scheduler.running_rows()
-            target_cache, draft_cache = self._caches(scheduler, drafting, rows, widest=max_rounds is not None)
-            running = seqs.head(rows)
-            if drafting:
-                self._speculative_round(running, round_k, params, generator, target_cache, draft_cache,
-                                        draft_to_target, counters)
-            else:
-                with counters.timed("verify"):
-                    self._decode_one_token(running, params, generator, target_cache, counters)
-            seqs.absorb(running)
-            rounds += 1
-            if max_rounds is not None:
-                if rounds == max_rounds:
-                    return None
-                continue
-            # The one host sync per round.
-            length, active = torch.stack([seqs.length, seqs.active.long()]).tolist()
-            seqs.retire(scheduler.retire(length, [bool(a) for a in active]), self.device)
-            counters.round_done(1 + round_k if drafting else 0, live, time.perf_counter() - round_start)
-            if progress is not None:
-                progress(scheduler.retired, total)
-        stats = counters.stats(int(seqs.out_len.sum()), params.max_new_tokens, prompts=len(prompt_lens),
-                               drafting=drafting, kv_peak_bytes=allocator.peak * self.kv_block_bytes,
-                               preemptions=scheduler.preemptions, recomputed_tokens=scheduler.recomputed)
-        result = seqs.result(prompt_lens.repeat_interleave(samples).to(self.device), params.max_new_tokens, stats)
-        # Nothing a rollout leaves in the caches reaches the next: stale slots are masked, but
-        # a non-finite one would still poison the masked products (0 * inf). One memset.
+                               self.draft.args.dim if k else 0, self.device, self.policy.embed_tokens.weight.dtype)
+        return Generation(params, generator, prompt, prompt_lens, samples, k, choose, draft_to_target, scheduler,
+                          seqs, counters, progress)
+
+    def step(self, call: Generation) -> None:
+        """One decoding round of ``call``, as a serving engine steps: schedule, run, postprocess."""
+        round_ = self.schedule(call)
+        self.run(call, round_)
+        self.postprocess(call, round_)
+
+    def schedule(self, call: Generation) -> Round:
+        """The host's part of a round: ``admit``, then cover the positions the round writes
+        (preempting the youngest sequences when the pool runs dry), then ``plan``."""
+        self.admit(call)
+        started = time.perf_counter()
+        call.seqs.free(call.scheduler.grow(), self.device)
+        return self.plan(call, started)
+
+    @torch.no_grad()
+    def admit(self, call: Generation) -> None:
+        """Fill free rows (``Scheduler.admit``): recompute the preempted sequences that
+        return, prefill the groups that enter."""
+        admitted = call.scheduler.admit()
+        if not admitted:
+            return
+        with call.counters.timed("prefill"):
+            if admitted.resumed:
+                self._recompute(call, admitted.resumed)
+            if admitted.prompts:
+                self._prefill(call, admitted)
+
+    def plan(self, call: Generation, started: float | None = None, *, width: int | None = None) -> Round:
+        """The next round over the rows as they are: busy rows compacted to the front, its
+        ``k`` chosen, the caches' views. The block tables are ``width`` blocks wide (default:
+        what the rows reach, a sequence at its longest when compiled). ``started``: when the
+        round began (default: now)."""
+        scheduler = call.scheduler
+        if self.paged:
+            call.seqs.move(*scheduler.compact(), self.device)
+        live = scheduler.live()
+        k = call.choose(live) if call.choose is not None else call.k
+        if not 0 <= k <= call.k:
+            raise ValueError(f"the per-round choice of draft_tokens must be in 0..{call.k}, got {k}")
+        # Compiled steps see one shape per k: every row, the widest table.
+        rows = self.max_batch_size if self.compiled else scheduler.running_rows()
+        if width is None and self.compiled:
+            width = self.blocks_per_sequence
+        target_cache, draft_cache = self._caches(scheduler, call.drafting, rows, width)
+        return Round(k, live, rows, target_cache, draft_cache, time.perf_counter() if started is None else started)
+
+    @torch.no_grad()
+    def run(self, call: Generation, round_: Round) -> None:
+        """The device's part of a round: a speculative round of ``round_.k`` drafted tokens
+        when the draft follows the call, else a plain decoding step, over the round's rows."""
+        running = call.seqs.head(round_.rows)
+        if call.drafting:
+            self._speculative_round(running, round_.k, call.params, call.generator, round_.target_cache,
+                                    round_.draft_cache, call.draft_to_target, call.counters)
+        else:
+            with call.counters.timed("verify"):
+                self._decode_one_token(running, call.params, call.generator, round_.target_cache, call.counters)
+        call.seqs.absorb(running)
+
+    def postprocess(self, call: Generation, round_: Round) -> None:
+        """After a round: its one host sync (every row's length and whether it still decodes),
+        finished sequences retired from their rows and blocks, the round counted, progress told."""
+        seqs, scheduler = call.seqs, call.scheduler
+        length, active = torch.stack([seqs.length, seqs.active.long()]).tolist()
+        seqs.retire(scheduler.retire(length, [bool(a) for a in active]), self.device)
+        mode = 1 + round_.k if call.drafting else 0
+        call.counters.round_done(mode, round_.live, time.perf_counter() - round_.started)
+        if call.progress is not None:
+            call.progress(scheduler.retired, call.total)
+
+    def finish(self, call: Generation) -> Rollouts:
+        """The finished ``call``'s responses and statistics (the counters read back once).
+        Nothing a rollout leaves in the caches reaches the next: stale slots are masked, but a
+        non-finite one would still poison the masked products (0 * inf), so they are zeroed
+        (one memset)."""
+        seqs, scheduler = call.seqs, call.scheduler
+        stats = call.counters.stats(int(seqs.out_len.sum()), call.params.max_new_tokens,
+                                    prompts=len(call.prompt_lens), drafting=call.drafting,
+                                    kv_peak_bytes=scheduler.allocator.peak * self.kv_block_bytes,
+                                    preemptions=scheduler.preemptions, recomputed_tokens=scheduler.recomputed)
+        result = seqs.result(call.prompt_lens.repeat_interleave(call.samples).to(self.device),
+                             call.params.max_new_tokens, stats)
         for cache in self.cache_tensors():
             cache.zero_()
         return result
 
     def _caches(self, scheduler: Scheduler, drafting: bool, rows: int,
-                widest: bool = False) -> tuple[PagedKV | RowsKV, DraftKVCache | None]:
+                width: int | None) -> tuple[PagedKV | RowsKV, DraftKVCache | None]:
         """The views of the pools for one round over the first ``rows`` rows: their block
-        tables (as wide as a sequence at its longest when compiled or ``widest``), or the
-        static layout's rows."""
+        tables (``width`` blocks wide, default what they reach), or the static layout's rows."""
         if self.paged:
-            width = self.blocks_per_sequence if self.compiled or widest else None
             table = torch.tensor(scheduler.table(rows, width), dtype=torch.int64, device=self.device)
             views = [pool.view(table) if pool is not None else None for pool in (self.target_pool, self.draft_pool)]
         else:
@@ -439,21 +466,21 @@ class RolloutEngine:
         target, trunk = views
         return target, DraftKVCache(trunk, self.chain_k[:rows], self.chain_v[:rows]) if drafting else None
 
-    def _prefill(self, seqs: Sequences, scheduler: Scheduler, admitted: Admitted, prompt: torch.Tensor,
-                 params: SamplingParams, generator, drafting: bool) -> None:
+    def _prefill(self, call: Generation, admitted: Admitted) -> None:
         """Bring the ``admitted`` groups into their rows: one target forward over their
         (right-padded) prompts, ``G`` first tokens drawn from each prompt's last logits, the
         rows' block tables (copy-on-write of each prompt's last block) and, when drafting,
         TTT pass 1: over the prompt positions once per prompt, then at the last one per
         sample (anchor ``P - 1`` reads the sample's first token). The prefill attends to
         the prompts' positions only."""
+        seqs, scheduler, params, drafting = call.seqs, call.scheduler, call.params, call.drafting
         device = self.device
         # Group of each sample row, from the host counts (a data-dependent repeat_interleave
         # has no static shape for the simulator's fake tensors).
         group = torch.tensor([i for i, count in enumerate(admitted.counts()) for _ in range(count)], device=device)
         lens = torch.tensor(admitted.lengths, device=device)
         width = int(max(admitted.lengths))
-        tokens = prompt[admitted.prompts, :width].to(device)
+        tokens = call.prompt[admitted.prompts, :width].to(device)
         n = len(admitted.prompts)
         if self.paged:
             table = torch.tensor(scheduler.padded_tables(admitted.prompt_blocks, width), dtype=torch.int64,
@@ -467,7 +494,7 @@ class RolloutEngine:
         out = self.policy.forward_cached(tokens, target_view, torch.zeros_like(lens), return_taps=drafting,
                                          logits_at=last)
         logits = processed_logits((out.logits if drafting else out)[:, 0], params)[group]
-        token = draw(logits, params, generator)
+        token = draw(logits, params, call.generator)
         logprob = logits.log_softmax(-1).gather(-1, token.unsqueeze(-1))
         # Copy-on-write of each prompt's last block for samples 1..G-1: the target's keys are
         # written now; the draft's only after its pass over the prompt below.
@@ -498,8 +525,7 @@ class RolloutEngine:
                                    DraftKVCache(sample_view, *chain))
         seqs.draft_hidden[rows] = hidden[:, 0]
 
-    def _recompute(self, seqs: Sequences, scheduler: Scheduler, resumed: list[Resumed], prompt: torch.Tensor,
-                   prompt_lens: torch.Tensor, drafting: bool) -> None:
+    def _recompute(self, call: Generation, resumed: list[Resumed]) -> None:
         """Bring preempted sequences back into their new rows as decoding had left them
         (``engine.kv_blocks``): with ``n`` committed tokens ``x_0 .. x_{n-1}`` (prompt, then the
         response so far, read from the outputs on the device), one target forward over
@@ -509,18 +535,19 @@ class RolloutEngine:
         ``x_{n-1}``, their outputs untouched."""
         if not self.paged:
             raise RuntimeError("the static layout never preempts")
+        seqs, prompt, drafting = call.seqs, call.prompt, call.drafting
         device = self.device
         m = len(resumed)
         which = [r.prompt for r in resumed]
         lengths = torch.tensor([r.length for r in resumed], device=device)
-        starts = prompt_lens[which].to(device)  # where each response begins
+        starts = call.prompt_lens[which].to(device)  # where each response begins
         width = max(r.length for r in resumed)
         j = torch.arange(width, device=device)
         from_prompt = prompt[which].to(device).gather(1, j.clamp(max=prompt.shape[1] - 1).expand(m, -1))
         out_rows = torch.tensor([r.seq for r in resumed], device=device)
         columns = (j - starts.unsqueeze(1)).clamp(min=0, max=seqs.tokens.shape[1] - 1)
         tokens = torch.where(j < starts.unsqueeze(1), from_prompt, seqs.tokens[out_rows].gather(1, columns))
-        table = torch.tensor(scheduler.padded_tables([r.blocks for r in resumed], width - 1), dtype=torch.int64,
+        table = torch.tensor(call.scheduler.padded_tables([r.blocks for r in resumed], width - 1), dtype=torch.int64,
                              device=device)
         zeros = torch.zeros_like(lengths)
         out = self.policy.forward_cached(tokens[:, :-1], self.target_pool.view(table), zeros,

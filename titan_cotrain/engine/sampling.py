@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 __all__ = [
     "SamplingParams",
@@ -24,7 +23,6 @@ __all__ = [
     "greedy_accept",
     "processed_logits",
     "sample",
-    "sampling_probs",
     "speculative_accept",
 ]
 
@@ -82,15 +80,6 @@ def processed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
-
-
-def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution ``[..., V]`` (fp32) that tokens are drawn from; one-hot when greedy.
-
-    ``logits`` are ``processed_logits``' output."""
-    if params.greedy:
-        return F.one_hot(logits.argmax(-1), logits.shape[-1]).to(torch.float32)
-    return logits.softmax(-1)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -14,7 +14,7 @@ last few long responses decode at a concurrency of a handful of rows, which is w
 speculation pays most (and where, with long-tailed response lengths, much of the rollout's
 wall time goes). So ``k`` is chosen every round, from the live rows of that round.
 
-``SpeculationTuner`` measures, per live-rows bucket ``b`` (``rollout_state.live_bucket``:
+``SpeculationTuner`` measures, per live-rows bucket ``b`` (``round_stats.live_bucket``:
 powers of two) and per mode ``m`` (``RoundTable``: 0 plain decoding without the draft, ``1 + k``
 a round drafting ``k`` with the draft following the call), the wall seconds of a round
 ``c_b(m)``; per bucket the acceptance rates ``a_{b,d}`` (long responses reach the small buckets
@@ -49,7 +49,7 @@ speculative sampling is lossless at every ``k``, and in every round).
 
 from __future__ import annotations
 
-from titan_cotrain.engine.rollout_state import RoundTable, live_bucket
+from titan_cotrain.engine.round_stats import RoundTable, live_bucket
 
 __all__ = ["SpeculationTuner", "expected_tokens"]
 

@@ -25,8 +25,6 @@ class RealRun:
     """The accelerator's memory for the KV budget (``kv_cache_gib = "auto"``); None: measured."""
     tokenizer_fallback: str | None = None
     """The tokenizer folder when the config names none (None: the config must name one)."""
-    decode_rounds: int | None = None
-    """The most decoding rounds of a rollout (None: until every response ends)."""
     max_updates: int | None = None
     """The most optimizer updates of a step (None: ``rl.updates_per_step``)."""
     max_microbatches: int | None = None
@@ -52,6 +50,13 @@ class RealRun:
         """The KV budget (``engine.kv_budget.KVBudget``) every rank of a tensor-parallel
         engine ``group`` can hold: their largest training state and transient (a collective)."""
         return budget.agreed(group, device)
+
+    def generate(self, engine, prompts: list[list[int]], params, *, samples_per_prompt: int,
+                 generator: torch.Generator | None = None, progress=None, draft_tokens=None):
+        """A rollout of ``prompts`` on ``engine`` (the ``RolloutEngine``; arguments as its
+        ``generate``): its ``Rollouts``, or None where the device's values are unknown."""
+        return engine.generate(prompts, params, samples_per_prompt=samples_per_prompt, draft_tokens=draft_tokens,
+                               generator=generator, progress=progress)
 
     def rollout_generator(self, seed: int, device: torch.device) -> torch.Generator | None:
         """The generator of a rollout's draws."""

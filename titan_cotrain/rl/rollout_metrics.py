@@ -8,7 +8,7 @@ import torch
 from titan_cotrain.cotrain.ttt import tau
 from titan_cotrain.rl.batching import Sample
 from titan_cotrain.engine.rollout import RolloutStats
-from titan_cotrain.engine.rollout_state import RoundTable
+from titan_cotrain.engine.round_stats import RoundTable
 
 __all__ = ["acceptance_over_tau", "predicted_acceptance", "rollout_metrics", "tau_at"]
 

@@ -10,7 +10,7 @@ from titan_cotrain.rl.batching import Sample
 from titan_cotrain.rl.grpo import group_advantages
 from titan_cotrain.rl.progress import RolloutProgress
 from titan_cotrain.rl.rollout_metrics import rollout_metrics
-from titan_cotrain.engine.rollout_state import RoundTable, live_bucket
+from titan_cotrain.engine.round_stats import RoundTable, live_bucket
 from titan_cotrain.engine.sampling import SamplingParams
 from titan_cotrain.engine.speculation import SpeculationTuner
 from titan_cotrain.rl.tasks import score
@@ -72,9 +72,9 @@ class RolloutPhase:
         k, follows, adaptive = self._draft_tokens(len(problems))
         rollouts = None
         if own_prompts:
-            rollouts = self.engine.generate(unique_prompts, self.sampling_params(), samples_per_prompt=group_size,
-                                            generator=generator, progress=progress, draft_tokens=k,
-                                            max_rounds=self.run.decode_rounds)
+            rollouts = self.run.generate(self.engine, unique_prompts, self.sampling_params(),
+                                         samples_per_prompt=group_size, generator=generator, progress=progress,
+                                         draft_tokens=k)
         if adaptive:
             self._observe_speculation(rollouts, follows)
         if progress is not None:

@@ -21,8 +21,8 @@ import torch
 
 from titan_cotrain.components import titan
 from titan_cotrain.data.prompts import ChatTemplate, PromptEncoder
-from titan_cotrain.engine.kv_budget import KVBudget, kv_cache_setting, kv_pool_line
-from titan_cotrain.engine.rollout import RolloutEngine
+from titan_cotrain.engine.build import build_rollout_engine
+from titan_cotrain.engine.kv_budget import kv_pool_line
 from titan_cotrain.models.build import job_seed, resolve_model_args
 from titan_cotrain.parallel.engine_tp import engine_tp_mesh
 from titan_cotrain.parallel.parallelize import copy_shards, parallelize
@@ -128,24 +128,9 @@ class Trainer:
                 print(f"warning: an engine group of [rollout] tensor_parallel_degree = "
                       f"{config.rollout.tensor_parallel_degree} spans {nodes} nodes in the {layout.order} rank layout "
                       "([parallelism] rank_order): its all-reduces cross nodes", flush=True)
-        engine_prompts = self.generation.max_share(self.prompts_per_rank)
-        rows = max(engine_prompts * config.rl.group_size, 1)
-        kv_cache = kv_cache_setting(
-            config, [self.policy, self.draft, self.reference, *(self.pipeline.model_parts if self.pipeline else [])],
-            self.device, models.engine_policy.args, rows=rows, prompts=engine_prompts,
-            prompt_tokens=max_seq_len - ro.max_new_tokens, draft_tokens=rollout_draft_tokens(config),
-            n_taps=len(models.engine_policy.tap_layers) if models.engine_draft is not None else 0,
-            simulated_gib=run.gpu_memory_gib)
-        if self.engine_mesh is not None and isinstance(kv_cache, KVBudget):
-            # One schedule per engine group: the pool its fullest rank can hold.
-            kv_cache = run.agreed_kv_budget(kv_cache, self.engine_mesh.get_group(), self.device)
-        self.engine = RolloutEngine.from_models(
-            models.engine_policy, models.engine_draft, device=self.device, max_batch_size=rows,
-            max_seq_len=max_seq_len, max_draft_tokens=rollout_draft_tokens(config),
-            kv_cache_gib=kv_cache, block_size=config.rollout.kv_block_size,
-            paged=config.rollout.paged, load=models.engine_loadable, tp_mesh=self.engine_mesh,
-            compile=config.rollout.compile,
-        )
+        self.engine, kv_cache = build_rollout_engine(
+            config, models, self.device, run, prompts=self.generation.max_share(self.prompts_per_rank),
+            max_seq_len=max_seq_len, draft_tokens=rollout_draft_tokens(config), tp_mesh=self.engine_mesh)
         if ro.kv_cache_gib == "auto":
             self.log.say(kv_pool_line(self.engine, kv_cache))
         self.rollouts = RolloutPhase(config, self.engine, self.generation, self.problems, self.sync, run, self.device,

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 
 from titan_cotrain.components.shards import local_shard
 from titan_cotrain.engine.kv_blocks import BlockAllocator, Scheduler
-from titan_cotrain.engine.rollout import RolloutEngine, kv_bytes_per_position
+from titan_cotrain.engine.kv_budget import kv_bytes_per_position
+from titan_cotrain.engine.rollout import RolloutEngine
 
 __all__ = ["GPU_MODELS", "GpuModel", "LengthLaw", "gpu_model", "model_rollout"]
 

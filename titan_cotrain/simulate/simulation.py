@@ -14,6 +14,7 @@ import torch
 from titan_cotrain.data.prompts import synthetic_prompt_splits
 from titan_cotrain.rl.batching import Sample
 from titan_cotrain.rl.real_run import RealRun
+from titan_cotrain.simulate.rollout_drive import bounded_rollout
 
 __all__ = ["Simulation"]
 
@@ -47,6 +48,14 @@ class Simulation(RealRun):
         simulated role (``[simulate] ranks``) sizes its pool from its own training state, at
         least the group's agreed pool, so its peak is never understated."""
         return budget
+
+    def generate(self, engine, prompts: list[list[int]], params, *, samples_per_prompt: int,
+                 generator: torch.Generator | None = None, progress=None, draft_tokens=None) -> None:
+        """The bounded rollout (``simulate.rollout_drive``): what fits the empty batch, then
+        ``[simulate] decode_rounds`` rounds at their widest; nothing read back, nothing returned
+        (``progress`` is never told: nothing finishes)."""
+        bounded_rollout(engine, prompts, params, rounds=self.decode_rounds, samples_per_prompt=samples_per_prompt,
+                        draft_tokens=draft_tokens, generator=generator)
 
     def rollout_generator(self, seed: int, device: torch.device) -> None:
         """The simulated device has no generators (and its draws are fake)."""

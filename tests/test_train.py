@@ -311,6 +311,7 @@ def _fail_on_rank_one(rank, world_size):
 
     sync = HostSync(torch.device("cpu"), RealRun())
     sync.stop_if_any_rank_failed(None, 5)  # nobody failed: every rank goes on
+    assert sync.most_or_stop(3 + rank, None, 5) == 4  # the packed rows every rank pads to
     with pytest.raises(ValueError) as err:
         sync.stop_if_any_rank_failed("boom" if rank == 1 else None, 5)
     assert str(err.value) == "step 5: rank 1: boom"

@@ -101,7 +101,7 @@ def test_a_collective_on_a_host_tensor_is_flagged_with_its_caller(tmp_path, monk
         return values
 
     monkeypatch.setattr(HostSync, "all_reduce", host_all_reduce)
-    with pytest.raises(SimulationFailed, match=r"collective on a host tensor: rank 0: c10d\.allreduce_.* at .*test_simulator\.py:\d+|rl/batching\.py:\d+"):
+    with pytest.raises(SimulationFailed, match=r"collective on a host tensor: rank 0: c10d\.allreduce_.* at rl/host_sync\.py:\d+ \(most_or_stop\)"):
         simulate(_config(tmp_path), "debug_cpu.toml")
 
 

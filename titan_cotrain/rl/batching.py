@@ -21,7 +21,6 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from titan_cotrain.data.batch import PackedBatch
 
@@ -103,7 +102,8 @@ def pack_rank_batch(samples: list[Sample], config, sync, step: int) -> PackedBat
     """This rank's samples packed on the host for step ``step`` (in the CP layout under CP), then
     padded with empty rows to the most rows any rank has: FSDP's and the pipeline's
     collectives need the same number of forwards everywhere. ``sync``: the job's
-    ``HostSync`` (every rank calls this). The batch stays on the host: the update moves each
+    ``HostSync`` (a collective: every rank calls this; one all-reduce of the rows and the
+    failures, ``HostSync.most_or_stop``). The batch stays on the host: the update moves each
     microbatch to the device after computing its attention metadata."""
     cp = config.parallelism.context_parallel_degree
     batch = error = None
@@ -112,10 +112,9 @@ def pack_rank_batch(samples: list[Sample], config, sync, step: int) -> PackedBat
                              rows_multiple_of=config.rl.updates_per_step, pad_to=2 * cp if cp > 1 else 1)
     except ValueError as e:  # nothing trainable on this rank
         error = str(e)
-    sync.stop_if_any_rank_failed(error, step)
-    rows = batch.tokens.shape[0]
-    # At least this rank's own: a device whose values are unknown reads 0.
-    extra = max(rows, int(sync.all_reduce([rows], dist.ReduceOp.MAX)[0])) - rows
+    # One collective: the most rows any rank packed, or every rank stops with the errors.
+    rows = batch.tokens.shape[0] if batch is not None else 0
+    extra = sync.most_or_stop(rows, error, step) - rows
     if extra:
         batch = batch.map(lambda t: torch.cat([t, t.new_zeros(extra, t.shape[1])]))
     return batch

@@ -29,11 +29,19 @@ class HostSync:
         """Every rank calls this with its own ``error`` (None: fine). If any rank has one, all
         raise the same ``ValueError`` (``step <step>: rank <r>: <error>; ...``), so no rank is
         left waiting at the next collective for one that has stopped."""
-        failed = bool(self.all_reduce([float(error is not None)], dist.ReduceOp.MAX)[0]) if dist.is_initialized() \
-            else error is not None
-        errors = [error]
-        if failed and dist.is_initialized():
-            errors = [None] * dist.get_world_size()
-            dist.all_gather_object(errors, error)
+        self.most_or_stop(0, error, step)
+
+    def most_or_stop(self, value: int, error: str | None, step: int) -> int:
+        """The largest ``value`` over every rank (at least this rank's own: a simulated device
+        reads 0), agreed in the same collective that stops every rank, as
+        ``stop_if_any_rank_failed`` does, when any rank has an ``error``."""
+        failed, most = (float(error is not None), float(value))
+        if dist.is_initialized():
+            failed, most = self.all_reduce([failed, most], dist.ReduceOp.MAX)
         if failed:
+            errors = [error]
+            if dist.is_initialized():
+                errors = [None] * dist.get_world_size()
+                dist.all_gather_object(errors, error)
             raise ValueError(f"step {step}: " + "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e))
+        return max(value, int(most))

@@ -5,6 +5,9 @@ trainer a ``titan_cotrain.simulate.Simulation`` instead, which answers every que
 for that device. The trainer asks the object and never which of the two it holds.
 """
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 import torch
 
 from titan_cotrain.data.prompts import load_prompt_splits
@@ -31,6 +34,18 @@ class RealRun:
     """The most microbatches of an update without PP (None: all)."""
     max_schedule_steps: int | None = None
     """The most pipeline schedule steps of an update (None: all)."""
+
+    def __init__(self, on_phase: Callable[[str], None] | None = None) -> None:
+        self.on_phase = on_phase
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """The trainer enters phase ``name`` of a step (``Trainer.rl_step`` names them):
+        ``on_phase(name)`` is called first, so an observer (the scale simulator's memory
+        tracker, a test) sees every phase of the step the trainer takes, in its order."""
+        if self.on_phase is not None:
+            self.on_phase(name)
+        yield
 
     def prompt_splits(self, task_config, encode, max_prompt_tokens: int):
         """A dataset task's prompts: its file's."""

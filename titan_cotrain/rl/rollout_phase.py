@@ -79,8 +79,6 @@ class RolloutPhase:
             self._observe_speculation(rollouts, follows)
         if progress is not None:
             progress.close()
-        if cfg.rollout.release_between_rollouts:
-            self.engine.release()
         stand_in = self.run.stand_in_samples(prompts, cfg.rollout.max_new_tokens)
         if stand_in is not None:
             return stand_in, {}

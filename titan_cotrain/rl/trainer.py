@@ -1,13 +1,14 @@
 """The RL trainer: warm start, then rollouts -> rewards -> GRPO -> co-trained update, per step.
 
 ``Trainer.__init__`` builds everything once (``parallelize``: the models built on meta,
-compiled, sharded and filled; the rollout engine with its KV budget, tensor-parallel when
-asked; the ``UpdateStep``, single-stage or pipeline). A step is a rollout phase
-(``rollout_phase``, ``rl.rollout_phase``: refresh the engine, generate this rank's share of
-its data-parallel coordinate's prompts, score, exchange with the CP x PP peers, GRPO samples
-on the host) and an update phase (``update_phase``: pack, then ``UpdateStep.step``:
-microbatched forward/backward with the gradients scaled by the global counts, clipping,
-optimizer steps); ``run`` is the loop. Step ``s`` is a warm-start step for ``s <=
+compiled, sharded and filled; the rollout engine with its KV budget, tensor-parallel when asked; the ``UpdateStep``,
+single-stage or pipeline). ``rl_step`` is the one place an RL step's phases are written, in
+order: offload, refresh the engine, rollout (``rl.rollout_phase``: generate this rank's share
+of its data-parallel coordinate's prompts, score, exchange with the CP x PP peers, GRPO
+samples on the host), release, restore, pack, update (``UpdateStep.step``: microbatched
+forward/backward with the gradients scaled by the global counts, clipping, optimizer steps);
+the run mode is told each phase as it begins (the scale simulator measures them so). ``run``
+is the loop. Step ``s`` is a warm-start step for ``s <=
 task.sft_steps``, an RL step after, each phase on its own LR schedule; its prompts and
 sampling seeds derive from ``(debug.seed, s, dp rank)`` (``rl.problems``), so a resumed run
 repeats the uninterrupted one exactly when the drafted tokens per round are fixed
@@ -20,6 +21,7 @@ import time
 import torch
 
 from titan_cotrain.components import titan
+from titan_cotrain.data.batch import PackedBatch
 from titan_cotrain.data.prompts import ChatTemplate, PromptEncoder
 from titan_cotrain.engine.build import build_rollout_engine
 from titan_cotrain.engine.kv_budget import kv_pool_line
@@ -29,7 +31,7 @@ from titan_cotrain.parallel.parallelize import copy_shards, parallelize
 from titan_cotrain.parallel.pipeline import broadcast_state_dicts
 from titan_cotrain.parallel.rank_layout import describe_role, gpus_per_node, rank_layout
 from titan_cotrain.rl.batching import Sample, pack_rank_batch
-from titan_cotrain.rl.draft_health import DraftCollapseWatch
+from titan_cotrain.rl.draft_health import AcceptanceWatch, DraftCollapseWatch
 from titan_cotrain.rl.draft_vocab_setup import draft_vocab_from_generations, task_token_counts
 from titan_cotrain.rl.export import export_job
 from titan_cotrain.rl.generation_group import GenerationGroup
@@ -41,7 +43,7 @@ from titan_cotrain.rl.offload import TrainingStateOffload, offloaded
 from titan_cotrain.rl.problems import ProblemStream
 from titan_cotrain.rl.real_run import RealRun
 from titan_cotrain.rl.reference import reference_logprobs
-from titan_cotrain.rl.rollout_metrics import AcceptanceWatch, acceptance_over_tau
+from titan_cotrain.rl.rollout_metrics import acceptance_over_tau
 from titan_cotrain.rl.rollout_phase import RolloutPhase
 from titan_cotrain.rl.trainer_setup import (
     TrainerState,
@@ -156,6 +158,9 @@ class Trainer:
         if self.reference is not None:
             states["reference"] = titan.model_stateful(self.reference)
         self.update = build_update_step(config, models, self.policy_opt, self.draft_opt, self.device, run)
+        rl = config.rl
+        self.rl_loss = ppo_loss(rl.clip_eps_low, rl.clip_eps_high, rl.kl_coef, ro.temperature, rl.tis_cap)
+        self.train_draft_in_rl = self.cotrain and not config.draft.freeze_after_sft
         self.state = TrainerState()
         states["trainer"] = self.state
         self.checkpointer = titan.build_checkpointer(config.checkpoint, config.job.dump_folder, self.policy,
@@ -193,40 +198,52 @@ class Trainer:
         return self.update.step(batch, next_token_loss, train_draft=self.cotrain, warm_start=True)
 
     def rl_step(self, step: int) -> dict[str, float]:
-        """Refresh the engine, generate and score (``rollout_phase``), update (``update_phase``)."""
+        """One RL step. This is the one place its phases and their order are written; the run
+        mode (``mode.phase``) is told as each begins, which is how the scale simulator measures
+        every phase of the step the trainer takes:
+
+        ``offload`` the gradients and optimizers' state leave the device
+        (``[rollout] offload_training_state``); ``refresh`` the engine's copies <- the trained
+        weights, then the parameters leave too; ``rollout`` this step's prompts are generated,
+        scored and exchanged (``RolloutPhase``); ``release`` the engine's weights and pool are
+        freed (``[rollout] release_between_rollouts``); ``restore`` the training state comes
+        back; ``pack`` the samples become rows, with the KL reference's log-probs (the
+        reference is the policy RL starts from: copied at the first RL step); ``update``.
+        """
+        phase = self.mode.phase
         t0 = time.perf_counter()
-        with offloaded(self.offload) as parameters_away:
-            self.refresh_engine()
-            if self.reference is not None and step == self.config.task.sft_steps + 1:
-                copy_shards(self.policy, self.reference)  # the reference of the KL term: the policy RL starts from
-            t_refresh = time.perf_counter() - t0
-            parameters_away()
-            samples, metrics = self.rollout_phase(step)
+        with offloaded(self.offload, phase) as parameters_away:
+            with phase("refresh"):
+                self.refresh_engine()
+                t_refresh = time.perf_counter() - t0
+                parameters_away()  # the refresh has read them; the rollout does not
+            with phase("rollout"):
+                samples, metrics = self.rollouts(step)
+            with phase("release"):
+                if self.config.rollout.release_between_rollouts:
+                    self.engine.release()
         if self.offload is not None:
             metrics |= {"time/offload_s": self.offload.seconds, "memory/offloaded_gib": self.offload.host_bytes / 2**30}
-        metrics |= self.update_phase(step, samples)
+        with phase("pack"):
+            if self.reference is not None and step == self.config.task.sft_steps + 1:
+                copy_shards(self.policy, self.reference)
+            batch = self.pack(samples, step)
+        with phase("update"):
+            t1 = time.perf_counter()
+            metrics |= self.update.step(batch, self.rl_loss, train_draft=self.train_draft_in_rl, warm_start=False)
+            metrics["time/train_s"] = time.perf_counter() - t1
         metrics |= acceptance_over_tau(metrics)
         metrics |= self.collapse_watch.judge(metrics)
         metrics["time/refresh_s"] = t_refresh
         return metrics
 
-    def rollout_phase(self, step: int) -> tuple[list[Sample], dict[str, float]]:
-        """Step ``step``'s GRPO samples and rollout metrics (``RolloutPhase``)."""
-        return self.rollouts(step)
-
-    def update_phase(self, step: int, samples: list[Sample]) -> dict[str, float]:
-        """Pack ``samples`` and run the RL update(s) on them (policy and, unless frozen, draft)."""
-        cfg = self.config
-        batch = pack_rank_batch(samples, cfg, self.sync, step)
+    def pack(self, samples: list[Sample], step: int) -> PackedBatch:
+        """``samples`` packed into this rank's rows (``pack_rank_batch``), with the KL
+        reference's log-probs when ``[rl] kl_coef`` asks for them."""
+        batch = pack_rank_batch(samples, self.config, self.sync, step)
         if self.reference is not None:
-            batch.ref_logprobs = reference_logprobs(self.reference, batch, self.device, cfg.rollout.temperature)
-        t0 = time.perf_counter()
-        loss_fn = ppo_loss(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high, cfg.rl.kl_coef, cfg.rollout.temperature,
-                           cfg.rl.tis_cap)
-        metrics = self.update.step(batch, loss_fn, train_draft=self.cotrain and not cfg.draft.freeze_after_sft,
-                                   warm_start=False)
-        metrics["time/train_s"] = time.perf_counter() - t0
-        return metrics
+            batch.ref_logprobs = reference_logprobs(self.reference, batch, self.device, self.config.rollout.temperature)
+        return batch
 
     def refresh_engine(self) -> None:
         """The rollout engine's models <- the trained weights (a collective: every rank

@@ -29,7 +29,8 @@ class Simulation(RealRun):
     max_updates = 1
     max_schedule_steps = 1
 
-    def __init__(self, simulate_config) -> None:
+    def __init__(self, simulate_config, on_phase=None) -> None:
+        super().__init__(on_phase)
         self.config = simulate_config
         self.gpu_memory_gib = simulate_config.gpu_memory_gib
         self.decode_rounds = simulate_config.decode_rounds

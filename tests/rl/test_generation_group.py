@@ -86,9 +86,9 @@ def _split_rollouts(rank: int, world_size: int, folder: str) -> None:
     samples, metrics = trainer.rollouts(1)
     _, prompts = trainer.rollouts.prompts(1)
     # This rank generated its share only: its problems (of 4), each prefilled once for both samples.
-    assert len(generated) == 1 and generated[0] == ([prompts[i] for i in (2 * rank, 4 + 2 * rank)], 2)
+    assert len(generated) == 1 and generated[0] == ([prompts[i] for i in (rank, 2 + rank)], 2)
     # Every peer holds the whole batch, in problem order, the same on both ranks.
-    assert [s.prompt for s in samples] == prompts
+    assert [s.prompt for s in samples] == [p for p in prompts for _ in range(2)]
     both = [None, None]
     dist.all_gather_object(both, (samples, metrics))
     assert both[0][0] == both[1][0]

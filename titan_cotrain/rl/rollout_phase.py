@@ -3,6 +3,7 @@ peer its share, ``rl.generation_group``), scored into GRPO samples, exchanged, a
 metrics reduced over the job; the speculation tuner learns from what each call measured."""
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -16,76 +17,119 @@ from titan_cotrain.engine.speculation import SpeculationTuner
 from titan_cotrain.rl.tasks import score
 from titan_cotrain.rl.trainer_setup import rollout_draft_tokens
 
-__all__ = ["RolloutPhase"]
+__all__ = ["RolloutPhase", "RolloutSettings"]
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """What a rollout phase reads of the job config, resolved once (``from_config``)."""
+
+    group_size: int
+    """``[rl] group_size``: samples per prompt (a GRPO group)."""
+    sft_steps: int
+    """``[task] sft_steps``: the RL prompt stream's step 1 is job step ``sft_steps + 1``."""
+    temperature: float
+    top_k: int
+    top_p: float
+    max_new_tokens: int
+    """``[rollout]`` sampling: the engine's ``SamplingParams``."""
+    draft_tokens: int
+    """The most tokens a round drafts (``rl.trainer_setup.rollout_draft_tokens``; 0: plain)."""
+    adaptive: bool
+    """``[rollout] adaptive_speculation``: the tuner picks ``k`` from what earlier calls measured."""
+    per_round: bool
+    """``[rollout] speculation_granularity == "round"`` (else one ``k`` per call)."""
+
+    @classmethod
+    def from_config(cls, config) -> "RolloutSettings":
+        ro = config.rollout
+        return cls(group_size=config.rl.group_size, sft_steps=config.task.sft_steps, temperature=ro.temperature,
+                   top_k=ro.top_k, top_p=ro.top_p, max_new_tokens=ro.max_new_tokens,
+                   draft_tokens=rollout_draft_tokens(config), adaptive=ro.adaptive_speculation,
+                   per_round=ro.speculation_granularity == "round")
 
 
 class RolloutPhase:
     """``phase(step)``: step ``step``'s GRPO samples (host lists, the same on every CP and PP
     peer) and its rollout metrics (reduced over every rank, each rollout counted once).
 
-    ``engine``: the ``RolloutEngine``; ``generation``: the ``GenerationGroup``; ``problems``:
-    the ``ProblemStream``; ``sync``: the ``HostSync``; ``run``: the ``RealRun``;
-    ``show_progress``: draw the progress bar (the logging rank)."""
+    ``settings``: ``RolloutSettings``; ``engine``: the ``RolloutEngine``; ``generation``: the
+    ``GenerationGroup``; ``problems``: the ``ProblemStream``; ``sync``: the ``HostSync``;
+    ``run``: the ``RealRun``; ``show_progress``: draw the progress bar (the logging rank).
 
-    def __init__(self, config, engine, generation, problems, sync, run, device, prompts_per_rank: int,
-                 show_progress: bool) -> None:
-        self.config, self.engine, self.generation, self.problems = config, engine, generation, problems
+    Every rank calls it. Its collectives, in order: whether every rank's prompts fit the
+    engine (``prompts``, before anything is generated, so no rank stops alone), then after
+    the generation ``_share``: the tuner's round tables summed over the job, the scored groups
+    exchanged with the CP x PP peers, and the metrics' sums. Nothing between them returns early
+    on one rank only."""
+
+    def __init__(self, settings: RolloutSettings, engine, generation, problems, sync, run, device,
+                 prompts_per_rank: int, show_progress: bool) -> None:
+        self.settings, self.engine, self.generation, self.problems = settings, engine, generation, problems
         self.device = device
         self.sync, self.run, self.prompts_per_rank = sync, run, prompts_per_rank
         self.show_progress = show_progress and run.values_known
-        self.speculation = SpeculationTuner(rollout_draft_tokens(config))
+        self.speculation = SpeculationTuner(settings.draft_tokens)
 
     def sampling_params(self) -> SamplingParams:
         """The ``[rollout]`` sampling settings (responses end at the tokenizer's EOS)."""
-        ro = self.config.rollout
-        return SamplingParams(temperature=ro.temperature, top_k=ro.top_k, top_p=ro.top_p,
-                              max_new_tokens=ro.max_new_tokens, eos_token_id=self.problems.tokenizer.eos_id)
+        s = self.settings
+        return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                              max_new_tokens=s.max_new_tokens, eos_token_id=self.problems.tokenizer.eos_id)
 
     def prompts(self, step: int):
-        """Step ``step``'s problems for this data-parallel rank, and their prompts, each
-        repeated ``rl.group_size`` times (every rank stops if one's is too long)."""
-        cfg, stream = self.config, self.problems
+        """Step ``step``'s problems for this data-parallel rank and their prompts, one per
+        problem (a collective: every rank stops if one's is too long for the engine)."""
+        stream, max_new = self.problems, self.settings.max_new_tokens
         rng = stream.rng(step, "prompts")
-        positions = stream.positions(step - cfg.task.sft_steps - 1, self.prompts_per_rank)
+        positions = stream.positions(step - self.settings.sft_steps - 1, self.prompts_per_rank)
         problems = [stream.task.sample(rng, position) for position in positions]
-        encoded = [stream.encode_prompt(p.prompt) for p in problems]
-        prompts = [ids for ids in encoded for _ in range(cfg.rl.group_size)]
+        prompts = [stream.encode_prompt(p.prompt) for p in problems]
         longest = max(map(len, prompts))
         self.sync.stop_if_any_rank_failed(
-            f"a prompt of {longest} tokens plus rollout.max_new_tokens = {cfg.rollout.max_new_tokens} exceeds "
+            f"a prompt of {longest} tokens plus rollout.max_new_tokens = {max_new} exceeds "
             f"the engine's {self.engine.max_seq_len} positions (training.seq_len, or rollout.max_prompt_tokens "
             f"+ max_new_tokens)"
-            if longest + cfg.rollout.max_new_tokens > self.engine.max_seq_len else None, step)
+            if longest + max_new > self.engine.max_seq_len else None, step)
         return problems, prompts
 
     def __call__(self, step: int) -> tuple[list[Sample], dict[str, float]]:
-        cfg = self.config
-        group_size = cfg.rl.group_size
+        group_size = self.settings.group_size
         problems, prompts = self.prompts(step)
         share = self.generation.share(len(problems))
-        own_prompts = [prompts[i * group_size + j] for i in share for j in range(group_size)]
-        unique_prompts = [prompts[i * group_size] for i in share]
         seed = (self.problems.seed * 1_000_003 + step) * 1009 + self.problems.dp_rank
         generator = self.run.rollout_generator(seed + 7919 * self.generation.unit, self.device)
         t0 = time.perf_counter()
         progress = RolloutProgress() if self.show_progress else None
         k, follows, adaptive = self._draft_tokens(len(problems))
         rollouts = None
-        if own_prompts:
-            rollouts = self.run.generate(self.engine, unique_prompts, self.sampling_params(),
+        if share:
+            rollouts = self.run.generate(self.engine, [prompts[i] for i in share], self.sampling_params(),
                                          samples_per_prompt=group_size, generator=generator, progress=progress,
                                          draft_tokens=k)
-        if adaptive:
-            self._observe_speculation(rollouts, follows)
         if progress is not None:
             progress.close()
-        stand_in = self.run.stand_in_samples(prompts, cfg.rollout.max_new_tokens)
+        stand_in = self.run.stand_in_samples([p for p in prompts for _ in range(group_size)],
+                                             self.settings.max_new_tokens)
         if stand_in is not None:
             return stand_in, {}
+        samples, metrics = self._share(rollouts, [problems[i] for i in share], [prompts[i] for i in share],
+                                       prompts, follows if adaptive else None)
+        # After the metrics' all-reduce, which every rank joins: the phase lasts as long as the
+        # slowest rank's generation (a rank's own would hide the ranks it waits for later).
+        metrics["time/rollout_s"] = time.perf_counter() - t0
+        return samples, metrics
 
-        # Per problem: its group of samples and their details, in problem order on every peer.
-        groups = self.generation.exchange(self._score([problems[i] for i in share], own_prompts, rollouts),
-                                          len(problems), self.generation.digest(prompts))
+    def _share(self, rollouts, problems: list, prompts: list[list[int]], all_prompts: list[list[int]],
+               follows: bool | None) -> tuple[list[Sample], dict[str, float]]:
+        """The phase's collectives after the generation, in this order on every rank: the
+        tuner's round tables summed over the job (``follows`` None: the tuner is not learning),
+        this rank's scored groups of ``problems`` exchanged with its CP x PP peers for the whole
+        batch of ``all_prompts`` (in problem order on every peer), and the metrics' sums."""
+        if follows is not None:
+            self._observe_speculation(rollouts, follows)
+        groups = self.generation.exchange(self._score(problems, prompts, rollouts), len(all_prompts),
+                                          self.generation.digest(all_prompts))
         samples = [sample for group, _ in groups for sample in group]
         details = [d for _, group_details in groups for d in group_details]
         # Each problem's rollouts are counted once in the sums (by the group's first member),
@@ -94,9 +138,6 @@ class RolloutPhase:
         metrics = rollout_metrics(self.sync.all_reduce, samples, details, generated, self.speculation.k_max,
                                   buckets=live_bucket(self.engine.max_batch_size) + 1,
                                   counted=self.generation.member == 0)
-        # After the metrics' all-reduce, which every rank joins: the phase lasts as long as the
-        # slowest rank's generation (a rank's own would hide the ranks it waits for later).
-        metrics["time/rollout_s"] = time.perf_counter() - t0
         return samples, metrics
 
     def _draft_tokens(self, n_problems: int) -> tuple[int, bool, bool]:
@@ -105,32 +146,33 @@ class RolloutPhase:
         state is the same on every rank (what it learns is summed over the job), and so are
         the live rows an engine group's ranks see: its choices agree without a collective,
         per call and per round."""
-        cfg, k_max = self.config, self.speculation.k_max
-        adaptive = cfg.rollout.adaptive_speculation and self.run.values_known and k_max > 0
+        s, k_max = self.settings, self.speculation.k_max
+        adaptive = s.adaptive and self.run.values_known and k_max > 0
         if not adaptive:
             return k_max, True, False
-        if cfg.rollout.speculation_granularity == "call":
+        if not s.per_round:
             # The job-wide first wave (the largest share), so every rank's tuner sees one bucket.
-            wave = min(self.generation.max_share(n_problems) * cfg.rl.group_size, self.engine.max_batch_size)
+            wave = min(self.generation.max_share(n_problems) * s.group_size, self.engine.max_batch_size)
             k = self.speculation.choose_call(wave)
             return k, k > 0, True
         follows = self.speculation.start_call()
         return (self.speculation.choose_round if follows else 0), follows, True
 
     def _score(self, problems: list, prompts: list[list[int]], rollouts) -> list[tuple[list[Sample], list[dict]]]:
-        """This rank's rollouts as GRPO groups: per problem, its ``rl.group_size`` samples (with
-        group-normalised advantages) and the task's details of each response."""
+        """This rank's rollouts as GRPO groups: per problem (and its prompt), its
+        ``rl.group_size`` samples (with group-normalised advantages) and the task's details of
+        each response."""
         if rollouts is None:
             return []
-        group_size = self.config.rl.group_size
+        group_size = self.settings.group_size
         lengths = rollouts.response_lens.tolist()
         responses = [rollouts.tokens[i, :n].tolist() for i, n in enumerate(lengths)]
         logprobs = [rollouts.logprobs[i, :n].tolist() for i, n in enumerate(lengths)]
         texts = [self.problems.tokenizer.decode(ids) for ids in responses]
-        rewards, details = score(self.problems.task, [problems[i // group_size] for i in range(len(prompts))], texts)
+        rewards, details = score(self.problems.task, [problems[i // group_size] for i in range(len(lengths))], texts)
         advantages = group_advantages(torch.tensor(rewards), group_size)
-        samples = [Sample(prompt, responses[i], logprobs[i], rewards[i], float(advantages[i]))
-                   for i, prompt in enumerate(prompts)]
+        samples = [Sample(prompts[i // group_size], responses[i], logprobs[i], rewards[i], float(advantages[i]))
+                   for i in range(len(lengths))]
         return [(samples[i:i + group_size], details[i:i + group_size]) for i in range(0, len(samples), group_size)]
 
     def _observe_speculation(self, rollouts, follows: bool) -> None:

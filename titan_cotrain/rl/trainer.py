@@ -44,7 +44,7 @@ from titan_cotrain.rl.problems import ProblemStream
 from titan_cotrain.rl.real_run import RealRun
 from titan_cotrain.rl.reference import reference_logprobs
 from titan_cotrain.rl.rollout_metrics import acceptance_over_tau
-from titan_cotrain.rl.rollout_phase import RolloutPhase
+from titan_cotrain.rl.rollout_phase import RolloutPhase, RolloutSettings
 from titan_cotrain.rl.trainer_setup import (
     TrainerState,
     build_task,
@@ -135,8 +135,9 @@ class Trainer:
             max_seq_len=max_seq_len, draft_tokens=rollout_draft_tokens(config), tp_mesh=self.engine_mesh)
         if ro.kv_cache_gib == "auto":
             self.log.say(kv_pool_line(self.engine, kv_cache))
-        self.rollouts = RolloutPhase(config, self.engine, self.generation, self.problems, self.sync, run, self.device,
-                                     self.prompts_per_rank, show_progress=rank == self.log_rank)
+        self.rollouts = RolloutPhase(RolloutSettings.from_config(config), self.engine, self.generation, self.problems,
+                                     self.sync, run, self.device, self.prompts_per_rank,
+                                     show_progress=rank == self.log_rank)
         self.acceptance_watch = AcceptanceWatch(ro.acceptance_warning_fraction, ro.acceptance_warning_steps)
         self.collapse_watch = DraftCollapseWatch(ro.collapse_fraction, ro.collapse_position_rate, ro.collapse_steps)
         if config.rollout.speculative and not config.draft.enable:

@@ -59,3 +59,34 @@ def test_the_root_registers_the_config_checks_of_the_packages_above_config():
     modules = {check.__module__ for check in validate._CHECKS}
     assert modules == {"titan_cotrain.parallel.config_checks", "titan_cotrain.rl.config_checks"}
     assert _imports(ROOT / "__init__.py") == {"parallel", "rl"}
+
+
+# The job config's sections, as a component would read them (``config.rollout.paged``).
+SECTIONS = {"job", "model", "training", "parallelism", "optimizer", "lr_scheduler", "checkpoint", "metrics",
+            "compile", "activation_checkpoint", "draft", "rl", "rollout", "task", "simulate", "comm", "debug"}
+
+
+def _config_reads(path: Path) -> list[str]:
+    """Where ``path`` takes the job config (an argument named ``config`` or ``job_config``) or
+    reads one of its sections (``<name>.rollout``, ``<name>.draft`` ... on a name, or a
+    section object passed under its own name: ``ro.paged`` is not caught, ``config.rollout`` is)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names = [a.arg for a in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs)]
+            found += [f"{path.name}:{node.lineno} {node.name}({n})" for n in names if n in ("config", "job_config")]
+        elif (isinstance(node, ast.Attribute) and node.attr in SECTIONS and isinstance(node.value, ast.Name)
+              and node.value.id in ("config", "cfg", "job_config")):
+            found.append(f"{path.name}:{node.lineno} {node.value.id}.{node.attr}")
+    return found
+
+
+def test_only_builders_read_the_job_config_below_the_trainer():
+    """``engine``, ``cotrain``, ``ops`` and ``models`` get settings, not the config: only their
+    builders (``build.py``) take the job config or read its sections (docs/DESIGN.md section 1)."""
+    reads = [read for package in ("engine", "cotrain", "ops", "models")
+             for path in sorted((ROOT / package).rglob("*.py")) if path.name != "build.py"
+             for read in _config_reads(path)]
+    assert reads == []
+    # The check sees what it looks for: the builders do read it.
+    assert _config_reads(ROOT / "engine" / "build.py") and _config_reads(ROOT / "models" / "build.py")

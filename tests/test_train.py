@@ -307,7 +307,7 @@ def test_a_step_a_rank_cannot_run_stops_every_rank_with_one_message(tmp_path):
 
 def _fail_on_rank_one(rank, world_size):
     from titan_cotrain.rl.host_sync import HostSync
-    from titan_cotrain.rl.real_run import RealRun
+    from titan_cotrain.rl.run_mode import RealRun
 
     sync = HostSync(torch.device("cpu"), RealRun())
     sync.stop_if_any_rank_failed(None, 5)  # nobody failed: every rank goes on

@@ -200,7 +200,7 @@ def _every_rank_learns_the_sum(rank, world_size):
     from types import SimpleNamespace
 
     from titan_cotrain.rl.host_sync import HostSync
-    from titan_cotrain.rl.real_run import RealRun
+    from titan_cotrain.rl.run_mode import RealRun
     from titan_cotrain.rl.rollout_phase import RolloutPhase
     from titan_cotrain.engine.round_stats import RolloutStats
 

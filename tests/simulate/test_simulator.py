@@ -52,7 +52,7 @@ def test_the_simulator_measures_the_phases_the_trainer_takes(tmp_path):
     """The simulated step is ``Trainer.rl_step`` itself: the phases the report measures between
     the optimizers' state and the checkpoint are, in order, those a real one-process RL step
     of the same job enters (``RealRun.phase``)."""
-    from titan_cotrain.rl.real_run import RealRun
+    from titan_cotrain.rl.run_mode import RealRun
     from titan_cotrain.rl.trainer import Trainer
 
     seen: list[str] = []

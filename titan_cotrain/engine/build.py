@@ -28,7 +28,7 @@ __all__ = ["Run", "build_rollout_engine", "kv_cache_setting"]
 
 
 class Run(Protocol):
-    """What the builder asks of the job's run object (``rl.real_run.RealRun``, or the scale
+    """What the builder asks of the job's run object (``rl.run_mode.RealRun``, or the scale
     simulator's): the accelerator's memory when it is simulated, and the budget a
     tensor-parallel engine group agrees on."""
 

@@ -196,32 +196,32 @@ def _eagle3_config(args: DraftArgs, taps: tuple[int, ...], max_positions: int) -
     return config
 
 
-def _draft_args(config: Mapping[str, Any], n_taps: int) -> DraftArgs:
+def _draft_args(hf_config: Mapping[str, Any], n_taps: int) -> DraftArgs:
     """``DraftArgs`` from an EAGLE-3 ``config.json``; unsupported variants are rejected."""
-    classes = config.get("architectures") or []
+    classes = hf_config.get("architectures") or []
     if classes[:1] != [ARCHITECTURE]:
         raise HFCheckpointError(f"architectures is {classes!r}, expected [{ARCHITECTURE!r}] (an EAGLE-3 draft)")
-    if config.get("model_type", "llama") != "llama":
-        raise HFCheckpointError(f"model_type {config['model_type']!r} is not supported (only 'llama')")
-    if config.get("num_hidden_layers") != 1:
+    if hf_config.get("model_type", "llama") != "llama":
+        raise HFCheckpointError(f"model_type {hf_config['model_type']!r} is not supported (only 'llama')")
+    if hf_config.get("num_hidden_layers") != 1:
         raise HFCheckpointError(
-            f"num_hidden_layers={config.get('num_hidden_layers')!r}: only single-layer EAGLE-3 drafts are supported"
+            f"num_hidden_layers={hf_config.get('num_hidden_layers')!r}: only single-layer EAGLE-3 drafts are supported"
         )
-    if config.get("tie_word_embeddings"):
+    if hf_config.get("tie_word_embeddings"):
         raise HFCheckpointError("tie_word_embeddings=true is not supported: the draft's lm_head is its own")
-    if config.get("norm_before_residual"):
+    if hf_config.get("norm_before_residual"):
         raise HFCheckpointError(
             "norm_before_residual=true is not supported: the draft takes its residual before hidden_norm"
         )
-    eagle_config = config.get("eagle_config") or {}
+    eagle_config = hf_config.get("eagle_config") or {}
     if not eagle_config.get("use_aux_hidden_state", True):
         raise HFCheckpointError("eagle_config.use_aux_hidden_state=false (a draft without fc) is not supported")
 
     # The shape keys are a Llama config's; its reader also rejects biases and unknown RoPE.
-    llama = model_args_from_hf_config({**config, "architectures": ["LlamaForCausalLM"]})
+    llama = model_args_from_hf_config({**hf_config, "architectures": ["LlamaForCausalLM"]})
     # Both engines' defaults when absent: the target's vocab and the draft's own width.
-    draft_vocab_size = config.get("draft_vocab_size", llama.vocab_size)
-    target_dim = config.get("target_hidden_size", llama.dim)
+    draft_vocab_size = hf_config.get("draft_vocab_size", llama.vocab_size)
+    target_dim = hf_config.get("target_hidden_size", llama.dim)
     for key, value in (("draft_vocab_size", draft_vocab_size), ("target_hidden_size", target_dim)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise HFCheckpointError(f"{key} must be a positive int, got {value!r}")
@@ -236,13 +236,13 @@ def _draft_args(config: Mapping[str, Any], n_taps: int) -> DraftArgs:
         raise HFCheckpointError(str(e)) from None
 
 
-def _config_tap_layers(config: Mapping[str, Any], given: Sequence[int] | None) -> tuple[int, ...]:
-    """The tap layers (output-of-layer indices) from either convention in ``config``, or ``given``."""
-    eagle_config = config.get("eagle_config") or {}
+def _config_tap_layers(hf_config: Mapping[str, Any], given: Sequence[int] | None) -> tuple[int, ...]:
+    """The tap layers (output-of-layer indices) from either convention in ``hf_config``, or ``given``."""
+    eagle_config = hf_config.get("eagle_config") or {}
     if not isinstance(eagle_config, Mapping):
         raise HFCheckpointError(f"eagle_config must be an object, got {eagle_config!r}")
     sglang_ids = _int_list(eagle_config.get(_TAP_IDS), f"eagle_config.{_TAP_IDS}")
-    vllm_ids = _int_list(config.get(_TAP_IDS), _TAP_IDS)
+    vllm_ids = _int_list(hf_config.get(_TAP_IDS), _TAP_IDS)
     found = sglang_ids
     if vllm_ids is not None:
         # The inverse of vllm_aux_layer_ids.

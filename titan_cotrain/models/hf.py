@@ -72,60 +72,60 @@ class HFCheckpointError(ValueError):
     """A Hugging Face checkpoint folder that cannot be loaded; the message names the file and why."""
 
 
-def model_args_from_hf_config(config: Mapping[str, Any]) -> ModelArgs:
+def model_args_from_hf_config(hf_config: Mapping[str, Any]) -> ModelArgs:
     """``ModelArgs`` for a parsed HF ``config.json`` of a Llama-3, Qwen-3 or Qwen3-MoE causal LM.
 
     Features our decoder does not implement (biases, sliding windows, partial rotary, RoPE
     types other than ``default`` and ``llama3``) are rejected with ``HFCheckpointError``
     rather than loaded into a model that would compute something else.
     """
-    architecture, moe = _architecture(config)
+    architecture, moe = _architecture(hf_config)
     for key in ("attention_bias", "mlp_bias"):
-        if config.get(key):
+        if hf_config.get(key):
             raise HFCheckpointError(f"{key}=true is not supported: the decoder's projections have no bias")
-    if config.get("hidden_act", "silu") != "silu":
-        raise HFCheckpointError(f"hidden_act={config['hidden_act']!r} is not supported (only 'silu')")
-    if config.get("use_sliding_window") or any(t != "full_attention" for t in config.get("layer_types") or ()):
+    if hf_config.get("hidden_act", "silu") != "silu":
+        raise HFCheckpointError(f"hidden_act={hf_config['hidden_act']!r} is not supported (only 'silu')")
+    if hf_config.get("use_sliding_window") or any(t != "full_attention" for t in hf_config.get("layer_types") or ()):
         raise HFCheckpointError("sliding-window attention is not supported (only full attention)")
 
-    dim = _positive(config, "hidden_size", int)
-    n_heads = _positive(config, "num_attention_heads", int)
-    max_seq_len = _positive(config, "max_position_embeddings", int)
-    rope_theta, rope_scaling = _rope(config, max_seq_len)
+    dim = _positive(hf_config, "hidden_size", int)
+    n_heads = _positive(hf_config, "num_attention_heads", int)
+    max_seq_len = _positive(hf_config, "max_position_embeddings", int)
+    rope_theta, rope_scaling = _rope(hf_config, max_seq_len)
     try:
         return ModelArgs(
             architecture=architecture,
             dim=dim,
-            n_layers=_positive(config, "num_hidden_layers", int),
+            n_layers=_positive(hf_config, "num_hidden_layers", int),
             n_heads=n_heads,
-            n_kv_heads=_positive(config, "num_key_value_heads", int, default=n_heads),
-            head_dim=_positive(config, "head_dim", int, default=dim // n_heads),
-            ffn_dim=_positive(config, "intermediate_size", int),
-            vocab_size=_positive(config, "vocab_size", int),
-            norm_eps=_positive(config, "rms_norm_eps", float),
+            n_kv_heads=_positive(hf_config, "num_key_value_heads", int, default=n_heads),
+            head_dim=_positive(hf_config, "head_dim", int, default=dim // n_heads),
+            ffn_dim=_positive(hf_config, "intermediate_size", int),
+            vocab_size=_positive(hf_config, "vocab_size", int),
+            norm_eps=_positive(hf_config, "rms_norm_eps", float),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             qk_norm=architecture == "qwen3",
-            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
             max_seq_len=max_seq_len,
-            **(_moe_args(config) if moe else {}),
+            **(_moe_args(hf_config) if moe else {}),
         )
     except ValueError as e:
         raise HFCheckpointError(str(e)) from None
 
 
-def _moe_args(config: Mapping[str, Any]) -> dict[str, Any]:
+def _moe_args(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     """The ``ModelArgs`` mixture-of-experts fields of a Qwen3-MoE config (transformers v5 writes
     ``num_experts`` as ``num_local_experts``), with transformers' defaults where it has them."""
-    mlp_only_layers = config.get("mlp_only_layers") or []
+    mlp_only_layers = hf_config.get("mlp_only_layers") or []
     if not (isinstance(mlp_only_layers, list) and all(isinstance(i, int) for i in mlp_only_layers)):
         raise HFCheckpointError(f"mlp_only_layers must be a list of layer indices, got {mlp_only_layers!r}")
     return dict(
-        n_experts=_positive(config, "num_experts", int, default=config.get("num_local_experts")),
-        top_k=_positive(config, "num_experts_per_tok", int),
-        moe_inter_dim=_positive(config, "moe_intermediate_size", int),
-        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
-        decoder_sparse_step=_positive(config, "decoder_sparse_step", int, default=1),
+        n_experts=_positive(hf_config, "num_experts", int, default=hf_config.get("num_local_experts")),
+        top_k=_positive(hf_config, "num_experts_per_tok", int),
+        moe_inter_dim=_positive(hf_config, "moe_intermediate_size", int),
+        norm_topk_prob=bool(hf_config.get("norm_topk_prob", False)),
+        decoder_sparse_step=_positive(hf_config, "decoder_sparse_step", int, default=1),
         mlp_only_layers=tuple(mlp_only_layers),
     )
 
@@ -292,27 +292,27 @@ def save_hf(model: Transformer, path: PathLike, max_shard_bytes: int | None = No
         (folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _architecture(config: Mapping[str, Any]) -> tuple[str, bool]:
+def _architecture(hf_config: Mapping[str, Any]) -> tuple[str, bool]:
     """``(our architecture name, mixture of experts)`` from ``architectures[0]``, else from
     ``model_type``."""
     by_class = {hf: ours for ours, (hf, _) in _HF_NAMES.items()}
     by_type = {model_type: ours for ours, (_, model_type) in _HF_NAMES.items()}
-    classes = config.get("architectures") or []
+    classes = hf_config.get("architectures") or []
     if classes:
         found = by_class.get(classes[0])
     else:
-        found = by_type.get(config.get("model_type"))
+        found = by_type.get(hf_config.get("model_type"))
     if found is None:
-        name = f"architecture {classes[0]!r}" if classes else f"model_type {config.get('model_type')!r}"
+        name = f"architecture {classes[0]!r}" if classes else f"model_type {hf_config.get('model_type')!r}"
         raise HFCheckpointError(
             f"unsupported {name}; known architectures: {', '.join(by_class)} (model_type {', '.join(by_type)})"
         )
     return found
 
 
-def _positive(config: Mapping[str, Any], key: str, kind: type, default: Any = None) -> Any:
-    """``config[key]`` (``default`` when absent or null) as a positive ``kind``."""
-    value = config.get(key)
+def _positive(hf_config: Mapping[str, Any], key: str, kind: type, default: Any = None) -> Any:
+    """``hf_config[key]`` (``default`` when absent or null) as a positive ``kind``."""
+    value = hf_config.get(key)
     if value is None:
         value = default
     if value is None:
@@ -323,15 +323,15 @@ def _positive(config: Mapping[str, Any], key: str, kind: type, default: Any = No
     return kind(value)
 
 
-def _rope(config: Mapping[str, Any], max_seq_len: int) -> tuple[float, RopeScaling | None]:
+def _rope(hf_config: Mapping[str, Any], max_seq_len: int) -> tuple[float, RopeScaling | None]:
     """``(rope_theta, rope_scaling)`` from either config layout, with v5's precedence:
     ``rope_scaling``, then ``rope_parameters``, then top-level keys, then HF's defaults."""
-    params = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    params = hf_config.get("rope_scaling") or hf_config.get("rope_parameters") or {}
     if not isinstance(params, Mapping):
         raise HFCheckpointError(f"rope parameters must be an object, got {params!r}")
-    merged = {"rope_theta": config.get("rope_theta", _HF_DEFAULT_ROPE_THETA), **params}
+    merged = {"rope_theta": hf_config.get("rope_theta", _HF_DEFAULT_ROPE_THETA), **params}
     theta = _positive(merged, "rope_theta", float)
-    if merged.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) != 1.0:
+    if merged.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0)) != 1.0:
         raise HFCheckpointError("partial_rotary_factor != 1 is not supported (RoPE covers the whole head)")
     rope_type = merged.get("rope_type", merged.get("type", "default"))
     if rope_type == "default":

@@ -41,7 +41,7 @@ from titan_cotrain.rl.job_log import JobLog
 from titan_cotrain.rl.nonfinite import SaveGuard, count_skipped_updates
 from titan_cotrain.rl.offload import TrainingStateOffload, offloaded
 from titan_cotrain.rl.problems import ProblemStream
-from titan_cotrain.rl.real_run import RealRun
+from titan_cotrain.rl.run_mode import RealRun
 from titan_cotrain.rl.reference import reference_logprobs
 from titan_cotrain.rl.rollout_metrics import acceptance_over_tau
 from titan_cotrain.rl.rollout_phase import RolloutPhase, RolloutSettings

@@ -1,4 +1,4 @@
-"""The simulated accelerator's answers to the trainer (``rl.real_run.RealRun``'s questions).
+"""The simulated accelerator's answers to the trainer (``rl.run_mode.RealRun``'s questions).
 
 Device values are unknown on the fake tensors, so host reads answer zeros and the rank trains
 on the worst case (every response ``rollout.max_new_tokens`` long); the work is cut to what
@@ -13,7 +13,7 @@ import torch
 
 from titan_cotrain.data.prompts import synthetic_prompt_splits
 from titan_cotrain.rl.batching import Sample
-from titan_cotrain.rl.real_run import RealRun
+from titan_cotrain.rl.run_mode import RealRun
 from titan_cotrain.simulate.rollout_drive import bounded_rollout
 
 __all__ = ["Simulation"]

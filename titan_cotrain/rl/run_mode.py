@@ -1,4 +1,4 @@
-"""How the trainer meets its device: ``RealRun``, the real job's answers (the default).
+"""The run mode: how the trainer meets its device. ``RealRun``, the real job's answers (the default).
 
 The scale simulator runs the same trainer on a device whose values are unknown; it hands the
 trainer a ``titan_cotrain.simulate.Simulation`` instead, which answers every question below

@@ -188,26 +188,13 @@ class RolloutEngine:
         self._draft_chain_step = step(draft.chain_step) if draft is not None else None
         self._draft_extend = step(draft.extend) if draft is not None else None
 
-    @property
-    def max_batch_size(self) -> int:
-        """Rows of the running batch."""
-        return self.layout.max_batch_size
-
-    @property
-    def paged(self) -> bool:
-        return self.layout.paged
-
-    @property
-    def block_size(self) -> int:
-        return self.layout.block_size
-
-    @property
-    def blocks_per_sequence(self) -> int:
-        return self.layout.blocks_per_sequence
-
-    @property
-    def kv_block_bytes(self) -> int:
-        return self.layout.block_bytes
+    # The pool's layout, read through the engine (``KVPoolLayout``).
+    max_batch_size = property(lambda self: self.layout.max_batch_size, doc="Rows of the running batch.")
+    paged = property(lambda self: self.layout.paged, doc="Blocks taken as sequences grow (else static rows).")
+    block_size = property(lambda self: self.layout.block_size, doc="Positions of a KV block.")
+    blocks_per_sequence = property(lambda self: self.layout.blocks_per_sequence,
+                                   doc="Blocks of one sequence at its longest.")
+    kv_block_bytes = property(lambda self: self.layout.block_bytes, doc="Bytes of one block (target and draft trunk).")
 
     @property
     def weight_bytes(self) -> int:

@@ -48,6 +48,14 @@ token (every draft, every k, ragged prompts, EOS mid-batch), and that the paged 
 engines agree; exits 1 on a mismatch or if ``--min-speedup`` (batch 1, trained draft, best
 k) is not met.
 
+With ``--compile`` the summary says whether torch ran the engine's compiled steps as CUDA
+graphs (``cuda_graphs_captured``: true or false on a GPU, null elsewhere; the steps it skipped,
+with inductor's reason, in ``cuda_graph_skips``) and what a release between rollouts costs
+(``release_cost``): the median call at the largest batch (trained draft, k = 4, T = 1) right
+after ``release()`` and a weight load, as in the RL loop, against right after a weight load
+alone, and how many of the engine's storages came back at another address each time (on a GPU
+every graph such a call runs is then recorded anew).
+
 On a GPU (``--device cuda``) the target and the drafts are bf16, fitted and decoding (the
 engine's dtype there, and the flash kernels'); the greedy checks stay exact: the fitted
 target's choices are far from ties (a phrase continues one way, and its successors are
@@ -201,6 +209,31 @@ def measure(engine: RolloutEngine, prompts, params: SamplingParams, policy_state
             engine.load_weights(policy_state, drafts["untrained" if name == "none" else name])
             runs.setdefault((name, k), []).append(_generate(engine, prompts, params, name, k, seed, adaptive))
     return runs
+
+
+def release_cost(engine: RolloutEngine, prompts, params: SamplingParams, policy_state: dict, draft_state: dict,
+                 repeats: int) -> dict:
+    """The trained draft's call at ``k = SAMPLED_K`` right after ``release()`` and a weight load
+    (``release_and_load_s``) and right after a weight load alone (``load_s``), medians of
+    ``repeats`` each, alternating; ``moved``: per release, how many of the engine's
+    ``storages`` (caches, weights) came back at another address."""
+    def addresses() -> list[int]:
+        return [t.data_ptr() for t in (*engine.cache_tensors(), *engine.policy.parameters(),
+                                       *engine.draft.parameters())]
+
+    calls: dict[str, list[float]] = {"load_s": [], "release_and_load_s": []}
+    moved = []
+    for _ in range(repeats):
+        for key, runs in calls.items():
+            before = addresses()
+            if key == "release_and_load_s":
+                engine.release()
+            engine.load_weights(policy_state, draft_state)
+            if key == "release_and_load_s":
+                moved.append(sum(a != b for a, b in zip(before, addresses())))
+            runs.append(_generate(engine, prompts, params, "trained", SAMPLED_K, 0, None).total_s)
+    return dict(**{key: sorted(runs)[len(runs) // 2] for key, runs in calls.items()}, storages=len(before),
+                moved=moved)
 
 
 def ratio_band(mine: list[RolloutStats], rivals: list[list[RolloutStats]], rng: random.Random,
@@ -460,13 +493,19 @@ def main() -> int:
         print(f"batch {batch:2d}  T=1 trained k={SAMPLED_K}  {spec.tokens_per_s:8.0f} tok/s  "
               f"x{spec.tokens_per_s / median['none', 0].tokens_per_s:.2f}  tau {spec.acceptance_length:.2f}", flush=True)
 
+    released = (release_cost(engine, language.prompts(max(batches), g), sampled, policy_state, drafts["trained"],
+                             args.repeats) if args.compile else None)
+    if released is not None:
+        print(f"after a release: {released['release_and_load_s']:.3f}s a call against {released['load_s']:.3f}s; "
+              f"storages moved {released['moved']} of {released['storages']}", flush=True)
     best_b1 = max((b["speedup"] for b in bounds if b["batch"] == 1 and b["draft"] == "trained"), default=None)
     summary = dict(
         target_fit_loss=target_loss, trained_draft_top1_per_pass=accuracy, new_tokens=args.new_tokens,
         best_speedup_batch1_trained=best_b1, goal_batch1=2.0, goal_met=best_b1 is not None and best_b1 >= 2.0,
         adaptive_goal=ADAPTIVE_GOAL, adaptive_worst_ratio=min((a["ratio"] for a in adaptive), default=None),
         adaptive_met=all(a["ratio"] >= ADAPTIVE_GOAL for a in adaptive) if adaptive else None,
-        runtime_s=time.perf_counter() - t0,
+        cuda_graphs_captured=engine.cuda_graphs_captured, cuda_graph_skips=engine.cuda_graph_skips,
+        release_cost=released, runtime_s=time.perf_counter() - t0,
     )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(dict(records=records, bounds=bounds, adaptive=adaptive, mixed=mixed,

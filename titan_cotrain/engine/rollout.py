@@ -50,6 +50,8 @@ plans and runs rounds without reading anything back).
 
 from __future__ import annotations
 
+import functools
+import logging
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -58,6 +60,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from titan_cotrain.components.private_torch import check_private_api
 from titan_cotrain.models.draft import Draft, DraftKVCache
 from titan_cotrain.models.kv_cache import PagedKV, RowsKV
 from titan_cotrain.models.transformer import Transformer
@@ -93,24 +96,73 @@ def _pad_prompts(prompts: Sequence[torch.Tensor | Sequence[int]]) -> tuple[torch
     return tokens, lens
 
 
-def _compiled_step(graphs: int, device: torch.device) -> Callable[[Callable], Callable]:
-    """``torch.compile`` for a fixed-shape decoding step (CUDA graphs on a GPU: a decode step
-    is launch-bound) that keeps up to ``graphs`` graphs of it: past dynamo's recompile limit a
-    step would fall back to eager silently. The limit is raised only while the step runs, so
-    the process's setting stays what it was."""
-    mode = "reduce-overhead" if device.type == "cuda" else None
+# Inductor counts every graph it runs without CUDA graphs (when it compiles one, or when its
+# graph tree gives up on one at run time) and says why on its ``cudagraphs`` log. Both are
+# private to torch, the same in 2.11-2.13.
+_CUDAGRAPH_SKIPS_TORCH = ("2.11", "2.12", "2.13")
 
-    def wrap(fn: Callable) -> Callable:
-        compiled = torch.compile(fn, dynamic=False, mode=mode)
 
-        def step(*args, **kwargs):
-            limit = max(torch._dynamo.config.recompile_limit, graphs)
-            with torch._dynamo.config.patch(recompile_limit=limit):
-                return compiled(*args, **kwargs)
+class _CudaGraphSkips(logging.Handler):
+    """Inductor's count of graphs run without CUDA graphs (``count``) and the last reason its
+    ``cudagraphs`` log gave (``last``: "skipping cudagraphs due to ...")."""
 
-        return step
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        check_private_api("torch._inductor.cudagraph_utils.cudagraphs_log, counters['inductor']['cudagraph_skips']",
+                          "titan_cotrain.engine.rollout._CudaGraphSkips", _CUDAGRAPH_SKIPS_TORCH)
+        from torch._inductor.cudagraph_utils import cudagraphs_log
 
-    return wrap
+        self.last: str | None = None
+        cudagraphs_log.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.last = record.getMessage()
+
+    @staticmethod
+    def count() -> int:
+        from torch._dynamo.utils import counters
+
+        return counters["inductor"]["cudagraph_skips"]
+
+
+@functools.cache
+def _cudagraph_skips() -> _CudaGraphSkips:
+    return _CudaGraphSkips()
+
+
+class _CompiledStep:
+    """A fixed-shape decoding step under ``torch.compile``, called ``name`` in warnings.
+
+    With ``cuda_graphs`` (an engine on CUDA) the mode is ``reduce-overhead``: a decode step is
+    launch-bound. Inductor captures a graph only if every input it writes in place has a
+    static address (the engine marks its caches so); otherwise it runs the graph kernel by
+    kernel and says so in one log line. The step then warns once, naming itself and
+    inductor's reason, and keeps the reason in ``skipped``; ``ran`` says whether it has run.
+
+    Up to ``graphs`` graphs of the step are kept: past dynamo's recompile limit a step would
+    fall back to eager silently. The limit is raised only while the step runs, so the
+    process's setting stays what it was."""
+
+    def __init__(self, fn: Callable, name: str, graphs: int, cuda_graphs: bool) -> None:
+        self.name, self.graphs, self.cuda_graphs = name, graphs, cuda_graphs
+        self.compiled = torch.compile(fn, dynamic=False, mode="reduce-overhead" if cuda_graphs else None)
+        self.ran = False
+        self.skipped: str | None = None
+
+    def __call__(self, *args, **kwargs):
+        limit = max(torch._dynamo.config.recompile_limit, self.graphs)
+        with torch._dynamo.config.patch(recompile_limit=limit):
+            if not self.cuda_graphs:
+                return self.compiled(*args, **kwargs)
+            skips = _cudagraph_skips()
+            before, skips.last = skips.count(), None
+            out = self.compiled(*args, **kwargs)
+        self.ran = True
+        if skips.count() != before and self.skipped is None:
+            self.skipped = skips.last or "inductor counted a skip and gave no reason"
+            warnings.warn(f"[rollout] the compiled {self.name} runs without CUDA graphs, so every decoding round "
+                          f"launches its kernels one by one: {self.skipped}", stacklevel=2)
+        return out
 
 
 class RolloutEngine:
@@ -147,6 +199,8 @@ class RolloutEngine:
     always run every row against block tables of a whole sequence's width (CUDA graphs want
     fixed shapes; uncompiled, a round decodes only the rows in use, over the blocks they
     reach). Worth it on GPU, slow to build on CPU. The prefill (ragged width) stays eager.
+    On CUDA the steps run as CUDA graphs: the caches they write are static addresses
+    (docs/DESIGN.md section 14), and ``cuda_graphs_captured`` says whether torch captured them.
     """
 
     def __init__(self, policy: Transformer, draft: Draft | None = None, *, max_batch_size: int, max_seq_len: int,
@@ -181,12 +235,24 @@ class RolloutEngine:
             chain_shape = (layout.max_batch_size, layout.chain_slots, draft.args.n_kv_heads, draft.args.head_dim)
             self.chain_k = torch.zeros(chain_shape, dtype=dtype, device=self.device)
             self.chain_v = torch.zeros(chain_shape, dtype=dtype, device=self.device)
-        # One graph per k for the verify (k + 1 positions, taps or not) and the catch-up:
-        # k chosen per round reaches every k in 0..max_draft_tokens in one call.
-        step = _compiled_step(graphs=2 * (max_draft_tokens + 2), device=self.device) if compile else (lambda fn: fn)
-        self._target_step = step(policy.forward_cached)
-        self._draft_chain_step = step(draft.chain_step) if draft is not None else None
-        self._draft_extend = step(draft.extend) if draft is not None else None
+        self.compiled_steps: list[_CompiledStep] = []
+        if compile:
+            # The steps write the caches in place: CUDA graphs capture a step only if those are
+            # static addresses (docs/DESIGN.md section 14).
+            for cache in self.cache_tensors():
+                torch._dynamo.mark_static_address(cache)
+
+        def step(fn: Callable, name: str) -> Callable:
+            if not compile:
+                return fn
+            # One graph per k for the verify (k + 1 positions, taps or not) and the catch-up:
+            # k chosen per round reaches every k in 0..max_draft_tokens in one call.
+            self.compiled_steps.append(_CompiledStep(fn, name, 2 * (max_draft_tokens + 2), self.device.type == "cuda"))
+            return self.compiled_steps[-1]
+
+        self._target_step = step(policy.forward_cached, "policy.forward_cached (decode, verify)")
+        self._draft_chain_step = step(draft.chain_step, "draft.chain_step") if draft is not None else None
+        self._draft_extend = step(draft.extend, "draft.extend") if draft is not None else None
 
     # The pool's layout, read through the engine (``KVPoolLayout``).
     max_batch_size = property(lambda self: self.layout.max_batch_size, doc="Rows of the running batch.")
@@ -201,6 +267,18 @@ class RolloutEngine:
         """Device bytes of the engine's weights and buffers (this rank's slice of a tensor-parallel copy)."""
         tensors = [t for m in (self.policy, self.draft) if m is not None for t in (*m.parameters(), *m.buffers())]
         return sum(storage.nbytes() for storage in device_storages(tensors, self.device.type))
+
+    @property
+    def cuda_graphs_captured(self) -> bool | None:
+        """Whether torch runs every compiled step that has run so far as CUDA graphs; None
+        when none has run on CUDA (not compiled, another device, nothing generated yet)."""
+        ran = [s for s in self.compiled_steps if s.cuda_graphs and s.ran]
+        return not any(s.skipped for s in ran) if ran else None
+
+    @property
+    def cuda_graph_skips(self) -> dict[str, str]:
+        """The compiled steps torch runs without CUDA graphs, each with inductor's reason."""
+        return {s.name: s.skipped for s in self.compiled_steps if s.skipped}
 
     @property
     def kv_pool_bytes(self) -> int:
@@ -268,7 +346,9 @@ class RolloutEngine:
         (which rewrites every weight anyway): between rollouts, the update phase of a colocated
         trainer gets it. Their storages shrink to nothing and the tensors stay (FSDP2's way of
         freeing unsharded parameters), so compiled graphs and a tensor-parallel copy's DTensors
-        keep pointing at them. Buffers (RoPE, the draft's vocabulary maps) stay."""
+        keep pointing at them: no recompile; on CUDA a graph whose storages come back at other
+        addresses is recorded anew at its next call. Buffers (RoPE, the draft's vocabulary
+        maps) stay."""
         if self._released is not None:
             return
         tensors = [p for m in (self.policy, self.draft) if m is not None for p in m.parameters()]
@@ -451,7 +531,12 @@ class RolloutEngine:
         else:
             views = [pool.rows(0, rows) if pool is not None else None for pool in (self.target_pool, self.draft_pool)]
         target, trunk = views
-        return target, DraftKVCache(trunk, self.chain_k[:rows], self.chain_v[:rows]) if drafting else None
+        if not drafting:
+            return target, None
+        # A round over every row (a compiled one) gets the chains themselves: a view of them
+        # would be a tensor of its own, without their static-address mark.
+        chains = [chain if rows == len(chain) else chain[:rows] for chain in (self.chain_k, self.chain_v)]
+        return target, DraftKVCache(trunk, *chains)
 
     def _prefill(self, call: Generation, admitted: Admitted) -> None:
         """Bring the ``admitted`` groups into their rows: one target forward over their

@@ -1,9 +1,11 @@
 """The trunk (document-causal varlen attention) on the GPU's flash kernels in bf16 against the
 fp64 einsum reference: out, lse and dq, dk, dv over document mixes with empty, one-token and
-3000-token documents, GQA (one-token documents only included: FA2 swaps query heads into the
-sequence dimension when ``max_seqlen_q == 1`` with GQA, and its lse layout with them), head
-dims 64 to 256 and one the kernel needs padded, and a backward handed a merged ``(out, lse)``.
-Tolerances: ``tests/gpu/conftest.py``."""
+long (``LONG_DOC``) documents, GQA (one-token documents only included: FA2 swaps query heads
+into the sequence dimension when ``max_seqlen_q == 1`` with GQA, and its lse layout with them),
+head dims 64 to 256 and one the kernel needs padded, a backward handed a merged ``(out, lse)``,
+and queries that see no key merged with another key set. Tolerances: ``tests/gpu/conftest.py``."""
+
+import itertools
 
 import pytest
 import torch
@@ -13,20 +15,20 @@ from tests.gpu.conftest import (
     C_FORWARD,
     DEVICE,
     DTYPE,
+    LONG_DOC,
     LSE_FLOOR,
+    assert_flash_kernels_ran,
     assert_near,
     exact_einsum_path,
-    needs_gpu,
     on_device,
     packed_inputs,
+    rounded_randn,
     trunk_reference,
 )
-from titan_cotrain.ops import varlen_causal_attention
-from titan_cotrain.ops.attention import trunk_backward, trunk_forward
+from titan_cotrain.ops import flash, varlen_causal_attention
+from titan_cotrain.ops.attention import merge_attention, trunk_backward, trunk_forward
 
-pytestmark = needs_gpu("varlen flash attention (trunk out, lse, dq/dk/dv) against the fp64 reference")
-
-DOC_MIX = [0, 1, 7, 300, 0, 3000, 1, 0]  # empty documents first, inside and last
+DOC_MIX = [0, 1, 7, 300, 0, LONG_DOC, 1, 0]  # empty documents first, inside and last
 SHORT_MIX = [0, 1, 7, 300, 0, 45]
 
 CASES = {
@@ -42,7 +44,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_trunk_matches_the_fp64_reference(case):
+def test_trunk_matches_the_fp64_reference(case, kernels):
     lengths, hq, hkv, d = CASES[case]
     cu, q, k, v, cotangent = packed_inputs(lengths, hq, hkv, d, seed=len(case))
     scale = d**-0.5
@@ -60,6 +62,7 @@ def test_trunk_matches_the_fp64_reference(case):
     assert_near("lse", lse, ref_lse, C_FORWARD, floor=LSE_FLOOR)
     for name, grad, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert_near(name, grad, ref, C_BACKWARD)
+    assert_flash_kernels_ran(kernels)
 
 
 def test_trunk_backward_takes_a_merged_out_and_lse():
@@ -76,3 +79,40 @@ def test_trunk_backward_takes_a_merged_out_and_lse():
     for name, grad, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert_near(name, grad, ref, C_BACKWARD)
 
+
+
+def test_queries_without_keys_merge_to_nothing():
+    """Segments with fewer keys than queries (bottom-right causal: the first queries see no
+    key) and one without keys, merged with a one-key set per query as branch attention merges:
+    a query without trunk keys must contribute nothing (lse -inf, where FA2 writes +inf)."""
+    hq, hkv, d = 4, 2, 64
+    q_lens, k_lens = [5, 3, 4], [2, 0, 4]
+    g = torch.Generator().manual_seed(11)
+    q = rounded_randn((sum(q_lens), hq, d), g)
+    k, v = (rounded_randn((sum(k_lens), hkv, d), g) for _ in range(2))
+    other_out = rounded_randn((sum(q_lens), hq, d), g)  # a second key set's partial result
+    other_lse = torch.randn(sum(q_lens), hq, generator=g)
+    scale = d**-0.5
+
+    ref_out, ref_lse = [], []
+    for b, (n, m) in enumerate(zip(q_lens, k_lens)):
+        q0, k0 = sum(q_lens[:b]), sum(k_lens[:b])
+        keys, values = (x[k0:k0 + m].double().repeat_interleave(hq // hkv, 1) for x in (k, v))
+        scores = torch.einsum("qhd,khd->qhk", q[q0:q0 + n].double(), keys) * scale
+        hidden = torch.arange(m)[None, :] > torch.arange(n)[:, None] + (m - n)
+        scores = scores.masked_fill(hidden[:, None, :], float("-inf"))
+        lse = torch.logsumexp(scores, -1)
+        weights = torch.exp(scores - lse.nan_to_num(neginf=0.0)[..., None])
+        ref_out.append(torch.einsum("qhk,khd->qhd", weights, values))
+        ref_lse.append(lse)
+    ref = merge_attention(torch.cat(ref_out), torch.cat(ref_lse), other_out.double(), other_lse.double())
+
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(x)], dtype=torch.int32, device=DEVICE)
+                  for x in (q_lens, k_lens))
+    out, lse = flash.varlen_forward(*(x.to(DEVICE) for x in (q, k, v)), cu_q, cu_k, max(q_lens), max(k_lens), scale,
+                                    causal=True)
+    without_keys = [0, 1, 2, 5, 6, 7]  # 3 of 5 queries over 2 keys, and all 3 over none
+    assert bool((lse[without_keys] == float("-inf")).all()), f"lse of queries without keys: {lse[without_keys]}"
+    merged_out, merged_lse = merge_attention(out, lse, other_out.to(DEVICE), other_lse.to(DEVICE))
+    assert_near("merged out", merged_out, ref[0], C_FORWARD)
+    assert_near("merged lse", merged_lse, ref[1], C_FORWARD, floor=LSE_FLOOR)

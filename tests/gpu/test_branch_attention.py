@@ -13,16 +13,14 @@ from tests.gpu.conftest import (
     C_FORWARD,
     DEVICE,
     LSE_FLOOR,
+    assert_flash_kernels_ran,
     assert_near,
-    needs_gpu,
     on_device,
     packed_inputs,
     rounded_randn,
 )
 from tests.ops.test_branch_attention import reference
 from titan_cotrain.ops import branch_attention_with_lse
-
-pytestmark = needs_gpu("branch attention (flash trunk + branch keys, LSE merge), out, lse and gradients")
 
 LENGTHS = [0, 1, 7, 300, 0, 45]
 HQ, HKV = 4, 2
@@ -32,7 +30,7 @@ NAMES = ("q", "k", "v", "branch_k", "branch_v")
 @pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("grad_lse", [False, True], ids=["out-only", "grad-lse"])
 @pytest.mark.parametrize("p", [0, 1, 6], ids=lambda p: f"P{p}")
-def test_branch_attention_matches_the_fp64_reference(p, grad_lse, d):
+def test_branch_attention_matches_the_fp64_reference(p, grad_lse, d, kernels):
     cu, q, k, v, cotangent = packed_inputs(LENGTHS, HQ, HKV, d, seed=p + d)
     g = torch.Generator().manual_seed(100 + p)
     t = q.shape[0]
@@ -57,3 +55,4 @@ def test_branch_attention_matches_the_fp64_reference(p, grad_lse, d):
     assert_near("lse", lse, ref_lse.detach(), C_FORWARD, floor=LSE_FLOOR)
     for name, grad, ref in zip(NAMES, grads, ref_grads):
         assert_near(f"d{name}", grad, ref, C_BACKWARD)
+    assert_flash_kernels_ran(kernels)

@@ -11,13 +11,21 @@ this checks is the ring's local plan on the GPU kernels, which a single rank run
 import pytest
 import torch
 
-from tests.gpu.conftest import C_BACKWARD, C_FORWARD, DEVICE, assert_near, needs_gpu, packed_inputs, trunk_reference
+from tests.gpu.conftest import (
+    C_BACKWARD,
+    C_FORWARD,
+    DEVICE,
+    LONG_DOC,
+    assert_flash_kernels_ran,
+    assert_near,
+    packed_inputs,
+    trunk_reference,
+)
+from titan_cotrain.ops import ring_attention as ring
 from titan_cotrain.ops.ring_attention import RingComm, ring_attention
 from titan_cotrain.parallel.context_parallel import shard_packed_rows
 
-pytestmark = needs_gpu("ring attention on one rank (zigzag blocks, pieces, merges) against the fp64 trunk")
-
-LENGTHS = [1, 7, 300, 3000]  # odd lengths: the zigzag layout pads each document to a multiple of 2
+LENGTHS = [1, 7, 300, LONG_DOC]  # odd lengths: the zigzag layout pads each document to a multiple of 2
 HQ, HKV, D = 4, 2, 64
 
 
@@ -33,14 +41,14 @@ def problem():
 
 
 @pytest.mark.parametrize("pieces", [1, 3, 8])
-def test_one_rank_ring_matches_the_trunk(problem, pieces):
+def test_one_rank_ring_matches_the_trunk(problem, pieces, kernels):
     shard, qkv, cotangent, (ref_out, _, ref_grads) = problem
 
     def local(x: torch.Tensor) -> torch.Tensor:
         """``x [T, ...]`` in the shard's layout ``[T_local, ...]``, 0 on padding."""
         return shard.shard(x.unsqueeze(0))[0]
 
-    inputs = [local(x).to(DEVICE).requires_grad_() for x in qkv]
+    inputs = [local(x).to(DEVICE, copy=True).requires_grad_() for x in qkv]
     valid = shard.valid[0].to(DEVICE)[:, None, None]
     out = ring_attention(*inputs, shard.cu_seqlens, RingComm(None), pieces=pieces)
     # Padding queries' outputs feed no loss, as every padded token's in training.
@@ -49,3 +57,25 @@ def test_one_rank_ring_matches_the_trunk(problem, pieces):
     assert_near("out", out * valid, local(ref_out), C_FORWARD)
     for name, grad, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert_near(name, grad, local(ref), C_BACKWARD)
+    assert_flash_kernels_ran(kernels)
+
+
+def test_the_block_segments_are_built_once_per_layout(problem, monkeypatch):
+    """The kernels' ``cu_seqlens`` of every block a pass runs are made in one copy and kept for
+    the batch's layout: every later forward and backward of that layout (every layer's) reuses
+    them."""
+    shard, qkv, cotangent, _ = problem
+    built = []
+
+    class Counted(ring.BlockSegments):
+        def __init__(self, shapes, device):
+            built.append(device)
+            super().__init__(shapes, device)
+
+    monkeypatch.setattr(ring, "BlockSegments", Counted)
+    monkeypatch.setattr(ring, "_SEGMENTS", {})  # nothing kept from an earlier test
+    inputs = [shard.shard(x.unsqueeze(0))[0].to(DEVICE, copy=True).requires_grad_() for x in qkv]
+    for _ in range(2):  # two layers of one batch
+        out = ring_attention(*inputs, shard.cu_seqlens, RingComm(None), pieces=3)
+        torch.autograd.grad(out, inputs, torch.ones_like(out))
+    assert built == [DEVICE]

@@ -152,7 +152,7 @@ class RowsKV:
 def _paged_kernel_runs(q: torch.Tensor, pool: KVPool) -> bool:
     """Whether ``attend`` takes the paged flash kernel: an accelerator, a torch that has it,
     and a pool it reads (bf16/fp16, blocks of a multiple of ``flash.PAGE_MULTIPLE``)."""
-    return (q.device.type != "cpu" and flash.has_paged_kernel() and pool.block_size % flash.PAGE_MULTIPLE == 0
+    return (flash.takes_flash_path(q) and flash.has_paged_kernel() and pool.block_size % flash.PAGE_MULTIPLE == 0
             and pool.k.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0)
 
 
@@ -169,7 +169,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 
 
 def _use_sdpa(q: torch.Tensor) -> bool:
-    return q.device.type == "cpu"
+    return not flash.takes_flash_path(q)
 
 
 def cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seqused: torch.Tensor,

@@ -88,7 +88,7 @@ def host_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
 
 
 def _on_accelerator(q: torch.Tensor) -> bool:
-    return q.device.type != "cpu"
+    return flash.takes_flash_path(q)
 
 
 def _use_cpu_flash_kernel(q: torch.Tensor) -> bool:

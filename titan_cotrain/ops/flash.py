@@ -25,15 +25,29 @@ swap query heads into the sequence dimension and return its lse in another layou
 is only a launch size, so a larger one is exact). Paged KV (``paged_forward``) reads pages of
 a multiple of ``PAGE_MULTIPLE`` positions (FA2's paged path) and needs ``Dh % 8 == 0``
 (a pool is never padded: that would copy it).
+
+Kernel hazards closed here: paged calls run with ``num_splits=1`` where ``varlen_attn`` takes
+it (torch 2.13 does): FA2's paged path with an automatic split-KV count gives occasional NaN
+(torchtitan #3235). The forwards whose backward is ATen's flash backward run on the flash
+backend (``_flash_backend``): torch 2.13's ``varlen_attn`` has no backend argument and always
+runs FA2, later versions may prefer cuDNN.
+
+Which tensors take this module's kernels is ``takes_flash_path``'s answer, the one place the
+attention ops, the ring and the KV cache ask. The kernels are reached through ``varlen_attn``
+(with its parameters, ``_VARLEN_PARAMS``, read once from its signature) and ``_flash_ops``:
+``tests/gpu`` patches these names and ``takes_flash_path`` with pure-PyTorch stand-ins of
+torch 2.11's and 2.13's kernels, to run this module with values on a machine without CUDA.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 __all__ = [
     "MAX_HEAD_DIM",
@@ -41,6 +55,7 @@ __all__ = [
     "check_flash_schema",
     "has_paged_kernel",
     "paged_forward",
+    "takes_flash_path",
     "varlen_backward",
     "varlen_forward",
 ]
@@ -55,6 +70,12 @@ except ImportError:  # pragma: no cover - torch older than the project supports
     AuxRequest = varlen_attn = None
 
 _VARLEN_PARAMS = frozenset(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else frozenset()
+
+# torch 2.13's varlen_attn always runs FA2 (its cuDNN switch, ``_should_use_cudnn``, answers
+# False) and takes no backend argument. Later versions prefer cuDNN where eligible and take the
+# choice from ``sdpa_kernel`` (pytorch#193631); a cuDNN forward's lse is not the one ATen's flash
+# backward pairs with, so there the forwards whose backward is ours are pinned to flash.
+_VARLEN_MAY_CHOOSE_CUDNN = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) > (2, 13)
 
 # What we pass positionally to the private backward, in order; ``scale`` goes by keyword.
 # Names are not checked: torch 2.5 called rng_state/unused philox_seed/offset.
@@ -109,6 +130,13 @@ def _flash_ops() -> tuple[torch._ops.OpOverload, torch._ops.OpOverload]:
     return forward, backward
 
 
+def takes_flash_path(x: torch.Tensor) -> bool:
+    """Whether attention on ``x`` runs this module's kernels: on every device but the CPU (a
+    GPU, and the simulator's stand-in accelerator, whose kernels give shapes only). The
+    attention ops, the ring's segment cache and the KV cache ask here and nowhere else."""
+    return x.device.type != "cpu"
+
+
 def has_paged_kernel() -> bool:
     """Whether this torch's ``varlen_attn`` reads a paged KV pool (``block_table``, ``seqused_k``)."""
     return {"block_table", "seqused_k", "enable_gqa"} <= _VARLEN_PARAMS
@@ -116,9 +144,9 @@ def has_paged_kernel() -> bool:
 
 def _public_options(causal: bool, gqa: bool) -> dict | None:
     """``varlen_attn``'s keywords for a causal (or full) call, with GQA if asked, in this
-    torch's spelling (``window_size`` from 2.12, ``is_causal`` before); None where it cannot
+    torch's spelling (``window_size`` from 2.11, ``is_causal`` before); None where it cannot
     make the call (no lse output, or no GQA)."""
-    if varlen_attn is None or "return_aux" not in _VARLEN_PARAMS or (gqa and "enable_gqa" not in _VARLEN_PARAMS):
+    if "return_aux" not in _VARLEN_PARAMS or (gqa and "enable_gqa" not in _VARLEN_PARAMS):
         return None
     options = {"enable_gqa": True} if gqa else {}
     if "window_size" in _VARLEN_PARAMS:
@@ -128,6 +156,11 @@ def _public_options(causal: bool, gqa: bool) -> dict | None:
     else:
         return None
     return options
+
+
+def _flash_backend() -> contextlib.AbstractContextManager:
+    """Where ``varlen_attn`` may choose cuDNN (after torch 2.13), only its flash backend enabled."""
+    return sdpa_kernel(SDPBackend.FLASH_ATTENTION) if _VARLEN_MAY_CHOOSE_CUDNN else contextlib.nullcontext()
 
 
 def _check_inputs(*xs: torch.Tensor) -> None:
@@ -184,8 +217,9 @@ def varlen_forward(
     max_q = _launch_max_q(max_q, q, k.shape[1])
     options = _public_options(causal, gqa)
     if options is not None:
-        out, lse = varlen_attn(qp, kp, vp, cu_q, cu_k, max_q, max_k, return_aux=AuxRequest(lse=True), scale=scale,
-                               **options)
+        with _flash_backend():  # the backward is ATen's flash backward (module docstring)
+            out, lse = varlen_attn(qp, kp, vp, cu_q, cu_k, max_q, max_k, return_aux=AuxRequest(lse=True),
+                                   scale=scale, **options)
     else:  # a torch whose public API lacks what we pass: the private forward, GQA-native
         forward, _ = _flash_ops()
         out, lse, *_ = forward(qp, kp, vp, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale)
@@ -220,10 +254,12 @@ def paged_forward(
     device = q.device
     cu_q = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=device)
     cu_k = F.pad(seqused_k.cumsum(0, dtype=torch.int32), (1, 0))
+    # One split: the paged path with automatic split-KV gives occasional NaN (torchtitan #3235).
+    splits = {"num_splits": 1} if "num_splits" in _VARLEN_PARAMS else {}
     out, lse = varlen_attn(q, k_pool, v_pool, cu_q, cu_k, _launch_max_q(s, q, k_pool.shape[2]), max_k,
                            return_aux=AuxRequest(lse=True), scale=scale, window_size=(-1, 0),
                            enable_gqa=q.shape[1] != k_pool.shape[2], seqused_k=seqused_k,
-                           block_table=block_table.to(torch.int32))
+                           block_table=block_table.to(torch.int32), **splits)
     return out, _lse_rows(lse, q)
 
 

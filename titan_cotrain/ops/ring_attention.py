@@ -68,7 +68,9 @@ import itertools
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 
+from titan_cotrain.ops import flash
 from titan_cotrain.ops.attention import (
     BlockSegments,
     block_backward,
@@ -262,21 +264,22 @@ class _LocalDocs:
 
 
 def _segments(cu_seqlens, docs: _LocalDocs, plan: list[_Piece], q_rows: int, layout: str, world: int, rank: int,
-              causal: bool, device: torch.device) -> BlockSegments | None:
+              causal: bool, q: torch.Tensor) -> BlockSegments | None:
     """The kernel ``cu_seqlens`` of every block a ring pass runs, in one host-to-device copy;
-    on CUDA kept for the batch's layout, so every layer's forward and backward reuse them.
-    None on CPU (its kernels take no ``cu_seqlens``)."""
-    if device.type == "cpu":
+    kept for the batch's layout, so every layer's forward and backward reuse them. None off
+    the flash path (the CPU's kernels take no ``cu_seqlens``)."""
+    if not flash.takes_flash_path(q):
         return None
+    device = q.device
     key = (tuple(cu_seqlens.tolist()), len(plan), q_rows, layout, world, rank, causal)
-    if device.type == "cuda" and _SEGMENTS.get(key, (None, None))[0] == device:
+    if _SEGMENTS.get(key, (None, None))[0] == device:
         return _SEGMENTS[key][1]
     shapes = {(q1 - q0, b1 - b0)
               for piece in plan for step in range(world)
               for q0, q1, b0, b1, _ in piece.blocks(docs.blocks(layout, world, rank, (rank - step) % world, causal),
                                                     q_rows)}
     segments = BlockSegments(shapes, device)
-    if device.type == "cuda":  # fake tensors (the simulator) are not kept across calls
+    if not is_fake(q):  # fake tensors (the simulator's) are not kept across calls
         _SEGMENTS.clear()  # one batch layout at a time
         _SEGMENTS[key] = (device, segments)
     return segments
@@ -319,7 +322,7 @@ def ring_forward(
     else:
         out, lse = initial[0].to(acc, copy=True), initial[1].to(acc, copy=True)
     plan, q_rows = docs.pieces(pieces), _run_rows(q.shape[0], pieces)
-    segments = _segments(cu_seqlens, docs, plan, q_rows, layout, world, rank, causal, q.device)
+    segments = _segments(cu_seqlens, docs, plan, q_rows, layout, world, rank, causal, q)
     for piece in plan:
         held = (piece.take(k), piece.take(v))
         for step in range(world):
@@ -373,7 +376,7 @@ def ring_backward(
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     plan, q_rows = docs.pieces(pieces), _run_rows(q.shape[0], pieces)
-    segments = _segments(cu_seqlens, docs, plan, q_rows, layout, world, rank, causal, q.device)
+    segments = _segments(cu_seqlens, docs, plan, q_rows, layout, world, rank, causal, q)
     homecoming = None  # (the previous piece's dK/dV on their last hop home, that piece)
     for piece in plan:
         held, grads_in_flight = (piece.take(k), piece.take(v)), None

@@ -82,7 +82,7 @@ import torch
 from titan_cotrain.ops import branch_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchtools import command_line, plain_ticks, pyplot  # noqa: E402
+from benchtools import command_line, optional_plot, plain_ticks, pyplot  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 N_HEADS, N_KV_HEADS, HEAD_DIM = 4, 2, 64
@@ -436,6 +436,7 @@ def main() -> int:
 
 # ---- the plot ----
 
+@optional_plot
 def plot(records: list[dict], numbers: dict, config: dict, path: Path) -> None:
     """Peak bytes against S, log-log, one panel per layout: branch, trunk, added (branch - trunk),
     dense measured, the dense quadratic from its last point, a linear guide."""

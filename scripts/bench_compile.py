@@ -9,7 +9,11 @@ bf16 on a GPU with ``--device cuda``: the flash kernels' dtype):
 * ``decode``: ``RolloutEngine.generate`` of greedy responses, plain (k = 0) and speculative
   (k = 3), eager vs ``[rollout] compile`` (the decode / verify / draft steps, one graph per
   ``k``: compiled, every round runs every row over whole-sequence block tables; eager, over
-  the blocks the rows have reached, what each mode does in a job).
+  the blocks the rows have reached, what each mode does in a job);
+* ``draft_overhead`` (not in the default ``--parts``): what co-training the draft adds to the
+  policy's step, eager: the co-training step against the same ``forward_backward`` with no
+  draft, alternating on the same batches; ``overhead`` = with / without - 1. At a real shape
+  with ``--model qwen3/0.6B --vocab 151936`` (``scripts/gpu_check.sh`` on a GPU).
 
 Correctness first: the compiled co-training step must give the eager one's losses and
 gradients (rtol 1e-4), and compiled decoding the eager tokens, or the script exits 1 before
@@ -46,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from benchtools import command_line, pyplot  # noqa: E402
+from benchtools import command_line, optional_plot, pyplot  # noqa: E402
 
 from titan_cotrain.cotrain.step import forward_backward
 from titan_cotrain.data.batch import PackedBatch  # noqa: E402
@@ -62,9 +66,9 @@ STEP = dict(ttt_steps=3, pass_decay=0.8, draft_loss_weight=0.1)
 TIE = 0.05  # bf16 greedy paths may part where the two tokens' logits are this close (of the spread)
 
 
-def _models(vocab: int, device: str = "cpu") -> tuple[Transformer, Draft]:
-    """The policy and draft on ``device``: fp32 on CPU, bf16 on a GPU."""
-    args = model_args_for("llama3", "debugmodel").replace(vocab_size=vocab)
+def _models(vocab: int, device: str = "cpu", model: str = "llama3/debugmodel") -> tuple[Transformer, Draft]:
+    """The policy (``architecture/flavor``) and draft on ``device``: fp32 on CPU, bf16 on a GPU."""
+    args = model_args_for(*model.split("/")).replace(vocab_size=vocab)
     policy = Transformer(args)
     policy.init_weights(std=0.1, generator=torch.Generator().manual_seed(0))
     draft = Draft(DraftArgs.from_target(args, n_taps=3))
@@ -113,7 +117,7 @@ def _record(eager: list[float], compiled: list[float], first: dict[str, float], 
 
 
 def bench_cotrain(args) -> dict:
-    eager = _models(args.vocab, args.device)
+    eager = _models(args.vocab, args.device, args.model)
     compiled = copy.deepcopy(eager)
     apply_compile(*compiled, ["model", "draft"])
     batches = [_batch(args.rows, args.seq_len, args.vocab, seed).to(args.device)
@@ -139,6 +143,28 @@ def bench_cotrain(args) -> dict:
     return _record(times["eager"], times["compiled"], first, rows=args.rows, seq_len=args.seq_len)
 
 
+def bench_draft_overhead(args) -> dict:
+    policy, draft = _models(args.vocab, args.device, args.model)
+    batches = [_batch(args.rows, args.seq_len, args.vocab, seed).to(args.device)
+               for seed in range(args.repeats + 1)]
+
+    def step(arm: str, batch: PackedBatch) -> None:
+        forward_backward(policy, draft if arm == "with_draft" else None, batch, next_token_loss, **STEP)
+        policy.zero_grad(set_to_none=True)
+        draft.zero_grad(set_to_none=True)
+
+    arms = ("with_draft", "policy_only")
+    first = {arm: _timed(lambda arm=arm: step(arm, batches[0])) for arm in arms}
+    times = {arm: [] for arm in arms}
+    for batch in batches[1:]:
+        for arm in arms:
+            times[arm].append(_timed(lambda arm=arm: step(arm, batch)))
+    median = {arm: statistics.median(times[arm]) for arm in arms}
+    return {"model": args.model, "vocab": args.vocab, "rows": args.rows, "seq_len": args.seq_len, "first_s": first,
+            **{f"{arm}_s": times[arm] for arm in arms}, **{f"{arm}_median_s": median[arm] for arm in arms},
+            "overhead": median["with_draft"] / median["policy_only"] - 1}
+
+
 def _parted_clearly(policy: Transformer, prompts: list[torch.Tensor], eager: torch.Tensor,
                     compiled: torch.Tensor) -> list[int]:
     """Rows of two greedy decodings ``[B, N]`` whose paths part where the policy clearly
@@ -159,7 +185,7 @@ def _parted_clearly(policy: Transformer, prompts: list[torch.Tensor], eager: tor
 
 
 def bench_decode(args) -> dict:
-    policy, draft = _models(args.vocab, args.device)
+    policy, draft = _models(args.vocab, args.device, args.model)
     engines = {mode: RolloutEngine(copy.deepcopy(policy), copy.deepcopy(draft), max_batch_size=args.batch,
                                    max_seq_len=args.prompt_len + args.new_tokens, max_draft_tokens=3,
                                    compile=mode == "compiled") for mode in ("eager", "compiled")}
@@ -195,7 +221,10 @@ def _flat(records: dict) -> list[tuple[str, dict]]:
     return flat + [(f"decode k={k.removeprefix('k')}", r) for k, r in records.get("decode", {}).items()]
 
 
+@optional_plot
 def plot(result: dict, path: Path) -> None:
+    if not _flat(result["records"]):  # draft_overhead alone: nothing eager vs compiled to draw
+        return
     plt = pyplot()
     names, recs = zip(*_flat(result["records"]))
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -210,7 +239,7 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path)
 
 
-PARTS = {"cotrain_step": bench_cotrain, "decode": bench_decode}
+PARTS = {"cotrain_step": bench_cotrain, "decode": bench_decode, "draft_overhead": bench_draft_overhead}
 
 
 def main() -> int:
@@ -218,13 +247,15 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--model", default="llama3/debugmodel",
+                        help="architecture/flavor of the policy (its vocabulary set by --vocab)")
     parser.add_argument("--batch", type=int, default=8, help="sequences decoded at once")
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (bf16)")
-    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=["cotrain_step", "decode"],
                         help="what to measure (compiling each on a few CPU cores takes about a minute)")
     parser.add_argument("--warm-cache", action="store_true",
                         help="keep inductor's on-disk cache (first calls then time a cached compile)")
@@ -246,6 +277,9 @@ def main() -> int:
         print(f"{name}: eager {rec['eager_median_s']:.3f} s, compiled {rec['compiled_median_s']:.3f} s, "
               f"ratio {rec['ratio']:.2f} (first calls: {rec['first_s']['eager']:.1f} s / "
               f"{rec['first_s']['compiled']:.1f} s)")
+    if overhead := result["records"].get("draft_overhead"):
+        print(f"draft co-training: {overhead['with_draft_median_s']:.3f} s a step with it, "
+              f"{overhead['policy_only_median_s']:.3f} s without: +{100 * overhead['overhead']:.0f}%")
     return 0
 
 

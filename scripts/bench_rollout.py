@@ -90,7 +90,7 @@ from titan_cotrain.engine.sampling import SamplingParams
 from titan_cotrain.engine.speculation import SpeculationTuner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchtools import command_line, pyplot, save_figure  # noqa: E402
+from benchtools import command_line, optional_plot, pyplot, save_figure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCHES, KS = (1, 8, 64), (2, 4, 6)
@@ -521,6 +521,7 @@ def main() -> int:
     return 0
 
 
+@optional_plot
 def plot(records: list[dict], bounds: list[dict], path: Path) -> None:
     """Greedy speedup over plain decoding: per batch size, bars for each fixed k (2, 4, 6) with
     the untrained and the trained draft, and the bound (k + 1) / (1 + k c) over each trained bar."""
@@ -559,6 +560,7 @@ def engine_png(path: Path) -> Path:
     return path.with_name(path.stem + "_engine" + path.suffix)
 
 
+@optional_plot
 def plot_engines(mixed: dict, path: Path) -> None:
     """Mixed lengths: tokens/s and the KV held at the peak, paged vs static, per k."""
     plt = pyplot()

@@ -2,6 +2,7 @@
 file-only Agg backend, since the benchmarks run on headless machines and only write PNGs;
 and the command line a result was made with, for its JSON."""
 
+import functools
 import shlex
 import sys
 
@@ -16,6 +17,23 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def optional_plot(plot):
+    """``plot`` left out, with a note, where matplotlib is not installed: an offline GPU node
+    (``scripts/gpu_check.sh --wheels``) has no room for it, and the measurements are in the
+    JSON, which ``--replot`` draws on another machine."""
+
+    @functools.wraps(plot)
+    def plot_if_possible(*args, **kwargs):
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print(f"no matplotlib here: {plot.__name__} left out (the numbers are in the JSON)", file=sys.stderr)
+            return None
+        return plot(*args, **kwargs)
+
+    return plot_if_possible
 
 
 def save_figure(fig, path) -> None:

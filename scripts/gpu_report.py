@@ -53,10 +53,17 @@ def machine() -> dict:
     device = torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu"
     # The GPU's name without the vendor, slugified: NVIDIA H200 -> h200; cpu without one.
     name = re.sub(r"[^a-z0-9]+", "_", device.lower().removeprefix("nvidia").strip()).strip("_") if cuda else "cpu"
+    try:  # the attention kernels this torch gives the project (ops/flash.py), e.g. 2.11: no paged decode
+        from titan_cotrain.ops import flash
+
+        paths = flash.kernel_paths()
+    except Exception as error:  # a report must come back whatever the project's import meets
+        paths = {"error": f"{type(error).__name__}: {error}"}
     return {"name": name, "device": device, "device_count": torch.cuda.device_count(),
             "torch": {"version": torch.__version__, "path": str(Path(torch.__file__).parent),
                       "cuda": torch.version.cuda},
-            "triton": found_triton, "python": {"version": platform.python_version(), "executable": sys.executable}}
+            "triton": found_triton, "python": {"version": platform.python_version(), "executable": sys.executable},
+            "attention_paths": paths}
 
 
 def wheels(folder: Path, site: Path) -> dict:

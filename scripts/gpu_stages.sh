@@ -92,6 +92,9 @@ stages_begin() {
         run_stage wheels 60 env PIP_CONFIG_FILE=/dev/null "$PYTHON" -m pip install --no-index --no-deps \
             --disable-pip-version-check --no-warn-script-location --find-links "$WHEELS" \
             --target "$SCRATCH/wheels" $names
+        # Probe again with the wheels in place: the attention paths this torch gives the
+        # project (ops/flash.py's kernel_paths) need the project importable.
+        "$PYTHON" scripts/gpu_report.py machine --out "$RUN/machine.json" > /dev/null
     fi
 }
 

@@ -65,6 +65,13 @@ def test_each_torch_version_takes_its_documented_path(version):
         pool = KVPool(1, 3, flash.PAGE_MULTIPLE, 2, 16, torch.bfloat16, "cpu")
         pool.view(torch.tensor([[1], [2]])).attend(0, _randn(2, 1, 4, 16), torch.tensor([5, 9]))  # GQA decode
         assert flash.has_paged_kernel() == (version == "2.13")
+        paths = flash.kernel_paths()  # what the GPU report states for this torch
+    if version == "2.13":
+        assert (paths["trunk"], paths["trunk_gqa"]) == ("varlen_attn", "varlen_attn(enable_gqa)")
+        assert paths["decode"].startswith("varlen_attn(block_table")
+    else:
+        assert (paths["trunk"], paths["trunk_gqa"]) == ("varlen_attn", "aten._flash_attention_forward")
+        assert paths["decode"].startswith("gathered blocks")
     calls = kernels.calls
     mha, gqa = calls[0].arguments, calls[2].arguments
     assert mha["window_size"] == (-1, 0)  # causal, spelt as both versions spell it

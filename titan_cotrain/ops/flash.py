@@ -54,6 +54,7 @@ __all__ = [
     "PAGE_MULTIPLE",
     "check_flash_schema",
     "has_paged_kernel",
+    "kernel_paths",
     "paged_forward",
     "takes_flash_path",
     "varlen_backward",
@@ -140,6 +141,21 @@ def takes_flash_path(x: torch.Tensor) -> bool:
 def has_paged_kernel() -> bool:
     """Whether this torch's ``varlen_attn`` reads a paged KV pool (``block_table``, ``seqused_k``)."""
     return {"block_table", "seqused_k", "enable_gqa"} <= _VARLEN_PARAMS
+
+
+def kernel_paths() -> dict[str, str | bool]:
+    """Which kernel each attention call takes on an accelerator with this torch (for reports:
+    ``scripts/gpu_report.py``): the trunk's forward without and with GQA, the backward, the
+    engine's decode over the KV pool, and whether the forwards are pinned to flash."""
+    def forward(gqa: bool) -> str:
+        return ("varlen_attn" + ("(enable_gqa)" if gqa else "") if _public_options(True, gqa) is not None
+                else "aten._flash_attention_forward")
+
+    return {"torch": torch.__version__, "trunk": forward(False), "trunk_gqa": forward(True),
+            "backward": "aten._flash_attention_backward",
+            "decode": ("varlen_attn(block_table, seqused_k, num_splits=1)" if has_paged_kernel()
+                       else "gathered blocks, masked attention (models.kv_cache.cached_attention)"),
+            "forward_pinned_to_flash": _VARLEN_MAY_CHOOSE_CUDNN}
 
 
 def _public_options(causal: bool, gqa: bool) -> dict | None:

@@ -82,7 +82,8 @@ def test_a_dataset_task_simulates_without_its_file(tmp_path, monkeypatch):
                      "--simulate.prompt_tokens", "100")
     result = simulate(config, "debug_cpu.toml")
     assert result["ranks"][0]["peak_gib"] > 0 and result["host_collectives"] == []
-    assert set(lengths) == {64} and len(lengths) == config.rl.prompts_per_step // WORLD * config.rl.group_size
+    # Two simulated RL steps, each generating this rank's share.
+    assert set(lengths) == {64} and len(lengths) == 2 * config.rl.prompts_per_step // WORLD * config.rl.group_size
 
 
 def test_a_rank_over_budget_is_refused_naming_its_biggest_category(tmp_path):

@@ -7,7 +7,9 @@ rank of every other pipeline role: the head's, and the middle rank with the most
 the real ``Trainer`` runs at the config's world size and shapes on ``simgpu``
 (``titan_cotrain.simulate.device``) with torch's fake process group: construction; the
 optimizers' state made first, as a running job holds it from its first step on; then the
-trainer's own ``rl_step``, each of its phases measured as the trainer enters it (``offload``,
+trainer's own ``rl_step``, twice (the first RL step, and one that starts after an update, as
+every later step does), each of its phases measured as the trainer enters it (a phase's peak
+is the higher of the two) (``offload``,
 ``refresh``, ``rollout``: the real engine, the sequences its KV pool admits at once, then
 ``[simulate] decode_rounds`` decoding rounds at their longest; ``release``, ``restore``,
 ``pack``, ``update``: one update over the first ``[simulate] microbatches`` of the real
@@ -19,7 +21,7 @@ response is ``rollout.max_new_tokens`` long.
 The report is ``{"config", "world_size", "gpu_memory_gib", "ranks": [{"rank", "role",
 "peak_gib", "by_category_gib", "peak_phase", "largest_at_peak", "phase_peak_gib",
 "after_step_gib", "attention_kernels", "offloaded_gib", "kv_pool_gib"}], "rollout", "host_collectives"}`` (``after_step_gib``:
-what stays alive between steps, by category; ``attention_kernels``: per phase, the flash
+what stays alive between steps, by category; ``attention_kernels``: per phase (both steps' calls together), the flash
 kernels the accelerator path called, whose fake implementations gave the shapes;
 ``offloaded_gib``: the training state ``[rollout] offload_training_state`` keeps on the host
 during the rollout, not counted on the device then; ``kv_pool_gib``: the engine's KV pool,
@@ -187,7 +189,10 @@ def simulate_rank(config, rank: int, world_size: int) -> tuple[dict, list[str]]:
             if config.rollout.release_between_rollouts:
                 trainer.engine.release()
             _warm_optimizers(trainer)
-            trainer.rl_step(config.task.sft_steps + 1)
+            # The first RL step, then one as every later step meets the rank: after an update,
+            # with what updates leave alive (a pipeline stage's buffers, for one).
+            for step in (1, 2):
+                trainer.rl_step(config.task.sft_steps + step)
             host_bytes = trainer.offload.host_bytes if trainer.offload is not None else 0
             enter("checkpoint")
             trainer.checkpoint_state_dicts()

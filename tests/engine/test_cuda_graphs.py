@@ -23,25 +23,12 @@ from torch._inductor.cudagraph_utils import (
     log_cudagraph_skip_and_bump_counter,
 )
 
-from titan_cotrain.models.args import model_args_for
-from titan_cotrain.models.draft import Draft, DraftArgs
-from titan_cotrain.models.transformer import Transformer
 from titan_cotrain.engine.rollout import RolloutEngine, _CompiledStep
 from titan_cotrain.engine.sampling import SamplingParams
 
-VOCAB = 128
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=6)
 PROMPTS = [torch.arange(1, 6), torch.arange(3, 9)]
 SKIP = "skipping cudagraphs due to mutated inputs (2 instances)"
-
-
-@pytest.fixture(scope="module")
-def models(one_intra_op_thread):
-    target = Transformer(model_args_for("llama3", "debugmodel").replace(vocab_size=VOCAB))
-    target.init_weights(std=0.3, generator=torch.Generator().manual_seed(0))
-    draft = Draft(DraftArgs.from_target(target.args, n_taps=3))
-    draft.init_weights(std=0.1, generator=torch.Generator().manual_seed(1))
-    return target, draft
 
 
 @pytest.fixture

@@ -1,15 +1,15 @@
 """The RL trainer: warm start, then rollouts -> rewards -> GRPO -> co-trained update, per step.
 
 ``Trainer.__init__`` builds everything once (``parallelize``: the models built on meta,
-compiled, sharded and filled; the rollout engine with its KV budget, tensor-parallel when asked; the ``UpdateStep``,
-single-stage or pipeline). ``rl_step`` is the one place an RL step's phases are written, in
-order: offload, refresh the engine, rollout (``rl.rollout_phase``: generate this rank's share
-of its data-parallel coordinate's prompts, score, exchange with the CP x PP peers, GRPO
-samples on the host), release, restore, pack, update (``UpdateStep.step``: microbatched
-forward/backward with the gradients scaled by the global counts, clipping, optimizer steps);
-the run mode is told each phase as it begins (the scale simulator measures them so). ``run``
-is the loop. Step ``s`` is a warm-start step for ``s <=
-task.sft_steps``, an RL step after, each phase on its own LR schedule; its prompts and
+compiled, sharded and filled; the rollout engine with its KV budget, tensor-parallel when
+asked; the ``UpdateStep``, single-stage or pipeline). ``rl_step`` is the one place an RL
+step's phases are written, in order: offload, refresh the engine, rollout
+(``rl.rollout_phase``: generate this rank's share of its data-parallel coordinate's prompts,
+score, exchange with the CP x PP peers, GRPO samples on the host), release, restore, pack,
+update (``UpdateStep.step``: microbatched forward/backward with the gradients scaled by the
+global counts, clipping, optimizer steps); the run mode is told each phase as it begins (the
+scale simulator measures them so). ``run`` is the loop. Step ``s`` is a warm-start step for
+``s <= task.sft_steps``, an RL step after, each phase on its own LR schedule; its prompts and
 sampling seeds derive from ``(debug.seed, s, dp rank)`` (``rl.problems``), so a resumed run
 repeats the uninterrupted one exactly when the drafted tokens per round are fixed
 (``[rollout] adaptive_speculation = false``). Which rank holds what under FSDP, CP and PP:
@@ -49,7 +49,6 @@ from titan_cotrain.rl.trainer_setup import (
     TrainerState,
     build_task,
     lr_phases,
-    rollout_draft_tokens,
     tokenizer_folder,
     training_device,
 )
@@ -130,14 +129,14 @@ class Trainer:
                 print(f"warning: an engine group of [rollout] tensor_parallel_degree = "
                       f"{config.rollout.tensor_parallel_degree} spans {nodes} nodes in the {layout.order} rank layout "
                       "([parallelism] rank_order): its all-reduces cross nodes", flush=True)
+        rollout_settings = RolloutSettings.from_config(config)
         self.engine, kv_cache = build_rollout_engine(
             config, models, self.device, run, prompts=self.generation.max_share(self.prompts_per_rank),
-            max_seq_len=max_seq_len, draft_tokens=rollout_draft_tokens(config), tp_mesh=self.engine_mesh)
+            max_seq_len=max_seq_len, draft_tokens=rollout_settings.draft_tokens, tp_mesh=self.engine_mesh)
         if ro.kv_cache_gib == "auto":
             self.log.say(kv_pool_line(self.engine, kv_cache))
-        self.rollouts = RolloutPhase(RolloutSettings.from_config(config), self.engine, self.generation, self.problems,
-                                     self.sync, run, self.device, self.prompts_per_rank,
-                                     show_progress=rank == self.log_rank)
+        self.rollouts = RolloutPhase(rollout_settings, self.engine, self.generation, self.problems, self.sync, run,
+                                     self.device, self.prompts_per_rank, show_progress=rank == self.log_rank)
         self.acceptance_watch = AcceptanceWatch(ro.acceptance_warning_fraction, ro.acceptance_warning_steps)
         self.collapse_watch = DraftCollapseWatch(ro.collapse_fraction, ro.collapse_position_rate, ro.collapse_steps)
         if config.rollout.speculative and not config.draft.enable:

@@ -8,21 +8,21 @@ the real ``Trainer`` runs at the config's world size and shapes on ``simgpu``
 (``titan_cotrain.simulate.device``) with torch's fake process group: construction; the
 optimizers' state made first, as a running job holds it from its first step on; then the
 trainer's own ``rl_step``, twice (the first RL step, and one that starts after an update, as
-every later step does), each of its phases measured as the trainer enters it (a phase's peak
-is the higher of the two) (``offload``,
-``refresh``, ``rollout``: the real engine, the sequences its KV pool admits at once, then
-``[simulate] decode_rounds`` decoding rounds at their longest; ``release``, ``restore``,
-``pack``, ``update``: one update over the first ``[simulate] microbatches`` of the real
-microbatches, or one schedule step under PP, memory repeating from one to the next, and the
-optimizer step); the checkpoint's state dicts. Rollout
+every later step does), each of its phases measured as the trainer enters it, a phase's peak
+the higher of the two: ``offload``, ``refresh``, ``rollout`` (the real engine: the sequences
+its KV pool admits at once, then ``[simulate] decode_rounds`` decoding rounds at their
+longest), ``release``, ``restore``, ``pack``, ``update`` (one update over the first
+``[simulate] microbatches`` of the real microbatches, or one schedule step under PP: memory
+repeats from one to the next; and the optimizer step); then the checkpoint's state dicts. Rollout
 *contents* are unknown on fake tensors, so the rank trains on the worst case: every
 response is ``rollout.max_new_tokens`` long.
 
 The report is ``{"config", "world_size", "gpu_memory_gib", "ranks": [{"rank", "role",
 "peak_gib", "by_category_gib", "peak_phase", "largest_at_peak", "phase_peak_gib",
 "after_step_gib", "attention_kernels", "offloaded_gib", "kv_pool_gib"}], "rollout", "host_collectives"}`` (``after_step_gib``:
-what stays alive between steps, by category; ``attention_kernels``: per phase (both steps' calls together), the flash
-kernels the accelerator path called, whose fake implementations gave the shapes;
+what stays alive between steps, by category; ``attention_kernels``: per phase (both steps'
+calls together), the flash kernels the accelerator path called, whose fake implementations
+gave the shapes;
 ``offloaded_gib``: the training state ``[rollout] offload_training_state`` keeps on the host
 during the rollout, not counted on the device then; ``kv_pool_gib``: the engine's KV pool,
 ``[rollout] kv_cache_gib`` or what ``"auto"`` made of it; ``rollout``: the engine's schedule

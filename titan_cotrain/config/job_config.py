@@ -214,11 +214,56 @@ class RL:
     KL(engine || trainer) over response tokens, at the step's first update) is logged either
     way."""
 
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
+                              "seq_mean_token_sum_norm"] = "token_mean"
+    """How the per-token terms ``l_it`` of the step's N responses become one loss (exact under
+    any microbatching, CP and PP split): ``token_mean`` sum_i sum_t l_it / sum_i |o_i| (DAPO);
+    ``seq_mean_token_mean`` mean_i (sum_t l_it / |o_i|) (the original GRPO);
+    ``seq_mean_token_sum`` mean_i sum_t l_it; ``seq_mean_token_sum_norm`` sum_i sum_t l_it /
+    (N x rollout.max_new_tokens) (Dr. GRPO's constant normaliser). See ``docs/recipes.md``."""
+
+    normalize_std: bool = True
+    """Divide each group's centred rewards by the group's standard deviation (GRPO); false
+    leaves them centred only (Dr. GRPO)."""
+
+    advantage: Literal["grpo", "rloo"] = "grpo"
+    """Advantage estimator: ``grpo`` r_i - mean_g r (divided by the group's std under
+    ``normalize_std``); ``rloo`` the leave-one-out baseline r_i - mean_{j != i} r_j (never
+    std-normalised)."""
+
+    ratio_level: Literal["token", "sequence"] = "token"
+    """``token``: PPO's per-token ratio. ``sequence`` (GSPO): s_i = exp(mean_t (log pi -
+    log pi_old)) per response, clipped to [1 - clip_eps_low, 1 + clip_eps_high] (about 3e-4 /
+    4e-4 are GSPO's values), each response's term averaged over its tokens."""
+
+    overlong: Literal["none", "mask", "soft"] = "none"
+    """Responses that reach ``rollout.max_new_tokens`` without stopping: ``none`` trained as
+    any other; ``mask`` no loss on them; ``soft`` DAPO's linear penalty added to the reward,
+    0 up to L - B tokens and ((L - B) - |y|) / B beyond (L ``max_new_tokens``, B
+    ``overlong_buffer``)."""
+
+    overlong_buffer: int = 0
+    """B of ``overlong = "soft"``: the last B tokens of the budget are penalised linearly."""
+
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: groups whose rewards are all equal are dropped before the
+    update, and the rollout draws more prompts (the next positions of the prompt stream) until
+    the step holds ``prompts_per_step`` kept groups over all ranks or
+    ``dynamic_sampling_max_rounds`` extra generation rounds have run."""
+
+    dynamic_sampling_max_rounds: int = 3
+    """The most extra generation rounds one step of dynamic sampling runs."""
+
 
 @dataclass
 class Rollout:
     max_new_tokens: int = 64
     """Generation budget per response."""
+
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end a response besides the tokenizer's EOS (always a stop), e.g. Qwen3's
+    ``<|im_end|>`` and ``<|endoftext|>``. The stop token is the response's last; a stop inside
+    an accepted draft prefix ends the sequence there (speculation stays lossless)."""
 
     release_between_rollouts: bool = False
     """Free the engine's weights and KV caches on the device after each rollout phase, until
@@ -369,8 +414,34 @@ class Task:
     name: str = "arithmetic"
     """Verifiable task that generates prompts and scores responses: ``arithmetic``,
     ``arithmetic_longtail`` (heavy-tailed response lengths, ``rl.tasks.LongTailArithmetic``) or
-    ``sort`` (synthetic), or ``math`` or ``gsm8k`` (prompts and reference answers from ``dataset_path``;
-    see ``docs/datasets.md``)."""
+    ``sort`` (synthetic), or ``math``, ``gsm8k`` or ``custom`` (prompts and records from
+    ``dataset_path``; see ``docs/datasets.md``; ``custom`` is scored by ``reward``, see
+    ``docs/recipes.md``)."""
+
+    reward: str = ""
+    """The ``custom`` task's reward, ``"package.module:function"`` (the module found on
+    ``PYTHONPATH``), called as ``function(record, prompt, response)`` with the record a dict of
+    the file's fields and the prompt and response as text; it returns a float, or a dict of
+    floats with one named ``reward`` (the others logged as ``task/<name>`` means)."""
+
+    reward_workers: int = 0
+    """Processes that score responses; 0 scores in the rank's own process."""
+
+    reward_timeout_s: float = 60.0
+    """With ``reward_workers`` > 0: a call that takes longer scores 0 and is counted
+    (``task/reward_timeouts``)."""
+
+    reward_on_error: Literal["raise", "zero"] = "raise"
+    """A reward call that raises or returns a non-finite number: ``raise`` stops the step with
+    the record and the traceback; ``zero`` scores it 0 and counts it (``task/reward_errors``)."""
+
+    reward_max_error_fraction: float = 0.1
+    """Under ``reward_on_error = "zero"``: the job stops once more than this share of a step's
+    reward calls fail."""
+
+    chat_template_kwargs: dict[str, str] = field(default_factory=dict)
+    """Extra variables for the chat template, e.g. ``{ enable_thinking = "false" }``; the
+    strings ``"true"`` and ``"false"`` reach the template as booleans."""
 
     seed: int = 0
     """Seed of the task's deterministic data generator; for a dataset task, of the held-out

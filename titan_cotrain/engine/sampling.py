@@ -32,8 +32,8 @@ class SamplingParams:
     """How responses are sampled (mirrors the ``[rollout]`` config section).
 
     ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` switch those filters
-    off. Generation of a sequence stops after ``eos_token_id`` (which is kept in the
-    response) or after ``max_new_tokens`` tokens.
+    off. Generation of a sequence stops after ``eos_token_id`` or any of ``stop_token_ids``
+    (the stop token is kept in the response) or after ``max_new_tokens`` tokens.
     """
 
     temperature: float = 1.0
@@ -41,6 +41,7 @@ class SamplingParams:
     top_p: float = 1.0
     max_new_tokens: int = 64
     eos_token_id: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

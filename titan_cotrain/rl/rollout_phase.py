@@ -32,6 +32,7 @@ class RolloutSettings:
     top_k: int
     top_p: float
     max_new_tokens: int
+    stop_token_ids: tuple[int, ...]
     """``[rollout]`` sampling: the engine's ``SamplingParams``."""
     draft_tokens: int
     """The most tokens a round drafts (``rl.trainer_setup.rollout_draft_tokens``; 0: plain)."""
@@ -45,6 +46,7 @@ class RolloutSettings:
         ro = config.rollout
         return cls(group_size=config.rl.group_size, sft_steps=config.task.sft_steps, temperature=ro.temperature,
                    top_k=ro.top_k, top_p=ro.top_p, max_new_tokens=ro.max_new_tokens,
+                   stop_token_ids=tuple(ro.stop_token_ids),
                    draft_tokens=rollout_draft_tokens(config), adaptive=ro.adaptive_speculation,
                    per_round=ro.speculation_granularity == "round")
 
@@ -72,10 +74,12 @@ class RolloutPhase:
         self.speculation = SpeculationTuner(settings.draft_tokens)
 
     def sampling_params(self) -> SamplingParams:
-        """The ``[rollout]`` sampling settings (responses end at the tokenizer's EOS)."""
+        """The ``[rollout]`` sampling settings (responses end at the tokenizer's EOS and at
+        ``stop_token_ids``)."""
         s = self.settings
         return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                              max_new_tokens=s.max_new_tokens, eos_token_id=self.problems.tokenizer.eos_id)
+                              max_new_tokens=s.max_new_tokens, eos_token_id=self.problems.tokenizer.eos_id,
+                              stop_token_ids=s.stop_token_ids)
 
     def prompts(self, step: int):
         """Step ``step``'s problems for this data-parallel rank and their prompts, one per

@@ -183,7 +183,7 @@ def test_ppo_loss_matches_a_direct_computation():
     torch.manual_seed(0)
     batch = pack_samples(_samples(), seq_len=10, pad_id=0)
     logits = torch.randn(2, 10, 12, requires_grad=True)
-    loss_sum, count, sums = ppo_loss(0.2, 0.3, temperature=0.5)(logits, labels_of(batch))
+    loss_sum, count, sums, _ = ppo_loss(0.2, 0.3, temperature=0.5)(logits, labels_of(batch))
     assert count == 10
     logp = _token_logprobs(logits.detach() / 0.5, batch.tokens)
     expected = 0.0
@@ -199,7 +199,7 @@ def test_ppo_loss_matches_a_direct_computation():
     # over the response tokens (grad log p computed independently, by autograd per token).
     on_policy = pack_samples(_samples(), seq_len=10, pad_id=0)
     on_policy.old_logprobs = torch.where(on_policy.loss_mask, _token_logprobs(logits.detach(), on_policy.tokens), 0.0)
-    loss_sum, _, sums = ppo_loss(0.2, 0.2)(logits, labels_of(on_policy))
+    loss_sum, _, sums, _ = ppo_loss(0.2, 0.2)(logits, labels_of(on_policy))
     assert sums["rl/clip_fraction"] == 0
     (grad,) = torch.autograd.grad(loss_sum, logits)
     expected = torch.zeros_like(logits)
@@ -224,7 +224,7 @@ def test_truncated_importance_sampling_weights_the_on_policy_gradient_and_logs_t
     offsets = torch.randn(2, 10, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     batch.old_logprobs = torch.where(batch.loss_mask, trainer + offsets, 0.0).float()  # the engine's
     cap = 1.5
-    loss_sum, count, sums = ppo_loss(0.2, 0.2, tis_cap=cap)(logits, labels_of(batch))
+    loss_sum, count, sums, _ = ppo_loss(0.2, 0.2, tis_cap=cap)(logits, labels_of(batch))
     (grad,) = torch.autograd.grad(loss_sum, logits)
     expected_grad, expected_kl, truncated = torch.zeros_like(logits, dtype=torch.float64), 0.0, 0
     for b in range(2):
@@ -241,7 +241,7 @@ def test_truncated_importance_sampling_weights_the_on_policy_gradient_and_logs_t
     torch.testing.assert_close(float(sums["rl/engine_kl"]), expected_kl, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grad.double(), expected_grad, rtol=1e-5, atol=1e-6)
     # Without TIS the loss is the engine-ratio PPO loss, and the same KL is logged.
-    _, _, plain = ppo_loss(0.2, 0.2)(logits, labels_of(batch))
+    _, _, plain, _ = ppo_loss(0.2, 0.2)(logits, labels_of(batch))
     torch.testing.assert_close(float(plain["rl/engine_kl"]), expected_kl, rtol=1e-5, atol=1e-6)
     assert "rl/tis_truncated" not in plain
 
@@ -255,11 +255,11 @@ def test_kl_term_value_and_gradient():
     logits = torch.randn(2, 10, 12, generator=torch.Generator().manual_seed(1), requires_grad=True)
     batch.ref_logprobs = _token_logprobs(logits.detach(), batch.tokens)
     batch.old_logprobs = batch.ref_logprobs.clone()
-    _, _, sums = ppo_loss(0.2, 0.2, kl_coef=0.1)(logits, labels_of(batch))
+    _, _, sums, _ = ppo_loss(0.2, 0.2, kl_coef=0.1)(logits, labels_of(batch))
     assert sums["rl/kl_ref"].abs() < 1e-6
     reference = torch.randn(2, 10, 12, generator=torch.Generator().manual_seed(2))
     batch.ref_logprobs = _token_logprobs(reference, batch.tokens)
-    loss_sum, _, sums = ppo_loss(0.2, 0.2, kl_coef=0.1)(logits, labels_of(batch))
+    loss_sum, _, sums, _ = ppo_loss(0.2, 0.2, kl_coef=0.1)(logits, labels_of(batch))
     (grad,) = torch.autograd.grad(loss_sum, logits)
     x = logits.detach().double().requires_grad_()
     logp = torch.log_softmax(x[:, :-1], -1).gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)

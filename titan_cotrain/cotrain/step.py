@@ -100,9 +100,11 @@ def scales_and_metrics(sums: dict[str, torch.Tensor], ttt_steps: int, pass_decay
     """``(policy gradient scale, draft gradient scale or None, metrics)`` from global sums;
     all device tensors (no host sync). The metrics' keys are ``metric_names``'."""
     count = sums["policy/count"].clamp(min=1)
+    # A per-sequence aggregation's normaliser (its sequences), else the token count.
+    norm = sums["policy/norm"].clamp(min=1e-12) if "policy/norm" in sums else count
     policy_metrics = [name[len("metric/"):] for name in sums if name.startswith("metric/")]
     moe_aux = "moe/aux_sum" in sums
-    values = [sums["policy/sum"] / count, *([sums["moe/aux_sum"] / count] if moe_aux else []),
+    values = [sums["policy/sum"] / norm, *([sums["moe/aux_sum"] / norm] if moe_aux else []),
               *(sums[f"metric/{name}"] / count for name in policy_metrics)]
     draft_scale = None
     draft_on = "draft/count" in sums
@@ -116,7 +118,7 @@ def scales_and_metrics(sums: dict[str, torch.Tensor], ttt_steps: int, pass_decay
                    *(v for d in range(ttt_steps) for v in (ce[d] / counts[d].clamp(min=1), accuracy[d])),
                    tau(accuracy)]
     names = metric_names(policy_metrics, ttt_steps if draft_on else None, moe_aux)
-    return 1.0 / count, draft_scale, dict(zip(names, values, strict=True))
+    return 1.0 / norm, draft_scale, dict(zip(names, values, strict=True))
 
 
 @torch.no_grad()
@@ -165,18 +167,21 @@ def policy_head(mb: Microbatch, policy_loss_fn: PolicyLossFn, draft: Draft | Non
 
 def add_policy_sums(sums: CotrainSums, head_out) -> torch.Tensor:
     """Record a microbatch's policy sums; returns its differentiable loss sum."""
-    policy_sum, policy_count, metric_sums = head_out.policy
+    policy_sum, policy_count, metric_sums, norm = head_out.policy
     sums.add("policy/sum", policy_sum)
     sums.add("policy/count", policy_count)
+    if norm is not None:
+        sums.add("policy/norm", norm)
     for name, value in metric_sums.items():
         sums.add(f"metric/{name}", value)
     return policy_sum
 
 
-def add_moe_aux_sums(sums: CotrainSums, aux: torch.Tensor, policy_count: torch.Tensor) -> torch.Tensor:
+def add_moe_aux_sums(sums: CotrainSums, aux: torch.Tensor, policy) -> torch.Tensor:
     """Record a microbatch's load-balancing loss ``aux`` (0-dim, a mean over its tokens)
-    weighted by its policy-token count; returns that differentiable ``count x aux``."""
-    weighted = policy_count.detach() * aux
+    weighted by its share of the policy loss's normaliser (``policy``: its ``PolicyLoss``; the
+    token count under token-mean aggregation); returns that differentiable ``weight x aux``."""
+    weighted = (policy.count if policy.norm is None else policy.norm).detach() * aux
     sums.add("moe/aux_sum", weighted)
     return weighted
 
@@ -218,7 +223,7 @@ def microbatch_sums(
     loss = add_policy_sums(sums, out.head)
     aux = policy.moe_aux_loss()
     if aux is not None:
-        weighted = add_moe_aux_sums(sums, aux, out.head.policy.count)
+        weighted = add_moe_aux_sums(sums, aux, out.head.policy)
         if moe_aux_loss_weight:  # 0: logged only
             loss = loss + moe_aux_loss_weight * weighted
     if draft is not None:

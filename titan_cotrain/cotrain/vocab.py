@@ -145,6 +145,8 @@ class _ChunkedPolicyHead(torch.autograd.Function):
         loss_sum = torch.stack([p.loss_sum for p in parts]).sum()
         count = torch.stack([p.count for p in parts]).sum()
         metrics = [torch.stack([p.metric_sums[name] for p in parts]).sum() for name in parts[0].metric_sums]
+        if parts[0].norm is not None:  # the loss's own normaliser rides with the metrics
+            metrics.append(torch.stack([p.norm for p in parts]).sum())
         ctx.mark_non_differentiable(count, *metrics, *(t for t in (teacher, in_vocab) if t is not None))
         ctx.save_for_backward(hidden, weight)
         ctx.plan = plan
@@ -185,7 +187,7 @@ def chunked_policy_head(
     [V, H]``; ``rows``: a ``LabelRows`` (or ``CPBatch``) of shape ``[B, S]``, ``B * S = T``.
     ``loss_fn`` sees each chunk's logits ``[1, c, V]`` (fp32) with ``slice_rows(rows)`` of
     it and must be a sum over tokens (``ppo_loss``, ``next_token_loss``): the returned
-    ``policy`` adds the chunks' ``loss_sum``, ``count`` and ``metric_sums``. Values and
+    ``policy`` adds the chunks' ``loss_sum``, ``count``, ``metric_sums`` and ``norm``. Values and
     gradients (w.r.t. ``hidden`` and ``head_weight``) are those of ``loss_fn`` on the whole
     ``(hidden @ head_weight.T).float()`` up to summation order (the weight's gradient is
     summed over chunks in its own dtype: in bf16, one rounding per chunk, as over
@@ -208,7 +210,9 @@ def chunked_policy_head(
     plan = _PolicyHeadPlan(rows, loss_fn, chunk_tokens, draft_ids, t2d, teacher_dtype)
     loss_sum, count, teacher, in_vocab, *metrics = _ChunkedPolicyHead.apply(hidden, head_weight, plan)
     names = plan.first_part.metric_sums
-    policy = plan.first_part._replace(loss_sum=loss_sum, count=count, metric_sums=dict(zip(names, metrics)))
+    norm = metrics.pop() if plan.first_part.norm is not None else None
+    policy = plan.first_part._replace(loss_sum=loss_sum, count=count, metric_sums=dict(zip(names, metrics)),
+                                      norm=norm)
     return HeadOutput(policy, teacher, in_vocab)
 
 

@@ -35,6 +35,8 @@ class LabelRows:
     next_advantages: torch.Tensor | None = None
     next_old_logprobs: torch.Tensor | None = None
     next_ref_logprobs: torch.Tensor | None = None
+    next_inv_lens: torch.Tensor | None = None
+    next_seq_logratios: torch.Tensor | None = None
 
 
 @dataclass
@@ -43,7 +45,10 @@ class PackedBatch:
     ``loss_mask`` (bool), True where token ``t`` is a training target (the response region
     in RL). RL rows also carry ``advantages`` (each token its sample's advantage),
     ``old_logprobs`` (behaviour log-prob of token ``t``) and, with a KL term,
-    ``ref_logprobs``."""
+    ``ref_logprobs``; ``inv_lens`` (each response token ``1 / |o_i|``, its response's
+    length: what a per-sequence loss aggregation weighs and counts a token by) and, for
+    GSPO's sequence ratio, ``seq_logratios`` (each response token its response's
+    ``mean_t (log pi - log pi_old)``, detached)."""
 
     tokens: torch.Tensor
     document_ids: torch.Tensor
@@ -51,11 +56,14 @@ class PackedBatch:
     advantages: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    inv_lens: torch.Tensor | None = None
+    seq_logratios: torch.Tensor | None = None
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "PackedBatch":
         """The same rows with ``fn`` applied to every field present (moves, slices, pads)."""
         return PackedBatch(*(None if t is None else fn(t) for t in (
-            self.tokens, self.document_ids, self.loss_mask, self.advantages, self.old_logprobs, self.ref_logprobs)))
+            self.tokens, self.document_ids, self.loss_mask, self.advantages, self.old_logprobs, self.ref_logprobs,
+            self.inv_lens, self.seq_logratios)))
 
     def to(self, device) -> "PackedBatch":
         return self.map(lambda t: t.to(device))
@@ -74,16 +82,19 @@ def labels_of(batch: PackedBatch) -> LabelRows:
         return torch.where(same_doc, out, torch.full_like(x, fill))
 
     return LabelRows(nxt(batch.tokens), nxt(batch.loss_mask, False), nxt(batch.advantages),
-                     nxt(batch.old_logprobs), nxt(batch.ref_logprobs))
+                     nxt(batch.old_logprobs), nxt(batch.ref_logprobs), nxt(batch.inv_lens), nxt(batch.seq_logratios))
 
 
 class PolicyLoss(NamedTuple):
-    """A policy loss over the local tokens: ``loss_sum``, ``count`` (tokens it sums over)
-    and ``metric_sums`` (per-token quantities summed, reported divided by the global count)."""
+    """A policy loss over the local tokens: ``loss_sum``, ``count`` (tokens it sums over),
+    ``metric_sums`` (per-token quantities summed, reported divided by the global count) and
+    ``norm``, what the loss is divided by once summed over every rank and microbatch (None:
+    ``count``, a token mean; a per-sequence aggregation counts sequences)."""
 
     loss_sum: torch.Tensor
     count: torch.Tensor
     metric_sums: dict[str, torch.Tensor] = {}
+    norm: torch.Tensor | None = None
 
 
 # (logits [B, S, V], label-aligned rows: LabelRows or a CP shard's CPBatch) -> PolicyLoss

@@ -429,7 +429,8 @@ class CPBatch(LabelRows):
     sharding, so a next-token loss at local token ``i`` needs no communication:
     ``next_tokens`` (token ``i + 1``, 0 past the document's end), ``next_token_mask``
     (token ``i + 1`` exists and is in the loss mask), and the batch's ``advantages``,
-    ``old_logprobs``, ``ref_logprobs`` at ``i + 1`` (None when the batch has none). These
+    ``old_logprobs``, ``ref_logprobs``, ``inv_lens``, ``seq_logratios`` at ``i + 1`` (None
+    when the batch has none). These
     replace the ``[:, 1:]`` / ``[:, :-1]`` slicing of the unsharded losses.
     """
 
@@ -458,6 +459,8 @@ def shard_batch_for_cp(batch, group=None, *, row_len: int | None = None) -> tupl
         next_advantages=next_of(getattr(batch, "advantages", None)),
         next_old_logprobs=next_of(getattr(batch, "old_logprobs", None)),
         next_ref_logprobs=next_of(getattr(batch, "ref_logprobs", None)),
+        next_inv_lens=next_of(getattr(batch, "inv_lens", None)),
+        next_seq_logratios=next_of(getattr(batch, "seq_logratios", None)),
     )
     return cp_batch, shard
 

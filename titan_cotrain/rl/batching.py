@@ -24,7 +24,7 @@ import torch
 
 from titan_cotrain.data.batch import PackedBatch
 
-__all__ = ["Sample", "pack_rank_batch", "pack_samples"]
+__all__ = ["Sample", "pack_rank_batch", "pack_samples", "sequence_logratios"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,22 +32,28 @@ logger = logging.getLogger(__name__)
 @dataclass
 class Sample:
     """One rollout: ``prompt`` and ``response`` token ids, ``logprobs`` (behaviour
-    log-prob of each response token), its ``reward`` and group-normalised ``advantage``."""
+    log-prob of each response token), its ``reward`` and group-normalised ``advantage``;
+    ``trained``: False for a response the loss leaves out (``[rl] overlong = "mask"``)."""
 
     prompt: list[int]
     response: list[int]
     logprobs: list[float]
     reward: float
     advantage: float = 0.0
+    trained: bool = True
 
     def __len__(self) -> int:
         return len(self.prompt) + len(self.response)
 
 
 def pack_samples(
-    samples: list[Sample], seq_len: int, pad_id: int, rows_multiple_of: int = 1, pad_to: int = 1
+    samples: list[Sample], seq_len: int, pad_id: int, rows_multiple_of: int = 1, pad_to: int = 1,
+    inv_lens: bool = False,
 ) -> PackedBatch:
-    """Pack ``samples`` into ``[R, seq_len]`` rows (``R`` rounded up to ``rows_multiple_of``).
+    """Pack ``samples`` into ``[R, seq_len]`` rows (``R`` rounded up to ``rows_multiple_of``);
+    with ``inv_lens``, each response token also carries ``1 / len(response)`` (what a
+    per-sequence loss aggregation reads). A sample not ``trained`` keeps its tokens but has
+    no loss mask.
 
     Each sample's document spans its length rounded up to a multiple of ``pad_to`` (a
     divisor of ``seq_len``; ``2 cp`` under context parallelism, see the module docstring).
@@ -84,18 +90,36 @@ def pack_samples(
     loss_mask = torch.zeros(n_rows, seq_len, dtype=torch.bool)
     advantages = torch.zeros(n_rows, seq_len)
     old_logprobs = torch.zeros(n_rows, seq_len)
+    inverse_lens = torch.zeros(n_rows, seq_len) if inv_lens else None
     for r, row in enumerate(rows):
         pos = 0
         for doc, sample in enumerate(row):
             p, n = len(sample.prompt), len(sample)
             tokens[r, pos : pos + n] = torch.tensor(sample.prompt + sample.response)
             document_ids[r, pos : pos + span(sample)] = doc
-            loss_mask[r, pos + p : pos + n] = True
+            loss_mask[r, pos + p : pos + n] = sample.trained
             advantages[r, pos + p : pos + n] = sample.advantage
             old_logprobs[r, pos + p : pos + n] = torch.tensor(sample.logprobs, dtype=torch.float32)
+            if inverse_lens is not None and n > p:
+                inverse_lens[r, pos + p : pos + n] = 1.0 / (n - p)
             pos += span(sample)
         document_ids[r, pos:] = len(row)  # the padding tail is a document of its own
-    return PackedBatch(tokens, document_ids, loss_mask, advantages, old_logprobs)
+    return PackedBatch(tokens, document_ids, loss_mask, advantages, old_logprobs, inv_lens=inverse_lens)
+
+
+def sequence_logratios(batch: PackedBatch, logprobs: torch.Tensor) -> torch.Tensor:
+    """GSPO's per-response ``mean_t (logprobs - old_logprobs)`` over each response's loss
+    tokens, put on every one of them (``[B, S]``, 0 elsewhere): ``logprobs`` token-aligned
+    like ``batch.old_logprobs`` (the policy's, before the update)."""
+    mask = batch.loss_mask.float()
+    rows = torch.arange(batch.tokens.shape[0]).unsqueeze(1).expand_as(batch.document_ids)
+    segment = (rows * (int(batch.document_ids.max()) + 1) + batch.document_ids).flatten()
+    n_segments = int(segment.max()) + 1
+    delta = ((logprobs - batch.old_logprobs) * mask).flatten()
+    totals = delta.new_zeros(n_segments).index_add_(0, segment, delta)
+    counts = delta.new_zeros(n_segments).index_add_(0, segment, mask.flatten().to(delta))
+    means = totals / counts.clamp(min=1)
+    return means[segment].view_as(mask) * mask.to(means)
 
 
 def pack_rank_batch(samples: list[Sample], config, sync, step: int) -> PackedBatch:
@@ -109,7 +133,8 @@ def pack_rank_batch(samples: list[Sample], config, sync, step: int) -> PackedBat
     batch = error = None
     try:
         batch = pack_samples(samples, config.training.seq_len, pad_id=0,
-                             rows_multiple_of=config.rl.updates_per_step, pad_to=2 * cp if cp > 1 else 1)
+                             rows_multiple_of=config.rl.updates_per_step, pad_to=2 * cp if cp > 1 else 1,
+                             inv_lens=config.rl.loss_aggregation != "token_mean")
     except ValueError as e:  # nothing trainable on this rank
         error = str(e)
     # One collective: the most rows any rank packed, or every rank stops with the errors.

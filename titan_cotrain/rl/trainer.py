@@ -30,7 +30,7 @@ from titan_cotrain.parallel.engine_tp import engine_tp_mesh
 from titan_cotrain.parallel.parallelize import copy_shards, parallelize
 from titan_cotrain.parallel.pipeline import broadcast_state_dicts
 from titan_cotrain.parallel.rank_layout import describe_role, gpus_per_node, rank_layout
-from titan_cotrain.rl.batching import Sample, pack_rank_batch
+from titan_cotrain.rl.batching import Sample, pack_rank_batch, sequence_logratios
 from titan_cotrain.rl.draft_health import AcceptanceWatch, DraftCollapseWatch
 from titan_cotrain.rl.draft_vocab_setup import draft_vocab_from_generations, task_token_counts
 from titan_cotrain.rl.export import export_job
@@ -159,7 +159,9 @@ class Trainer:
             states["reference"] = titan.model_stateful(self.reference)
         self.update = build_update_step(config, models, self.policy_opt, self.draft_opt, self.device, run)
         rl = config.rl
-        self.rl_loss = ppo_loss(rl.clip_eps_low, rl.clip_eps_high, rl.kl_coef, ro.temperature, rl.tis_cap)
+        self.rl_loss = ppo_loss(rl.clip_eps_low, rl.clip_eps_high, rl.kl_coef, ro.temperature, rl.tis_cap,
+                                aggregation=rl.loss_aggregation, ratio_level=rl.ratio_level,
+                                max_new_tokens=ro.max_new_tokens)
         self.train_draft_in_rl = self.cotrain and not config.draft.freeze_after_sft
         self.state = TrainerState()
         states["trainer"] = self.state
@@ -194,7 +196,7 @@ class Trainer:
             prompt, response = self.problems.demonstration(rng, position)
             samples.append(Sample(prompt, response, [0.0] * len(response), 0.0))
         batch = pack_rank_batch(samples, self.config, self.sync, step)
-        batch.advantages = batch.old_logprobs = None
+        batch.advantages = batch.old_logprobs = batch.inv_lens = None
         return self.update.step(batch, next_token_loss, train_draft=self.cotrain, warm_start=True)
 
     def rl_step(self, step: int) -> dict[str, float]:
@@ -239,10 +241,16 @@ class Trainer:
 
     def pack(self, samples: list[Sample], step: int) -> PackedBatch:
         """``samples`` packed into this rank's rows (``pack_rank_batch``), with the KL
-        reference's log-probs when ``[rl] kl_coef`` asks for them."""
+        reference's log-probs when ``[rl] kl_coef`` asks for them and, for GSPO's sequence
+        ratio (``[rl] ratio_level = "sequence"``), each response's mean log-ratio of the policy
+        as the update starts to the behaviour (one no-grad forward of the policy)."""
         batch = pack_rank_batch(samples, self.config, self.sync, step)
+        temperature = self.config.rollout.temperature
         if self.reference is not None:
-            batch.ref_logprobs = reference_logprobs(self.reference, batch, self.device, self.config.rollout.temperature)
+            batch.ref_logprobs = reference_logprobs(self.reference, batch, self.device, temperature)
+        if self.config.rl.ratio_level == "sequence":
+            batch.seq_logratios = sequence_logratios(
+                batch, reference_logprobs(self.policy, batch, self.device, temperature))
         return batch
 
     def refresh_engine(self) -> None:

@@ -64,7 +64,7 @@ class CotrainLoss:
             self._heads[microbatch] = head_out
         loss = add_policy_sums(sums, head_out)
         if router_load is not None:
-            weighted = add_moe_aux_sums(sums, pooled_loss(router_load), head_out.policy.count)
+            weighted = add_moe_aux_sums(sums, pooled_loss(router_load), head_out.policy)
             if self.moe_aux_loss_weight:  # 0: logged only
                 loss = loss + self.moe_aux_loss_weight * weighted
         return loss

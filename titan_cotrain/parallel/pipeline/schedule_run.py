@@ -81,7 +81,7 @@ def _metric_names(p: Pipeline, policy_loss_fn: PolicyLossFn, draft_on: bool) -> 
     loss's (from a call on zero tokens), a mixture of experts' load-balancing loss and, with
     the draft, its per-pass ones."""
     empty = torch.zeros(1, 0)
-    rows = LabelRows(empty.long(), empty.bool(), empty, empty, empty)
+    rows = LabelRows(empty.long(), empty.bool(), empty, empty, empty, empty, empty)
     metric_sums = policy_loss_fn(torch.zeros(1, 0, 1), rows).metric_sums
     return metric_names(metric_sums, p.settings.ttt_steps if draft_on else None, moe_aux=p.loss.moe)
 

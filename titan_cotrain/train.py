@@ -8,6 +8,7 @@ under the scale simulator instead (``titan_cotrain.simulate.run``): one process,
 import os
 import sys
 
+import torch
 import torch.distributed as dist
 
 from titan_cotrain.components import titan
@@ -36,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         return _simulate(config, args)
     if config.simulate.check_at_start and _simulate(config, args, before_training=True):
         return 1
+    if config.debug.deterministic:  # torchtitan's key: torch's deterministic algorithms only
+        torch.use_deterministic_algorithms(True, warn_only=config.debug.deterministic_warn_only)
     world_size = init_distributed(config)
     rank = dist.get_rank() if dist.is_initialized() else 0
     succeeded = False

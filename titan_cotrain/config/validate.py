@@ -9,6 +9,7 @@ imports nothing above it.
 
 from collections.abc import Callable
 
+from titan_cotrain.config.torchtitan_keys import unhonoured_key_errors
 from titan_cotrain.models.build import resolve_model_args, resolve_tap_layers
 
 __all__ = ["config_check", "validate_job_config"]
@@ -175,7 +176,8 @@ def validate_job_config(config, world_size: int, source: str = "<config>") -> No
             )
     except ValueError as e:  # the model keys (models.build.resolve_*)
         errors.append(str(e))
-    errors += _draft_errors(config)
+    errors += _draft_errors(config) + _recipe_errors(config)
+    errors += unhonoured_key_errors(config, type(config)())
     for check in _CHECKS:
         errors += check(config, world_size)
     if errors:
@@ -199,4 +201,33 @@ def _draft_errors(config) -> list[str]:
         if missing:
             errors.append("draft.vocab_generations counts the policy's responses for a reduced draft vocabulary; "
                           f"it needs {', '.join(missing)}: set it to 0 otherwise")
+    return errors
+
+
+def _recipe_errors(config) -> list[str]:
+    """The RL recipe's settings that cannot go together (``docs/recipes.md``)."""
+    rl, ro, errors = config.rl, config.rollout, []
+    if rl.ratio_level == "sequence":
+        if rl.loss_aggregation != "seq_mean_token_mean":
+            errors.append(f'rl.ratio_level = "sequence" (GSPO) averages each response over its tokens: it needs '
+                          f'rl.loss_aggregation = "seq_mean_token_mean", got {rl.loss_aggregation!r}')
+        if rl.tis_cap:
+            errors.append('rl.ratio_level = "sequence" (GSPO) takes the ratio against the behaviour log-probs: '
+                          "set rl.tis_cap = 0")
+        if rl.updates_per_step != 1:
+            errors.append('rl.ratio_level = "sequence" (GSPO) measures each response\'s ratio once, before the '
+                          f"step's update: it needs rl.updates_per_step = 1, got {rl.updates_per_step}")
+        if config.parallelism.pipeline_parallel_degree > 1:
+            errors.append('rl.ratio_level = "sequence" (GSPO) is not supported with pipeline parallelism yet (its '
+                          "forward before the update is not split into stages)")
+    if rl.overlong == "soft" and not 1 <= rl.overlong_buffer <= ro.max_new_tokens:
+        errors.append(f'rl.overlong = "soft" penalises the last rl.overlong_buffer tokens of the budget: it must be '
+                      f"in [1, rollout.max_new_tokens = {ro.max_new_tokens}], got {rl.overlong_buffer}")
+    if rl.overlong != "soft" and rl.overlong_buffer:
+        errors.append(f'rl.overlong_buffer = {rl.overlong_buffer} is read only with rl.overlong = "soft" '
+                      f"(got {rl.overlong!r})")
+    if rl.dynamic_sampling_max_rounds < 0:
+        errors.append(f"rl.dynamic_sampling_max_rounds must be >= 0, got {rl.dynamic_sampling_max_rounds}")
+    if any(i < 0 for i in ro.stop_token_ids):
+        errors.append(f"rollout.stop_token_ids must be token ids (>= 0), got {ro.stop_token_ids}")
     return errors

@@ -1,6 +1,7 @@
 """The job's outputs on its logging rank (rank 0; under PP the last stage's rank of rank 0's
-column): TensorBoard, one JSON line per step in ``<dump_folder>/metrics.jsonl``, one console
-line per step, and the warnings. Other ranks' calls do nothing."""
+column): TensorBoard and one JSON line per step in ``<dump_folder>/metrics.jsonl``, a console
+line every ``[metrics] log_freq`` steps of a phase (and at its first and last step), and the
+warnings. Other ranks' calls do nothing."""
 
 import json
 import os
@@ -37,7 +38,8 @@ class JobLog:
             f.write(json.dumps({"step": step, "phase": phase.strip(), **metrics}) + "\n")
         sft_steps = self.config.task.sft_steps
         done, total = (step, sft_steps) if phase.strip() == "sft" else (step - sft_steps, self.config.training.steps)
-        print(step_line(phase, done, total, metrics), flush=True)
+        if done in (1, total) or done % max(self.config.metrics.log_freq, 1) == 0:
+            print(step_line(phase, done, total, metrics), flush=True)
 
     def close(self) -> None:
         if self.tb is not None:

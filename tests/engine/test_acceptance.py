@@ -10,15 +10,12 @@ exactly, round for round, on every engine path. Losslessness and greedy equality
 (``test_rollout.py``) hold whatever the draft computes; this is the test that notices a
 draft fed the wrong keys (e.g. samples of a shared prompt reading a stale block).
 
-The pair is the rollout benchmark's (``scripts/bench_rollout.py``): a target fitted to a
+The pair is the rollout benchmark's (``fitted_pair``, ``conftest.py``): a target fitted to a
 phrase language and a draft fitted to it by TTT, so that acceptance is high and any wrong
 key shows.
 """
 
 import functools
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -32,18 +29,8 @@ from titan_cotrain.engine.kv_budget import kv_bytes_per_sequence
 from titan_cotrain.engine.rollout import RolloutEngine
 from titan_cotrain.engine.sampling import SamplingParams
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 VOCAB, K_MAX, NEW_TOKENS, SEQ_LEN = 128, 6, 40, 64
 PARAMS = SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS)
-
-
-def _bench_rollout():
-    sys.path.insert(0, str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location("bench_rollout", SCRIPTS / "bench_rollout.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_rollout"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 class TracingEngine(RolloutEngine):
@@ -61,24 +48,6 @@ class TracingEngine(RolloutEngine):
         accepted = super()._speculative_round(seqs, *args, **kwargs)
         self.rounds.append((out_row, anchor, accepted[active].clone()))
         return accepted
-
-
-@pytest.fixture(scope="module")
-def pair(one_intra_op_thread):
-    """``(target, draft, prompts)``: the fitted pair and 8 prompts of 5-14 tokens (ending
-    inside blocks of 4 and 16)."""
-    bench = _bench_rollout()
-    g = torch.Generator().manual_seed(0)
-    language = bench.PhraseLanguage(VOCAB, 16, seed=0)
-    target = Transformer(model_args_for("llama3", "debugmodel").replace(vocab_size=VOCAB))
-    target.init_weights(generator=torch.Generator().manual_seed(0))
-    bench.fit_target(target, language, 40, g)
-    draft = Draft(DraftArgs.from_target(target.args, n_taps=3))
-    draft.init_weights(generator=torch.Generator().manual_seed(1))
-    engine = RolloutEngine(target, draft, max_batch_size=64, max_seq_len=bench.TRAIN_NEW_TOKENS + 16,
-                           max_draft_tokens=K_MAX)
-    bench.fit_draft(draft, target, engine, language, 40, K_MAX, g)
-    return target.eval(), draft.eval(), language.prompts(8, g, lengths=(5, 14))
 
 
 def unroll_correct(target: Transformer, draft: Draft, sequences: list[torch.Tensor], depth: int) -> list[torch.Tensor]:
@@ -155,8 +124,8 @@ def _engine(target, draft, engine_kwargs: dict, cls=TracingEngine, **extra) -> R
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_engine_acceptance_is_the_ttt_accuracy(pair, case):
-    target, draft, prompts = pair
+def test_engine_acceptance_is_the_ttt_accuracy(fitted_pair, case):
+    target, draft, prompts = fitted_pair
     engine_kwargs, samples, k = CASES[case]
     engine = _engine(target, draft, engine_kwargs)
     out = engine.generate(prompts, PARAMS, samples_per_prompt=samples, draft_tokens=k)
@@ -169,10 +138,10 @@ def test_engine_acceptance_is_the_ttt_accuracy(pair, case):
     assert mean_accepted > 0.6 * k, f"the fitted draft accepts only {mean_accepted:.2f} of {k} per round"
 
 
-def test_acceptance_survives_a_dirty_pool(pair):
+def test_acceptance_survives_a_dirty_pool(fitted_pair):
     """A second call on the same engine (pools holding the first call's keys) accepts what a
     fresh engine does: nothing a rollout leaves behind is read by the next."""
-    target, draft, prompts = pair
+    target, draft, prompts = fitted_pair
     engine = _engine(target, draft, dict(block_size=4))
     engine.generate(prompts[::-1], PARAMS, samples_per_prompt=8, draft_tokens=3)
     out = engine.generate(prompts, PARAMS, samples_per_prompt=8, draft_tokens=3)
@@ -183,11 +152,11 @@ def test_acceptance_survives_a_dirty_pool(pair):
     assert out.stats.acceptance_length == again.stats.acceptance_length
 
 
-def test_compiled_engine_acceptance_is_the_ttt_accuracy(pair, monkeypatch):
+def test_compiled_engine_acceptance_is_the_ttt_accuracy(fitted_pair, monkeypatch):
     """The compiled engine's own schedule (every row decoded, whole-sequence block tables,
     free rows riding along) under dynamo. Its ``eager`` backend keeps this to seconds on CPU;
     inductor's kernels are ``tests/parallel/test_compile.py``'s subject."""
-    target, draft, prompts = pair
+    target, draft, prompts = fitted_pair
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
     engine = _engine(target, draft, dict(block_size=4, max_batch_size=16), compile=True)
     out = engine.generate(prompts[:4], PARAMS, samples_per_prompt=4, draft_tokens=2)
@@ -208,9 +177,9 @@ def _tp_acceptance(rank: int, world_size: int, states, prompts) -> None:
 
 
 @pytest.mark.parametrize("world_size", [2, 4], ids=["kv_heads_split", "kv_heads_replicated"])
-def test_tensor_parallel_engine_acceptance_is_the_ttt_accuracy(pair, world_size):
+def test_tensor_parallel_engine_acceptance_is_the_ttt_accuracy(fitted_pair, world_size):
     """2 ranks split the debug model's 2 KV heads; 4 ranks compute each on two of them, from
     whole k/v projections: either way the draft reads the keys the training code's taps saw."""
-    target, draft, prompts = pair
+    target, draft, prompts = fitted_pair
     assert target.args.n_kv_heads == 2
     run_on_ranks(_tp_acceptance, world_size, (target.state_dict(), draft.state_dict()), prompts[:4])

@@ -4,6 +4,7 @@ weight refresh, an engine built from FSDP-sharded models; the first, the second 
 for a mixture-of-experts policy too. Memory (engine copies, KV budget,
 waves, decode attention off CPU): ``test_engine_memory.py``."""
 
+import dataclasses
 import math
 
 import pytest
@@ -201,7 +202,8 @@ def _first_tokens_test(params: SamplingParams, k: int, n_samples: int, per_round
                        pool_sequences: int = 0, flavor=DENSE) -> float:
     """P-value of "the first ``1 + (k + 1)`` response tokens of speculative sampling follow the
     target's exact joint distribution", on a 5-token vocabulary with a 4-token draft
-    vocabulary (token 0 can only come from a residual or a bonus draw). ``per_round``: the
+    vocabulary (token 0 can only come from a residual or a bonus draw). A response cut at a
+    stop token of ``params`` is one cell, whatever the continuations after it. ``per_round``: the
     engine's per-round choice of ``k`` (``draft_tokens``), else ``k`` every round.
     ``pool_sequences``: a KV pool of that many sequences at their longest, for 16 rows, so
     that sequences are preempted and recomputed (0: blocks for every row). ``flavor``: the
@@ -216,7 +218,10 @@ def _first_tokens_test(params: SamplingParams, k: int, n_samples: int, per_round
         logits = target.forward_cached(seqs, target.new_kv_pool(len(grid), seqs.shape[1]).rows(0, len(grid)),
                                        torch.zeros(len(grid), dtype=torch.int64))[:, len(prompt) - 1: -1]
     logp = processed_logits(logits, params).log_softmax(-1).gather(-1, grid.unsqueeze(-1)).squeeze(-1)
-    exact = logp.sum(-1).exp()
+    stop = torch.isin(grid, torch.tensor(params.stops, dtype=torch.int64)).long()
+    response = grid * ((stop.cumsum(-1) - stop) == 0)  # zeros after the first stop token, as the engine pads
+    place = vocab ** torch.arange(m - 1, -1, -1)
+    exact = torch.zeros(vocab**m, dtype=logp.dtype).index_add_(0, (response * place).sum(-1), logp.sum(-1).exp())
 
     # Groups of 100 samples sharing their prompt's first block (blocks of 2 positions), a
     # running batch of a fifth of them: copy-on-write and continuous batching are in the path.
@@ -227,13 +232,13 @@ def _first_tokens_test(params: SamplingParams, k: int, n_samples: int, per_round
                                                         torch.float32) / 2**30
     engine = RolloutEngine(target, draft, max_batch_size=rows, max_seq_len=len(prompt) + m,
                            max_draft_tokens=k, block_size=2, kv_cache_gib=budget)
-    params = SamplingParams(params.temperature, params.top_k, params.top_p, max_new_tokens=m)
+    params = dataclasses.replace(params, max_new_tokens=m)
     out = engine.generate([prompt] * (n_samples // 100), params, samples_per_prompt=100,
                           generator=torch.Generator().manual_seed(0), draft_tokens=per_round)
     assert min(out.stats.acceptance_rate) > 0.1  # drafts are accepted and rejected: the rule matters
     assert (out.stats.preemptions > 0) == bool(pool_sequences)
-    cell = (out.tokens * vocab ** torch.arange(m - 1, -1, -1)).sum(-1)
-    return _chi_square_p_value(torch.bincount(cell, minlength=vocab**m), exact)
+    assert not params.stops or out.finished.float().mean() > 0.25  # stops cut a good share of responses
+    return _chi_square_p_value(torch.bincount((out.tokens * place).sum(-1), minlength=vocab**m), exact)
 
 
 @pytest.mark.parametrize("params, flavor", [(SamplingParams(temperature=1.0), DENSE),

@@ -32,12 +32,14 @@ class Generation:
     blocks: it holds each prompt ``G`` times, ``samples = 1``). ``k``: the most tokens a round
     drafts; the draft follows the whole call when it is not 0 (``drafting``), and ``choose``
     (None: every round drafts ``k``) picks each round's ``k`` from its live sequences.
-    ``draft_to_target [V_draft]``: target id of each draft id. ``scheduler`` holds the rows, the
-    queue and the blocks (host), ``seqs`` the rows' decoding state and the outputs (device),
-    ``counters`` what the rounds measured. ``progress(finished, total)`` is told after every
-    round."""
+    ``stops: int64 [n_stop]``: ``params.stops`` on the device (made once per call), the ids
+    that end a sequence. ``draft_to_target [V_draft]``: target id of each draft id.
+    ``scheduler`` holds the rows, the queue and the blocks (host), ``seqs`` the rows' decoding
+    state and the outputs (device), ``counters`` what the rounds measured.
+    ``progress(finished, total)`` is told after every round."""
 
     params: SamplingParams
+    stops: torch.Tensor
     generator: torch.Generator | None
     prompt: torch.Tensor
     prompt_lens: torch.Tensor
@@ -215,7 +217,9 @@ class Rollouts:
     log-probability of ``tokens[b, t]``: the target's, under the processed logits it was
     sampled from (temperature, top-k, top-p; temperature 1 when greedy), whether the token
     was drafted and accepted or drawn by the target. ``finished[b]``: the response ended
-    with EOS (else it ran out of ``max_new_tokens``).
+    at a stop token, the EOS or one of ``stop_token_ids`` (else it ran out of
+    ``max_new_tokens``); the stop token is its last, ``tokens[b, response_lens[b] - 1]``,
+    which tells the stop reasons apart.
     """
 
     prompt_lens: torch.Tensor

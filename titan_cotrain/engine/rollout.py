@@ -414,6 +414,9 @@ class RolloutEngine:
             raise ValueError(f"draft_tokens must be in 0..{self.max_draft_tokens} for this engine, got {k}")
         if samples_per_prompt < 1:
             raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
+        vocab = self.policy.args.vocab_size
+        if outside := [t for t in params.stop_token_ids if t >= vocab]:
+            raise ValueError(f"stop_token_ids {outside} are outside the policy's vocabulary of {vocab} tokens")
         prompt, prompt_lens = _pad_prompts(prompts)
         if prompt.shape[1] + params.max_new_tokens > self.max_seq_len:
             raise ValueError(f"longest prompt ({prompt.shape[1]}) + max_new_tokens ({params.max_new_tokens}) "
@@ -432,8 +435,9 @@ class RolloutEngine:
                                 width=min(self.max_batch_size, total))
         seqs = Sequences.start(self.max_batch_size, total, params.max_new_tokens, k,
                                self.draft.args.dim if k else 0, self.device, self.policy.embed_tokens.weight.dtype)
-        return Generation(params, generator, prompt, prompt_lens, samples, k, choose, draft_to_target, scheduler,
-                          seqs, counters, progress)
+        stops = torch.tensor(params.stops, dtype=torch.int64, device=self.device)
+        return Generation(params, stops, generator, prompt, prompt_lens, samples, k, choose, draft_to_target,
+                          scheduler, seqs, counters, progress)
 
     def step(self, call: Generation) -> None:
         """One decoding round of ``call``, as a serving engine steps: schedule, run, postprocess."""
@@ -487,11 +491,10 @@ class RolloutEngine:
         when the draft follows the call, else a plain decoding step, over the round's rows."""
         running = call.seqs.head(round_.rows)
         if call.drafting:
-            self._speculative_round(running, round_.k, call.params, call.generator, round_.target_cache,
-                                    round_.draft_cache, call.draft_to_target, call.counters)
+            self._speculative_round(running, call, round_)
         else:
             with call.counters.timed("verify"):
-                self._decode_one_token(running, call.params, call.generator, round_.target_cache, call.counters)
+                self._decode_one_token(running, call, round_.target_cache)
         call.seqs.absorb(running)
 
     def postprocess(self, call: Generation, round_: Round) -> None:
@@ -576,7 +579,7 @@ class RolloutEngine:
         slots = [s for group_slots in admitted.slots for s in group_slots]
         rows = torch.tensor(slots, device=device)
         seqs.admit(rows, torch.tensor(scheduler.output_rows(slots), device=device), lens[group])
-        self._commit(seqs, *seqs.new_tokens(rows, token, logprob.squeeze(-1)), params)
+        self._commit(seqs, *seqs.new_tokens(rows, token, logprob.squeeze(-1)), params.max_new_tokens, call.stops)
         if not drafting:
             return
         taps = torch.cat(out.taps, -1)
@@ -631,22 +634,23 @@ class RolloutEngine:
             hidden = self.draft.extend(torch.cat(out.taps, -1), self._draft_embed(tokens[:, 1:]), zeros, cache)
             seqs.draft_hidden[rows] = hidden[torch.arange(m, device=device), lengths - 2]
 
-    def _decode_one_token(self, seqs: Sequences, params: SamplingParams, generator, target_cache: PagedKV | RowsKV,
-                          counters: StepCounters) -> None:
-        """Plain decoding: feed ``x_{n-1}`` to the target and sample ``x_n``."""
+    def _decode_one_token(self, seqs: Sequences, call: Generation, target_cache: PagedKV | RowsKV) -> None:
+        """Plain decoding of ``call``'s rows ``seqs``: feed ``x_{n-1}`` to the target and sample ``x_n``."""
+        params = call.params
         logits = self._target_step(seqs.last_token.unsqueeze(1), target_cache, seqs.length - 1)
         logits = processed_logits(logits[:, 0], params)
-        token = draw(logits, params, generator)
+        token = draw(logits, params, call.generator)
         logprob = logits.log_softmax(-1).gather(-1, token.unsqueeze(-1))
-        counters.record(torch.zeros_like(token), seqs.active, seqs.response_len)
-        self._commit(seqs, token.unsqueeze(-1), logprob, torch.ones_like(token), params)
+        call.counters.record(torch.zeros_like(token), seqs.active, seqs.response_len)
+        self._commit(seqs, token.unsqueeze(-1), logprob, torch.ones_like(token), params.max_new_tokens, call.stops)
 
-    def _speculative_round(self, seqs: Sequences, k: int, params: SamplingParams, generator,
-                           target_cache: PagedKV | RowsKV, draft_cache: DraftKVCache, draft_to_target: torch.Tensor,
-                           counters: StepCounters) -> torch.Tensor:
-        """Draft ``k`` tokens, verify them in one target forward, commit ``a + 1``, catch up
-        (``k = 0``: a plain decoding step whose taps the draft catches up over). Returns ``a [B]``, the drafted tokens each row accepted (before an EOS or the length
-        limit cut them)."""
+    def _speculative_round(self, seqs: Sequences, call: Generation, round_: Round) -> torch.Tensor:
+        """``round_`` over ``call``'s rows ``seqs``: draft ``k`` tokens, verify them in one target
+        forward, commit ``a + 1``, catch up (``k = 0``: a plain decoding step whose taps the
+        draft catches up over). Returns ``a [B]``, the drafted tokens each row accepted (before
+        a stop token or the length limit cut them)."""
+        k, params, generator, counters = round_.k, call.params, call.generator, call.counters
+        target_cache, draft_cache, draft_to_target = round_.target_cache, round_.draft_cache, call.draft_to_target
         b = seqs.length.shape[0]
         rows = torch.arange(b, device=seqs.length.device)
         anchor = seqs.length - 2
@@ -681,7 +685,7 @@ class RolloutEngine:
             candidates[rows, n_accepted] = next_token
             logprobs = logits.log_softmax(-1).gather(-1, candidates.unsqueeze(-1)).squeeze(-1)
             counters.record(n_accepted, seqs.active, seqs.response_len)
-            self._commit(seqs, candidates, logprobs, n_accepted + 1, params)
+            self._commit(seqs, candidates, logprobs, n_accepted + 1, params.max_new_tokens, call.stops)
         with counters.timed("draft"):
             hidden = self._draft_extend(torch.cat(out.taps, -1), self._draft_embed(candidates), start, draft_cache)
             seqs.draft_hidden = hidden[rows, n_accepted]
@@ -693,18 +697,18 @@ class RolloutEngine:
 
     @staticmethod
     def _commit(seqs: Sequences, candidates: torch.Tensor, logprobs: torch.Tensor, n_new: torch.Tensor,
-                params: SamplingParams) -> None:
+                max_new_tokens: int, stops: torch.Tensor) -> None:
         """Append the first ``n_new[b]`` of ``candidates [B, s]`` (with ``logprobs``) to every
-        active sequence, cut after an EOS and at ``max_new_tokens``; retire finished ones."""
+        active sequence, cut after its first stop token (any of ``stops [n_stop]``: a drafted
+        token too, which drops the accepted ones after it) and at ``max_new_tokens``; mark
+        the sequences that stopped finished and the ones that are done inactive."""
         s = candidates.shape[1]
         j = torch.arange(s, device=candidates.device)
-        keep = (j < n_new.unsqueeze(1)) & (j < (params.max_new_tokens - seqs.response_len).unsqueeze(1))
-        hit_eos = torch.zeros_like(seqs.active)
-        if params.eos_token_id is not None:
-            eos = keep & (candidates == params.eos_token_id)
-            hit_eos = eos.any(1)
-            first_eos = torch.where(hit_eos, eos.long().argmax(1), s)
-            keep &= j <= first_eos.unsqueeze(1)
+        keep = (j < n_new.unsqueeze(1)) & (j < (max_new_tokens - seqs.response_len).unsqueeze(1))
+        stop = keep & torch.isin(candidates, stops)
+        stopped = stop.any(1)
+        first_stop = torch.where(stopped, stop.long().argmax(1), s)
+        keep &= j <= first_stop.unsqueeze(1)
         keep &= seqs.active.unsqueeze(1)
         n_kept = keep.sum(1)
         # Columns past n_kept hold junk that a later round overwrites or the mask drops; free
@@ -717,5 +721,5 @@ class RolloutEngine:
                                       .squeeze(1), seqs.last_token)
         seqs.response_len += n_kept
         seqs.length += n_kept
-        seqs.finished |= hit_eos & seqs.active
-        seqs.active &= ~hit_eos & (seqs.response_len < params.max_new_tokens)
+        seqs.finished |= stopped & seqs.active
+        seqs.active &= ~stopped & (seqs.response_len < max_new_tokens)

@@ -34,6 +34,8 @@ class SamplingParams:
     ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` switch those filters
     off. Generation of a sequence stops after ``eos_token_id`` or any of ``stop_token_ids``
     (the stop token is kept in the response) or after ``max_new_tokens`` tokens.
+    ``stop_token_ids`` are non-negative token ids (any iterable of them; kept as a tuple); the
+    engine refuses ids outside its policy's vocabulary.
     """
 
     temperature: float = 1.0
@@ -52,10 +54,20 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative int token ids, got {self.stop_token_ids}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def stops(self) -> tuple[int, ...]:
+        """Every token id that ends a sequence: ``eos_token_id`` (when set), then
+        ``stop_token_ids``, each once."""
+        eos = () if self.eos_token_id is None else (self.eos_token_id,)
+        return tuple(dict.fromkeys(eos + self.stop_token_ids))
 
 
 def processed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -41,6 +41,7 @@ from titan_cotrain.parallel.context_parallel import (
     shard_batch_for_cp,
     shard_packed_rows,
 )
+from titan_cotrain.parallel.cp_dispatch import cp_dispatch, cp_dispatch_is_on
 
 DOC_LENGTHS = [[13, 1, 30, 5, 19], [40, 3, 25]]  # two rows of S = 68
 SEQ_LEN = 68
@@ -100,12 +101,14 @@ def cp_forward_backward(policy, draft, batch, group):
     context-parallel forward."""
     mesh = _cp_mesh(group)
     apply_context_parallel(mesh, policy, draft)
-    metrics = forward_backward(policy, draft, batch, next_token_loss, ttt_steps=TTT_STEPS, pass_decay=PASS_DECAY,
-                               draft_loss_weight=DRAFT_WEIGHT, group=group,
-                               prepare=partial(prepare_cp_microbatch, group=mesh))
-    with torch.no_grad():
-        cp_batch, shard = shard_batch_for_cp(batch, mesh)
-        logits = shard.unshard(policy(cp_batch.tokens, cu_seqlens=shard.cu_seqlens, positions=shard.positions))
+    with cp_dispatch():  # as the trainer's update runs it (ParallelModels.forward_scope)
+        metrics = forward_backward(policy, draft, batch, next_token_loss, ttt_steps=TTT_STEPS,
+                                   pass_decay=PASS_DECAY, draft_loss_weight=DRAFT_WEIGHT, group=group,
+                                   prepare=partial(prepare_cp_microbatch, group=mesh))
+        with torch.no_grad():
+            cp_batch, shard = shard_batch_for_cp(batch, mesh)
+            logits = shard.unshard(policy(cp_batch.tokens, cu_seqlens=shard.cu_seqlens, positions=shard.positions))
+    assert not cp_dispatch_is_on()  # the switch is undone after the block
     return metrics, logits
 
 
@@ -236,8 +239,6 @@ def check_dtensor_dispatch(group, refs):
     """The model's own ops on DTensor Shard(seq) inputs, routed by torch's CP dispatcher."""
     from torch.distributed.tensor import DTensor, Shard
 
-    from titan_cotrain.parallel.cp_dispatch import enable_cp_dispatch
-
     mesh = _cp_mesh(group)
     shard = shard_packed_rows(_document_ids(), mesh)
     inputs, cotangent = _packed_qkv(seed=20, branch_sets=2)
@@ -248,11 +249,12 @@ def check_dtensor_dispatch(group, refs):
     local += [torch.stack([shard.shard(xp) for xp in x]).flatten(1, 2).requires_grad_() for x in inputs[3:]]
     dtensors = [DTensor.from_local(x, mesh, [Shard(0 if i < 3 else 1)], run_check=False) for i, x in enumerate(local)]
     valid = shard.valid.flatten()[:, None, None]
-    enable_cp_dispatch()
-    out = branch_attention(*dtensors, shard.cu_seqlens)
-    assert isinstance(out, DTensor) and out.placements == (Shard(0),)
-    out.to_local().backward(shard.shard(cotangent).flatten(0, 1) * valid)
-    trunk = varlen_causal_attention(*dtensors[:3], shard.cu_seqlens)
+    with cp_dispatch():
+        out = branch_attention(*dtensors, shard.cu_seqlens)
+        assert isinstance(out, DTensor) and out.placements == (Shard(0),)
+        out.to_local().backward(shard.shard(cotangent).flatten(0, 1) * valid)
+        trunk = varlen_causal_attention(*dtensors[:3], shard.cu_seqlens)
+    assert not cp_dispatch_is_on()
     want = shard.shard(ref.detach().view(2, SEQ_LEN, 4, 8)).flatten(0, 1)
     torch.testing.assert_close(out.to_local() * valid, want, **TOL)
     for x, x_full in zip(local[:3], full[:3]):
@@ -384,14 +386,15 @@ def _w1_check(rank: int, world_size: int, refs) -> None:
     cp_batch, shard = shard_batch_for_cp(_batch(), mesh)
     assert shard.world == 1 and shard.row_len > SEQ_LEN  # documents padded to even lengths
     b, n = cp_batch.tokens.shape
-    out = policy(cp_batch.tokens, cu_seqlens=shard.cu_seqlens, positions=shard.positions, return_taps=True)
+    with cp_dispatch():
+        out = policy(cp_batch.tokens, cu_seqlens=shard.cu_seqlens, positions=shard.positions, return_taps=True)
+        stats = ttt_unroll(
+            draft, taps=torch.cat(out.taps, -1).reshape(b * n, -1), embeddings=out.embeddings.reshape(b * n, -1),
+            tokens=cp_batch.tokens.reshape(-1), positions=shard.positions.reshape(-1), cu_seqlens=shard.cu_seqlens,
+            teacher_logits=out.logits.reshape(b * n, -1), loss_region=cp_batch.loss_mask.reshape(-1),
+            ttt_steps=TTT_STEPS, shift=shard.ttt_halo(TTT_STEPS),
+        )
     torch.testing.assert_close(shard.unshard(out.logits.detach()), refs["logits"], **TOL_FP64)
-    stats = ttt_unroll(
-        draft, taps=torch.cat(out.taps, -1).reshape(b * n, -1), embeddings=out.embeddings.reshape(b * n, -1),
-        tokens=cp_batch.tokens.reshape(-1), positions=shard.positions.reshape(-1), cu_seqlens=shard.cu_seqlens,
-        teacher_logits=out.logits.reshape(b * n, -1), loss_region=cp_batch.loss_mask.reshape(-1),
-        ttt_steps=TTT_STEPS, shift=shard.ttt_halo(TTT_STEPS),
-    )
     assert stats.count.float().tolist() == refs["count"]
 
 
@@ -440,3 +443,19 @@ def test_cp_dispatch_refuses_unsupported_torch():
         check_torch_version(supported)
     with pytest.raises(RuntimeError, match="found torch 2.10.1"):
         check_torch_version("2.10.1")
+
+
+def test_the_cp_dispatcher_is_on_only_inside_its_block():
+    """``cp_dispatch()`` turns torch's process-wide CP dispatcher on for its block, nests, and
+    leaves it as it found it (off), also when the block raises."""
+    assert not cp_dispatch_is_on()
+    with cp_dispatch():
+        assert cp_dispatch_is_on()
+        with cp_dispatch():
+            assert cp_dispatch_is_on()
+        assert cp_dispatch_is_on()  # the inner block does not switch the outer one off
+    assert not cp_dispatch_is_on()
+    with pytest.raises(RuntimeError, match="inside"):
+        with cp_dispatch():
+            raise RuntimeError("inside")
+    assert not cp_dispatch_is_on()

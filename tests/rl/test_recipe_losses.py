@@ -150,16 +150,22 @@ def _single_device(aggregation: str):
 
 
 def _cp_rank(rank, world_size, references):
-    from titan_cotrain.parallel.context_parallel import apply_context_parallel, init_cp_mesh, prepare_cp_microbatch
+    from titan_cotrain.parallel.context_parallel import (
+        apply_context_parallel,
+        cp_forward_scope,
+        init_cp_mesh,
+        prepare_cp_microbatch,
+    )
 
     mesh = init_cp_mesh(world_size)
     group = mesh.get_group()
     for aggregation, (ref_metrics, ref_grads) in references.items():
         policy = _policy()
         apply_context_parallel(mesh, policy)
-        metrics = forward_backward(policy, None, _cp_batch(), ppo_loss(0.2, 0.28, aggregation=aggregation,
-                                                                       max_new_tokens=MAX_NEW),
-                                   group=group, prepare=partial(prepare_cp_microbatch, group=mesh), **STEP)
+        with cp_forward_scope():
+            metrics = forward_backward(policy, None, _cp_batch(), ppo_loss(0.2, 0.28, aggregation=aggregation,
+                                                                           max_new_tokens=MAX_NEW),
+                                       group=group, prepare=partial(prepare_cp_microbatch, group=mesh), **STEP)
         for key, value in ref_metrics.items():
             torch.testing.assert_close(metrics[key], value, rtol=1e-5, atol=1e-6, msg=f"{aggregation} {key}")
         for name, param in policy.named_parameters():

@@ -217,9 +217,9 @@ def _recipe_errors(config) -> list[str]:
         if rl.updates_per_step != 1:
             errors.append('rl.ratio_level = "sequence" (GSPO) measures each response\'s ratio once, before the '
                           f"step's update: it needs rl.updates_per_step = 1, got {rl.updates_per_step}")
-        if config.parallelism.pipeline_parallel_degree > 1:
-            errors.append('rl.ratio_level = "sequence" (GSPO) is not supported with pipeline parallelism yet (its '
-                          "forward before the update is not split into stages)")
+        if config.parallelism.pipeline_parallel_degree > 1 or config.parallelism.context_parallel_degree > 1:
+            errors.append('rl.ratio_level = "sequence" (GSPO) is not supported with pipeline or context '
+                          "parallelism yet (its forward before the update runs on whole rows of the unsplit policy)")
     if rl.overlong == "soft" and not 1 <= rl.overlong_buffer <= ro.max_new_tokens:
         errors.append(f'rl.overlong = "soft" penalises the last rl.overlong_buffer tokens of the budget: it must be '
                       f"in [1, rollout.max_new_tokens = {ro.max_new_tokens}], got {rl.overlong_buffer}")

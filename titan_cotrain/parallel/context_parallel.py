@@ -4,9 +4,10 @@ shard of a batch, its inverse, and the TTT halo.
 Applying it (``apply_context_parallel``, called by ``parallel.parallelize``): every attention
 module of the policy and the draft (``ops.VarlenAttention``, ``ops.BranchAttention``) is
 hooked with the ``RingAttention`` parallel style, torch's ``parallelize_module`` way, and
-torch's CP dispatcher is turned on with our ring handlers (``parallel.cp_dispatch``): the
-hooked modules' inputs become DTensors sharded on the token dimension, the dispatcher routes
-their attention op to the ring, and the outputs come back as local tensors. The model code
+our ring handlers join torch's CP dispatcher, which the update turns on around its
+forward-backward (``parallel.cp_dispatch.cp_dispatch``): the hooked modules' inputs become
+DTensors sharded on the token dimension, the dispatcher routes their attention op to the
+ring, and the outputs come back as local tensors. The model code
 never asks whether it runs sharded. ``prepare_cp_microbatch`` is the matching data side:
 host rows in, this rank's shard of a ``Microbatch`` out, with the TTT halo as its shift.
 
@@ -106,19 +107,29 @@ class RingAttention(ParallelStyle):
 def apply_context_parallel(cp_mesh, *models: nn.Module | None) -> None:
     """Context parallelism over the 1-D ``cp_mesh`` for ``models`` (the policy, the draft; None
     skipped): every ``VarlenAttention`` / ``BranchAttention`` inside gets the ``RingAttention``
-    style and torch's CP dispatcher is turned on with our ring handlers, for good (as
-    torchtitan's ``apply_cp_to_attention_module``). From then on these models take this rank's
-    zigzag shard (``prepare_cp_microbatch``) in every packed forward; models left out (the KL
-    reference, the rollout engine's copies) attend locally."""
-    from titan_cotrain.parallel.cp_dispatch import enable_cp_dispatch
+    style and our ring handlers join torch's CP handler table. From then on these models take
+    this rank's zigzag shard (``prepare_cp_microbatch``) in every packed forward, run inside
+    ``parallel.cp_dispatch.cp_dispatch()`` (the update's forward-backward: torch's CP
+    dispatcher is on for that block only); models left out (the KL reference, the rollout
+    engine's copies) attend locally."""
+    from titan_cotrain.parallel.cp_dispatch import register_cp_handlers
 
-    enable_cp_dispatch()
+    register_cp_handlers()
     for model in models:
         if model is None:
             continue
         for module in model.modules():
             if isinstance(module, (VarlenAttention, BranchAttention)):
                 parallelize_module(module, cp_mesh, RingAttention())
+
+
+def cp_forward_scope():
+    """The block a context-parallel model's forward-backward runs in (torch's CP dispatcher
+    on, ``parallel.cp_dispatch.cp_dispatch``): ``ParallelModels.forward_scope`` and the
+    pipeline's under CP."""
+    from titan_cotrain.parallel.cp_dispatch import cp_dispatch
+
+    return cp_dispatch()
 
 
 def check_cp_degree(cp_degree: int, world_size: int) -> None:

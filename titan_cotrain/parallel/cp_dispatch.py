@@ -26,6 +26,8 @@ it checks the torch version at import.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 SUPPORTED_TORCH = ("2.11", "2.12", "2.13")
@@ -57,7 +59,7 @@ from titan_cotrain.ops.ring_attention import (  # noqa: E402
     ring_name,
 )
 
-__all__ = ["check_torch_version", "enable_cp_dispatch", "register_cp_handlers"]
+__all__ = ["check_torch_version", "cp_dispatch", "cp_dispatch_is_on", "register_cp_handlers"]
 
 aten = torch.ops.aten
 
@@ -192,15 +194,34 @@ def register_cp_handlers() -> None:
 
     handlers = _handlers()
     _torch_cp.custom_ops.update(handlers)
-    live = DTensor._op_dispatcher._custom_op_handlers
-    if live is not _torch_cp.existing_custom_ops:  # CP is on right now
-        live.update(handlers)
+    if cp_dispatch_is_on():
+        DTensor._op_dispatcher._custom_op_handlers.update(handlers)
 
 
-def enable_cp_dispatch() -> None:
-    """Register our handlers and turn torch's CP dispatcher on, for good (torchtitan's
-    ``apply_cp_to_attention_module`` does the same for SDPA). Only DTensor inputs reach the
-    handlers, so attention on plain tensors (the reference model, the rollout engine) is
-    unaffected. Idempotent."""
+@contextlib.contextmanager
+def cp_dispatch():
+    """Torch's CP dispatcher on, with our handlers registered, for the block; off again after
+    the outermost block (re-entrant), so the switch never outlives the forward-backward that
+    needs it (torchtitan's ``apply_cp_to_attention_module`` turns it on for good). The
+    handlers see DTensor inputs only, so attention on plain tensors inside the block (the
+    reference model, the rollout engine) is unaffected; outside it, a CP-hooked model's
+    forward fails in DTensor's dispatcher instead of running a wrong attention."""
+    global _depth
     register_cp_handlers()
-    _torch_cp._enable_context_parallel_dispatcher()
+    if _depth == 0:
+        _torch_cp._enable_context_parallel_dispatcher()
+    _depth += 1
+    try:
+        yield
+    finally:
+        _depth -= 1
+        if _depth == 0:
+            _torch_cp._disable_context_parallel_dispatcher()
+
+
+def cp_dispatch_is_on() -> bool:
+    """Whether torch's CP dispatcher is on right now (DTensor runs the CP handler table)."""
+    return DTensor._op_dispatcher._custom_op_handlers is not _torch_cp.existing_custom_ops
+
+
+_depth = 0  # open cp_dispatch blocks

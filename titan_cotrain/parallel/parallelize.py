@@ -19,6 +19,8 @@ parallelism.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 
@@ -36,7 +38,7 @@ from titan_cotrain.models.moe import reset_expert_tallies
 from titan_cotrain.models.transformer import Transformer, rope_inv_freq
 from titan_cotrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_cotrain.parallel.compile import apply_compile
-from titan_cotrain.parallel.context_parallel import apply_context_parallel, prepare_cp_microbatch
+from titan_cotrain.parallel.context_parallel import apply_context_parallel, cp_forward_scope, prepare_cp_microbatch
 from titan_cotrain.parallel.expert_parallel import apply_expert_parallel, experts_fsdp_mesh
 from titan_cotrain.parallel.fsdp import apply_fsdp, copy_whole_into_, reduce_every_microbatch
 from titan_cotrain.parallel.pipeline import Pipeline, build_pipeline
@@ -53,7 +55,8 @@ class ParallelModels:
     ``engine_policy`` / ``engine_draft``: what the rollout engine copies its shapes (and,
     when ``engine_loadable``, its weights) from; ``prepare_microbatch``: how the update's host
     rows become this rank's model inputs (``forward_backward``'s ``prepare``: under CP the
-    zigzag shard the hooked models expect, else the rows whole)."""
+    zigzag shard the hooked models expect, else the rows whole); ``forward_scope``: the block
+    the update's forward-backward runs in (under CP, torch's CP dispatcher on for it)."""
 
     policy: nn.Module
     draft: Draft | None
@@ -63,6 +66,7 @@ class ParallelModels:
     engine_draft: Draft | None
     engine_loadable: bool
     prepare_microbatch: PrepareMicrobatch = prepare_microbatch
+    forward_scope: Callable[[], AbstractContextManager] = nullcontext
 
 
 def fsdp_mesh(parallel_dims):
@@ -104,14 +108,14 @@ def parallelize(config, parallel_dims, world_size: int, device: torch.device, *,
                          'reductions are kept)')
     policy = build_target(config, device="meta")
     draft = build_draft(config, policy, token_counts=token_counts, device="meta")
-    prepare = prepare_microbatch
+    prepare, scope = prepare_microbatch, nullcontext
     ep_mesh = parallel_dims.get_mesh("ep") if parallel_dims.ep_enabled else None
     if ep_mesh is not None:
         apply_expert_parallel(policy, ep_mesh)
     if parallel_dims.cp_enabled and not parallel_dims.pp_enabled:  # under PP, build_pipeline applies it
         cp_mesh = parallel_dims.get_mesh("cp")
         apply_context_parallel(cp_mesh, policy, draft)
-        prepare = partial(prepare_cp_microbatch, group=cp_mesh)
+        prepare, scope = partial(prepare_cp_microbatch, group=cp_mesh), cp_forward_scope
     apply_activation_checkpointing(policy, config.activation_checkpoint.mode, draft)
     if config.compile.enable:
         apply_compile(policy, draft, config.compile.components, config.compile.backend)
@@ -147,7 +151,7 @@ def parallelize(config, parallel_dims, world_size: int, device: torch.device, *,
         if reference is not None:
             init_target_(reference, config, fill=copy_whole_into_)
     return ParallelModels(policy, draft, reference, None, policy, draft, engine_loadable=True,
-                          prepare_microbatch=prepare)
+                          prepare_microbatch=prepare, forward_scope=scope)
 
 
 def _pipelined(config, dims, device, policy: Transformer, draft: Draft | None, shard, policy_loss_fn,
@@ -178,7 +182,8 @@ def _pipelined(config, dims, device, policy: Transformer, draft: Draft | None, s
             part.rope_inv_freq.copy_(rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling))
     # The engine copies the whole models' shapes; its weights come from the stages at refresh.
     return ParallelModels(pipeline.local_policy, pipeline.draft, None, pipeline, policy, draft,
-                          engine_loadable=False, prepare_microbatch=pipeline.prepare)
+                          engine_loadable=False, prepare_microbatch=pipeline.prepare,
+                          forward_scope=pipeline.forward_scope)
 
 
 def _take_host_buffers(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -11,8 +11,9 @@ any rank (``rl.nonfinite``). The metrics returned are means over the minibatches
 ``nonfinite/*`` is the fraction of updates skipped.
 
 * ``SingleStageUpdate``: ``forward_backward`` in microbatches of ``training.local_batch_size``
-  rows (FSDP and CP inside the models; a mixture of experts' load-balancing loss added with
-  ``[model] moe_aux_loss_weight``), then ``cotrain.step.clip_grad_norms``.
+  rows (FSDP and CP inside the models, the forward-backward in ``forward_scope``: under CP
+  torch's CP dispatcher is on for it only; a mixture of experts' load-balancing loss added
+  with ``[model] moe_aux_loss_weight``), then ``cotrain.step.clip_grad_norms``.
 * ``PipelineUpdate``: the minibatch padded with empty rows (loss mask 0) to whole schedule
   steps, ``pipeline_step`` over them (a mixture of experts' load-balancing loss pooled over
   the stages, ``parallel.pipeline.stage``), then the same clipping over this PP rank's
@@ -20,6 +21,7 @@ any rank (``rl.nonfinite``). The metrics returned are means over the minibatches
 """
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -109,17 +111,20 @@ class SingleStageUpdate(UpdateStep):
 
     def __init__(self, settings: UpdateSettings, policy, draft, prepare, policy_opt, draft_opt, device,
                  host_values: HostValues, *, max_updates: int | None = None,
-                 max_microbatches: int | None = None) -> None:
+                 max_microbatches: int | None = None, forward_scope=nullcontext) -> None:
         super().__init__(settings, policy_opt, draft_opt, device, host_values, max_updates)
         self.policy, self.draft, self.prepare, self.max_microbatches = policy, draft, prepare, max_microbatches
+        self.forward_scope = forward_scope
 
     def gradients(self, minibatch: PackedBatch, loss_fn: PolicyLossFn, train_draft: bool) -> dict[str, torch.Tensor]:
         s = self.settings
         draft = self.draft if train_draft else None
-        out = forward_backward(self.policy, draft, minibatch, loss_fn, ttt_steps=s.ttt_steps, pass_decay=s.pass_decay,
-                               draft_loss_weight=s.draft_loss_weight, draft_loss_on=s.draft_loss_on,
-                               prepare=self.prepare, device=self.device, microbatch_rows=s.microbatch_rows,
-                               max_microbatches=self.max_microbatches, moe_aux_loss_weight=s.moe_aux_loss_weight)
+        with self.forward_scope():
+            out = forward_backward(self.policy, draft, minibatch, loss_fn, ttt_steps=s.ttt_steps,
+                                   pass_decay=s.pass_decay, draft_loss_weight=s.draft_loss_weight,
+                                   draft_loss_on=s.draft_loss_on, prepare=self.prepare, device=self.device,
+                                   microbatch_rows=s.microbatch_rows, max_microbatches=self.max_microbatches,
+                                   moe_aux_loss_weight=s.moe_aux_loss_weight)
         return out | clip_grad_norms(self.policy.parameters(), draft.parameters() if draft is not None else None,
                                      s.policy_max_norm, s.draft_max_norm)
 
@@ -158,4 +163,5 @@ def build_update_step(config, models, policy_opt, draft_opt, device, run) -> Upd
         return PipelineUpdate(settings, models.pipeline, policy_opt, draft_opt, device, host_values,
                               max_updates=run.max_updates, max_schedule_steps=run.max_schedule_steps)
     return SingleStageUpdate(settings, models.policy, models.draft, models.prepare_microbatch, policy_opt, draft_opt,
-                             device, host_values, max_updates=run.max_updates, max_microbatches=run.max_microbatches)
+                             device, host_values, max_updates=run.max_updates, max_microbatches=run.max_microbatches,
+                             forward_scope=models.forward_scope)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
@@ -30,7 +31,7 @@ from titan_cotrain.cotrain.step import prepare_microbatch
 from titan_cotrain.data.batch import PolicyLossFn, PrepareMicrobatch
 from titan_cotrain.models.draft import Draft
 from titan_cotrain.models.transformer import Transformer
-from titan_cotrain.parallel.context_parallel import apply_context_parallel, prepare_cp_microbatch
+from titan_cotrain.parallel.context_parallel import apply_context_parallel, cp_forward_scope, prepare_cp_microbatch
 from titan_cotrain.parallel.pipeline.loss import CotrainLoss
 from titan_cotrain.parallel.pipeline.plan import PipelinePlan, layers_per_stage_from_fqns, plan_pipeline
 from titan_cotrain.parallel.pipeline.stage import LocalPolicy, MicrobatchIndexedStage, TransformerStage
@@ -134,6 +135,7 @@ class Pipeline:
     device: torch.device
     loss_group: dist.ProcessGroup | None = None
     prepare: PrepareMicrobatch = prepare_microbatch
+    forward_scope: Callable[[], AbstractContextManager] = nullcontext
     tied_group: dist.ProcessGroup | None = field(default=None, repr=False)
 
     @property
@@ -229,7 +231,7 @@ def make_pipeline(
     pp_group = pp_mesh.get_group()
     if plan.pp != pp:
         raise ValueError(f"the plan is for {plan.pp} PP ranks, the mesh has {pp}")
-    local_len, cp_size, prepare = settings.seq_len, 1, prepare_microbatch
+    local_len, cp_size, prepare, scope = settings.seq_len, 1, prepare_microbatch, nullcontext
     if cp_mesh is not None:
         row_len = settings.cp_row_len
         if not row_len or row_len % (2 * cp_mesh.size()):
@@ -237,7 +239,7 @@ def make_pipeline(
                              f"{2 * cp_mesh.size()}; got {row_len}")
         local_len, cp_size = row_len // cp_mesh.size(), cp_mesh.size()
         apply_context_parallel(cp_mesh, policy, draft)  # every stage's attention, and the draft's
-        prepare = partial(prepare_cp_microbatch, group=cp_mesh, row_len=row_len)
+        prepare, scope = partial(prepare_cp_microbatch, group=cp_mesh, row_len=row_len), cp_forward_scope
     if loss_group is not None and dist.get_world_size(loss_group) > cp_size and shard is None:
         raise ValueError("data parallelism under PP shards the stages: pass shard (FSDP over the data-parallel "
                          "x CP mesh)")
@@ -285,7 +287,7 @@ def make_pipeline(
                            f"the plan as {expected}")
     return Pipeline(schedule=sched, stages=stages, model_parts=parts, local_policy=LocalPolicy(parts), loss=loss,
                     channel=channel, plan=plan, pp_mesh=pp_mesh, pp_group=pp_group, settings=settings,
-                    policy_loss_fn=policy_loss_fn, device=device, loss_group=loss_group, prepare=prepare,
+                    policy_loss_fn=policy_loss_fn, device=device, loss_group=loss_group, prepare=prepare, forward_scope=scope,
                     tied_group=tied_group)
 
 

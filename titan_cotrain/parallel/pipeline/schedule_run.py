@@ -61,8 +61,9 @@ def pipeline_step(
     loss_fn = p.policy_loss_fn if policy_loss_fn is None else policy_loss_fn
     draft_on = train_draft and p.channel is not None
     sums = CotrainSums()
-    for start in range(0, n_rows, per_run):
-        _run_schedule(p, batch.map(lambda t: t[start:start + per_run]), loss_fn, draft_on, sums)
+    with p.forward_scope():  # under CP, torch's CP dispatcher on for the schedule's runs only
+        for start in range(0, n_rows, per_run):
+            _run_schedule(p, batch.map(lambda t: t[start:start + per_run]), loss_fn, draft_on, sums)
     names = _metric_names(p, loss_fn, draft_on)
     flat = torch.zeros(2 + len(names), dtype=torch.float32, device=p.device)
     if p.has_last_stage:

@@ -36,7 +36,6 @@ from titan_cotrain.config import ConfigError, load_job_config
 from titan_cotrain.data.prompts import PromptDatasetError
 from titan_cotrain.parallel.process_end import exit_process, leave_process_group
 from titan_cotrain.rl.progress import RolloutProgress
-from titan_cotrain.rl.tasks import score
 
 __all__ = ["EvalError", "evaluate", "main", "pass_at_k"]
 
@@ -90,6 +89,9 @@ def _arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def evaluate(trainer, samples: int, ks: list[int]) -> dict:
     """The metrics of the module docstring for the engine's current weights."""
     task, cfg = trainer.task, trainer.config
+    if task.name == "custom":
+        raise EvalError("evaluation reports the accuracy of the math and gsm8k tasks' answer check; a custom "
+                        "task's reward has no such check")
     problems = getattr(task, "held_out", [])
     if not problems:
         raise EvalError(f"task {task.name!r} has no held-out prompts: evaluation needs a dataset task "
@@ -106,7 +108,7 @@ def evaluate(trainer, samples: int, ks: list[int]) -> dict:
     progress.close()
     lengths = rollouts.response_lens.tolist()
     texts = [trainer.tokenizer.decode(rollouts.tokens[i, :n].tolist()) for i, n in enumerate(lengths)]
-    rewards, details = score(task, [p for p in problems for _ in range(samples)], texts)
+    rewards, details = trainer.problems.score([p for p in problems for _ in range(samples)], texts)
     correct = [d["correct"] == 1.0 for d in details]
     per_prompt = [sum(correct[i * samples:(i + 1) * samples]) for i in range(len(problems))]
     stats = rollouts.stats

@@ -16,6 +16,7 @@ from titan_cotrain.config import ConfigError, load_job_config
 from titan_cotrain.data.prompts import PromptDatasetError
 from titan_cotrain.parallel.process_end import exit_process, leave_process_group
 from titan_cotrain.rl.nonfinite import NonfiniteStop
+from titan_cotrain.rl.rewards import RewardError
 from titan_cotrain.rl.trainer import Trainer
 
 
@@ -52,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     except PromptDatasetError as e:
         print(f"dataset error: {e}", file=sys.stderr)
         return 2
+    except RewardError as e:  # the message holds the record and the reward's own traceback
+        print(f"reward error: {e}", file=sys.stderr, flush=True)
+        return 1
     finally:
         leave_process_group(succeeded=succeeded)
     return 0

@@ -251,7 +251,7 @@ def test_foreign_custom_config_module(tmp_path):
 
 
 def test_unknown_task():
-    _expect(DEFAULT, "task.name", "unknown task 'chess'", "arithmetic, arithmetic_longtail, gsm8k, math, sort",
+    _expect(DEFAULT, "task.name", "unknown task 'chess'", "arithmetic, arithmetic_longtail, custom, gsm8k, math, sort",
             overrides=("--task.name", "chess"))
 
 

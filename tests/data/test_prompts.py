@@ -105,15 +105,15 @@ def test_a_template_gives_exactly_one_bos_even_when_the_tokenizer_adds_one(tmp_p
 def test_held_out_split_is_disjoint_deterministic_and_seeded(tmp_path):
     path = _write_jsonl(tmp_path / "d.jsonl", [{"question": f"q{i}", "answer": str(i)} for i in range(20)])
     splits = load_prompt_splits(_task(path, eval_size=5), _chars, 100)
-    held, train = [r.question for r in splits.held_out], [r.question for r in splits.train]
+    held, train = [r.prompt for r in splits.held_out], [r.prompt for r in splits.train]
     assert len(held) == 5 and len(train) == 15
     assert not set(held) & set(train) and set(held) | set(train) == {f"q{i}" for i in range(20)}
-    assert splits.train[0].answer == splits.train[0].question[1:]
+    assert splits.train[0].answer == splits.train[0].prompt[1:]
     again = load_prompt_splits(_task(path, eval_size=5), _chars, 100)
-    assert [r.question for r in again.held_out] == held and [r.question for r in again.train] == train
+    assert [r.prompt for r in again.held_out] == held and [r.prompt for r in again.train] == train
     assert train != sorted(train, key=lambda q: int(q[1:]))  # shuffled, not in file order
     other = load_prompt_splits(_task(path, eval_size=5, seed=1), _chars, 100)
-    assert {r.question for r in other.held_out} != set(held)
+    assert {r.prompt for r in other.held_out} != set(held)
     assert len(load_prompt_splits(_task(path, eval_fraction=0.25), _chars, 100).held_out) == 5
     with pytest.raises(PromptDatasetError, match="hold out 20 of the 20 records"):
         load_prompt_splits(_task(path, eval_size=20), _chars, 100)
@@ -124,11 +124,11 @@ def test_prompts_over_the_budget_are_left_out_and_counted(tmp_path):
     path = _write_jsonl(tmp_path / "d.jsonl", [{"question": "x" * n, "answer": "1"} for n in range(1, 11)])
     splits = load_prompt_splits(_task(path, eval_size=2), _chars, 6)
     kept = splits.train + splits.held_out
-    assert splits.too_long == 5 and sorted(len(r.question) for r in kept) == [1, 2, 3, 4, 5]
+    assert splits.too_long == 5 and sorted(len(r.prompt) for r in kept) == [1, 2, 3, 4, 5]
     assert "5 longer than the prompt budget left out" in splits.summary()
     # The split is made before the filter: a budget does not move records between the parts.
     wide = load_prompt_splits(_task(path, eval_size=2), _chars, 100)
-    assert {r.question for r in splits.held_out} <= {r.question for r in wide.held_out}
+    assert {r.prompt for r in splits.held_out} <= {r.prompt for r in wide.held_out}
     with pytest.raises(PromptDatasetError, match="every training prompt is longer than the 1-token prompt budget"):
         load_prompt_splits(_task(path), _chars, 1)
 
@@ -140,8 +140,8 @@ def test_parquet_fields_and_solutions(tmp_path):
     path = tmp_path / "d.parquet"
     pq.write_table(pa.table({"problem": ["1+1?", "2+2?"], "answer": [2, 4], "solution": ["\\boxed{2}", None]}), path)
     splits = load_prompt_splits(_task(path, prompt_field="problem", solution_field="solution"), _chars, 100)
-    records = sorted(splits.train, key=lambda r: r.question)
-    assert [(r.question, r.answer, r.solution) for r in records] == [("1+1?", "2", "\\boxed{2}"), ("2+2?", "4", "")]
+    records = sorted(splits.train, key=lambda r: r.prompt)
+    assert [(r.prompt, r.answer, r.solution) for r in records] == [("1+1?", "2", "\\boxed{2}"), ("2+2?", "4", "")]
     assert splits.held_out == []
 
 
@@ -169,4 +169,74 @@ def test_bad_files_and_fields_fail_with_one_clear_message(tmp_path):
 
 def test_simulated_prompts_have_the_asked_length():
     splits = synthetic_prompt_splits(lambda text: [1, 5, 5] + [0] * len(text), 40)  # a 3-token template
-    assert [len(r.question) + 3 for r in splits.train] == [40] and splits.held_out == []
+    assert [len(r.prompt) + 3 for r in splits.train] == [40] and splits.held_out == []
+
+
+# A template that reads apply_chat_template's enable_thinking, as Qwen3's does.
+THINKING = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant{% if enable_thinking is false %} (no thinking){% endif %}: "
+            "{% endif %}")
+
+
+def test_chat_messages_render_through_the_template_with_its_kwargs_and_the_records_ride_along(tmp_path):
+    folder = _tokenizer_folder(tmp_path, chat_template=THINKING)
+    tokenizer, template = titan.load_tokenizer(str(folder)), ChatTemplate.from_folder(folder)
+    encode = PromptEncoder(tokenizer, template, system_prompt="be brief", template_kwargs={"enable_thinking": "false"})
+    own_system = [{"role": "system", "content": "be exact"}, {"role": "user", "content": "2+3?"}]
+    assert encode.render(own_system) == "<bos>system: be exact\nuser: 2+3?\nassistant (no thinking): "
+    assert encode.render([own_system[1]]) == "<bos>system: be brief\nuser: 2+3?\nassistant (no thinking): "
+    assert encode.render("2+3?") == "<bos>system: be brief\nuser: 2+3?\nassistant (no thinking): "
+    assert encode([own_system[1]]) == encode("2+3?")  # the question is the user's message
+    for thinking in ({"enable_thinking": "True"}, {"enable_thinking": True}, {}):  # "true" any case; unset
+        assert PromptEncoder(tokenizer, template, template_kwargs=thinking).render("q") == "<bos>user: q\nassistant: "
+
+    # A custom task's file: chat messages, no answer field (its reward reads the record), extra fields kept.
+    records = [{"messages": [{"role": "user", "content": f"{i}+1?"}], "id": i, "tests": [i + 1]} for i in range(4)]
+    path = _write_jsonl(tmp_path / "chat.jsonl", records)
+    task = Task(name="custom", reward="tests.rl.reward_fixtures:graded", dataset_path=str(path),
+                prompt_field="messages")
+    splits = load_prompt_splits(task, encode, 100)
+    assert sorted((r.fields for r in splits.train), key=lambda f: f["id"]) == records
+    assert all(r.prompt == r.fields["messages"] and r.answer == "" for r in splits.train)
+
+
+def test_chat_messages_without_a_template_are_refused_naming_the_file(tmp_path):
+    folder = _tokenizer_folder(tmp_path, chat_template=THINKING)
+    tokenizer = titan.load_tokenizer(str(folder))
+    path = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "q"}], "answer": "1"}])
+    with pytest.raises(PromptDatasetError, match=f"{path}: record 0: a prompt of chat messages needs a chat template: "
+                                                 "the tokenizer folder has none .* or task.chat_template is false"):
+        load_prompt_splits(_task(path, prompt_field="messages"), PromptEncoder(tokenizer, None), 100)
+    no_content = _write_jsonl(tmp_path / "roles.jsonl", [{"messages": [{"role": "user"}], "answer": "1"}])
+    with pytest.raises(PromptDatasetError, match=r"record 0: task.prompt_field 'messages' is \[\{'role': 'user'\}\], "
+                                                 "not a question .* or chat messages"):
+        load_prompt_splits(_task(no_content, prompt_field="messages"), _chars, 100)
+    with pytest.raises(ValueError, match="task.chat_template_kwargs is set but the tokenizer has no chat template"):
+        PromptEncoder(tokenizer, None, template_kwargs={"enable_thinking": False})
+    with pytest.raises(ValueError, match=r"task.chat_template_kwargs sets \['messages'\]: the trainer sets"):
+        PromptEncoder(tokenizer, ChatTemplate.from_folder(folder), template_kwargs={"messages": "x"})
+
+
+def test_chat_template_kwargs_from_toml_and_the_command_line_reach_the_template(tmp_path):
+    from titan_cotrain.config import ConfigError, load_job_config
+
+    folder = _tokenizer_folder(tmp_path, chat_template=THINKING)
+    tokenizer, template = titan.load_tokenizer(str(folder)), ChatTemplate.from_folder(folder)
+
+    def rendered(config) -> str:
+        return PromptEncoder(tokenizer, template, template_kwargs=config.task.chat_template_kwargs).render("q")
+
+    job = tmp_path / "job.toml"
+    job.write_text("[task]\nchat_template_kwargs = { enable_thinking = false, budget = 3 }\n")
+    from_toml = load_job_config(["--job.config_file", str(job)], world_size=1)
+    assert from_toml.task.chat_template_kwargs == {"enable_thinking": False, "budget": 3}
+    assert rendered(from_toml) == "<bos>user: q\nassistant (no thinking): "
+    overridden = load_job_config(["--job.config_file", str(job), "--task.chat_template_kwargs.enable_thinking"],
+                                 world_size=1)
+    assert overridden.task.chat_template_kwargs == {"enable_thinking": True, "budget": 3}
+    assert rendered(overridden) == "<bos>user: q\nassistant: "
+    from_cli = load_job_config(["--task.chat_template_kwargs", "enable_thinking", "false"], world_size=1)
+    assert rendered(from_cli) == "<bos>user: q\nassistant (no thinking): "
+    job.write_text("[task]\nchat_template_kwargs = { enable_thinking = [false] }\n")
+    with pytest.raises(ConfigError, match=r"chat_template_kwargs must be dict\[str, bool \| int \| float \| str\]"):
+        load_job_config(["--job.config_file", str(job)], world_size=1)

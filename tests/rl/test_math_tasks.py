@@ -9,7 +9,8 @@ import pytest
 
 from titan_cotrain.data.prompts import PromptDatasetError, PromptRecord, PromptSplits
 from titan_cotrain.rl.answers import final_answer, last_boxed
-from titan_cotrain.rl.tasks import get_task, score
+from titan_cotrain.rl.rewards import RewardScorer
+from titan_cotrain.rl.tasks import get_task
 
 BONUS = 0.25
 
@@ -74,7 +75,7 @@ def test_math_details_and_a_reference_from_a_solution():
     assert task.details(problem, "so \\boxed{1.25}") == {"answer_found": 1.0, "correct": 1.0, "format": 1.0}
     assert task.details(problem, "The answer is 1.25.") == {"answer_found": 1.0, "correct": 1.0, "format": 0.0}
     assert task.details(problem, "no idea") == {"answer_found": 0.0, "correct": 0.0, "format": 0.0}
-    rewards, details = score(task, [problem, problem], ["\\boxed{5/4}", "\\boxed{4/5}"])
+    rewards, details = RewardScorer(task)([problem, problem], ["q", "q"], ["\\boxed{5/4}", "\\boxed{4/5}"])
     assert rewards == [1 + BONUS, BONUS] and [d["correct"] for d in details] == [1.0, 0.0]
 
 

@@ -421,48 +421,58 @@ class Task:
     reward: str = ""
     """The ``custom`` task's reward, ``"package.module:function"`` (the module found on
     ``PYTHONPATH``), called as ``function(record, prompt, response)`` with the record a dict of
-    the file's fields and the prompt and response as text; it returns a float, or a dict of
-    floats with one named ``reward`` (the others logged as ``task/<name>`` means)."""
+    the file's fields and the prompt (as the policy saw it, chat template rendered) and
+    response as text; it returns a float, or a dict of floats with one named ``reward`` (the
+    others logged as ``task/<name>`` means). Checked at start: importable, and callable with
+    three arguments. Read by ``custom`` only."""
 
     reward_workers: int = 0
-    """Processes that score responses; 0 scores in the rank's own process."""
+    """Worker processes per rank that score responses (forked from a forkserver), each call
+    under ``reward_timeout_s``; 0 scores in the rank's own process, one call after another,
+    with no timeout."""
 
     reward_timeout_s: float = 60.0
     """With ``reward_workers`` > 0: a call that takes longer scores 0 and is counted
-    (``task/reward_timeouts``)."""
+    (``task/reward_timeouts``, the step's count); its worker is killed and replaced."""
 
     reward_on_error: Literal["raise", "zero"] = "raise"
-    """A reward call that raises or returns a non-finite number: ``raise`` stops the step with
-    the record and the traceback; ``zero`` scores it 0 and counts it (``task/reward_errors``)."""
+    """A reward call that raises (or whose worker dies) or returns anything but finite numbers:
+    ``raise`` stops the step with the record, the response and the traceback; ``zero`` scores
+    it 0 and counts it (``task/reward_errors``, the step's count)."""
 
     reward_max_error_fraction: float = 0.1
     """Under ``reward_on_error = "zero"``: the job stops once more than this share of a step's
-    reward calls fail."""
+    reward calls on a rank fail (timeouts are counted apart and never stop it)."""
 
-    chat_template_kwargs: dict[str, str] = field(default_factory=dict)
-    """Extra variables for the chat template, e.g. ``{ enable_thinking = "false" }``; the
-    strings ``"true"`` and ``"false"`` reach the template as booleans."""
+    chat_template_kwargs: dict[str, bool | int | float | str] = field(default_factory=dict)
+    """Extra variables for the chat template, as Hugging Face's ``apply_chat_template`` takes
+    them, e.g. ``{ enable_thinking = false }``; the strings ``"true"`` and ``"false"`` reach
+    the template as booleans. On the command line: ``--task.chat_template_kwargs
+    enable_thinking false``, or, for a key the TOML file sets,
+    ``--task.chat_template_kwargs.enable_thinking`` / ``.no-enable_thinking``."""
 
     seed: int = 0
     """Seed of the task's deterministic data generator; for a dataset task, of the held-out
     split and the order of the records."""
 
     dataset_path: str = ""
-    """Local JSONL or Parquet file of a dataset task (``math``, ``gsm8k``): one record per
-    problem, read with Hugging Face ``datasets`` (never downloaded). Not read under the scale
-    simulator, whose prompts are synthetic (``[simulate] prompt_tokens``)."""
+    """Local JSONL or Parquet file of a dataset task (``math``, ``gsm8k``, ``custom``): one
+    record per problem, read with Hugging Face ``datasets`` (never downloaded). Not read under
+    the scale simulator, whose prompts are synthetic (``[simulate] prompt_tokens``)."""
 
     dataset_format: Literal["", "json", "parquet"] = ""
     """Format of ``dataset_path``: ``json`` (JSON Lines) or ``parquet``. Empty: from the
     extension (``.jsonl``, ``.json``, ``.parquet``)."""
 
     prompt_field: str = "question"
-    """Field of a record holding the question (GSM8K: ``question``; MATH: ``problem``)."""
+    """Field of a record holding the prompt (GSM8K: ``question``; MATH: ``problem``): a
+    question (a string), or chat messages (a list of ``{"role", "content"}``, which need a
+    chat template)."""
 
     answer_field: str = "answer"
     """Field holding the reference answer. ``gsm8k``: an integer, or a solution ending in
     ``#### N``; ``math``: the answer, or a solution whose last ``\\boxed{}`` is it (MATH's
-    ``solution``)."""
+    ``solution``). Not read by ``custom``, whose reward reads the record."""
 
     solution_field: str = ""
     """Field of a worked solution, the warm start's demonstration. Empty: the answer field (a
@@ -471,10 +481,12 @@ class Task:
     chat_template: bool = True
     """Render every prompt with the tokenizer's chat template (``chat_template.jinja`` or the
     ``chat_template`` of ``tokenizer_config.json`` in the tokenizer folder), the question as
-    the user's message, when the folder has one. False, or no template: BOS + the question."""
+    the user's message, when the folder has one. False, or no template: BOS + the question
+    (chat-message prompts are then refused)."""
 
     system_prompt: str = ""
-    """System message put before the question by the chat template (needs one). Empty: none."""
+    """System message put before the question by the chat template (needs one), and before
+    chat messages that have no system message of their own. Empty: none."""
 
     eval_size: int = 0
     """Records of the dataset held out for ``python -m titan_cotrain.eval`` (never trained

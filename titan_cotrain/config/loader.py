@@ -57,6 +57,9 @@ def _matches(value: Any, tp: Any) -> bool:
         return value is None
     if origin is list:
         return isinstance(value, list) and all(_matches(v, args[0]) for v in value) if args else isinstance(value, list)
+    if origin is dict:
+        return isinstance(value, dict) and all(_matches(k, args[0]) and _matches(v, args[1])
+                                               for k, v in value.items()) if args else isinstance(value, dict)
     if tp is bool:
         return isinstance(value, bool)
     if tp is int:

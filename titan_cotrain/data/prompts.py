@@ -5,7 +5,12 @@
   training and a held-out part, prompts longer than the budget dropped (and counted).
 * ``ChatTemplate``: the ``chat_template`` of a tokenizer folder rendered with Jinja2 the way
   Hugging Face's ``apply_chat_template`` renders it.
-* ``PromptEncoder``: a task's prompt text -> the token ids the policy sees.
+* ``PromptEncoder``: a task's prompt (a question, or chat messages) -> the token ids the
+  policy sees.
+
+A record's prompt field holds a question (a string) or chat messages (a list of ``{"role",
+"content"}``, rendered by the chat template); the record's other fields ride along
+(``PromptRecord.fields``) to a reward that reads them (``[task] reward``).
 
 ``task`` is the job's ``[task]`` section (``titan_cotrain.config.job_config.Task``); errors
 name its keys.
@@ -15,13 +20,17 @@ import json
 import os
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["ChatTemplate", "PromptDatasetError", "PromptEncoder", "PromptRecord", "PromptSplits", "dataset_format",
-           "load_prompt_splits", "synthetic_prompt_splits"]
+__all__ = ["TEMPLATE_VARIABLES", "ChatTemplate", "Prompt", "PromptDatasetError", "PromptEncoder", "PromptRecord",
+           "PromptSplits", "dataset_format", "load_prompt_splits", "synthetic_prompt_splits", "template_value"]
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "bos_token", "eos_token")  # set by the trainer
+
+Prompt = str | list[dict[str, str]]
+"""A question, or chat messages ``[{"role": ..., "content": ...}, ...]``."""
 
 
 class PromptDatasetError(ValueError):
@@ -30,12 +39,15 @@ class PromptDatasetError(ValueError):
 
 @dataclass(frozen=True)
 class PromptRecord:
-    """One record: the question as written, its reference answer and its worked solution
-    (``""`` when ``[task] solution_field`` is unset)."""
+    """One record: its prompt as written (a question, or chat messages), its reference answer
+    (``""`` for a task scored by ``[task] reward``, which reads the record itself), its worked
+    solution (``""`` when ``[task] solution_field`` is unset) and ``fields``: the whole record,
+    every field of the file."""
 
-    question: str
+    prompt: Prompt
     answer: str
     solution: str = ""
+    fields: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -64,6 +76,12 @@ def dataset_format(task) -> str:
     return FORMATS[suffix]
 
 
+def _is_chat(prompt) -> bool:
+    """Chat messages: a non-empty list of ``{"role": str, "content": str, ...}``."""
+    return isinstance(prompt, list) and bool(prompt) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt)
+
+
 def _read_records(task) -> list[PromptRecord]:
     path = task.dataset_path
     if not os.path.isfile(path):
@@ -81,24 +99,27 @@ def _read_records(task) -> list[PromptRecord]:
                                  f"{type(e).__name__}: {e}") from None
     if len(table) == 0:
         raise PromptDatasetError(f"task.dataset_path = {path!r}: the dataset has no records")
-    fields = {"prompt_field": task.prompt_field, "answer_field": task.answer_field}
+    fields = {"prompt_field": task.prompt_field}
+    if not task.reward:  # a reward by import path reads the record itself
+        fields["answer_field"] = task.answer_field
     if task.solution_field:
         fields["solution_field"] = task.solution_field
     for key, name in fields.items():
         if name not in table.column_names:
             raise PromptDatasetError(f"task.{key} = {name!r} is not a field of {path} "
                                      f"(its fields: {', '.join(table.column_names)})")
-    columns = {key: table[name] for key, name in fields.items()}
     records = []
-    for i in range(len(table)):
-        question, answer = columns["prompt_field"][i], columns["answer_field"][i]
-        if not isinstance(question, str) or not question.strip():
+    for i, row in enumerate(table.to_list()):
+        prompt = row[task.prompt_field]
+        if not (isinstance(prompt, str) and prompt.strip() or _is_chat(prompt)):
             raise PromptDatasetError(f"{path}: record {i}: task.prompt_field {task.prompt_field!r} is "
-                                     f"{question!r}, not a question")
+                                     f"{prompt!r}, not a question (a string) or chat messages (a list of "
+                                     '{"role": ..., "content": ...})')
+        answer = row[task.answer_field] if "answer_field" in fields else ""
         if answer is None or isinstance(answer, (dict, list)):
             raise PromptDatasetError(f"{path}: record {i}: task.answer_field {task.answer_field!r} is {answer!r}")
-        solution = columns["solution_field"][i] if "solution_field" in columns else ""
-        records.append(PromptRecord(question, str(answer).strip(), str(solution or "")))
+        solution = row[task.solution_field] if "solution_field" in fields else ""
+        records.append(PromptRecord(prompt, str(answer).strip(), str(solution or ""), row))
     return records
 
 
@@ -111,16 +132,23 @@ def _held_out_count(task, n: int) -> int:
     return count
 
 
-def load_prompt_splits(task, encode: Callable[[str], list[int]], max_prompt_tokens: int) -> PromptSplits:
+def load_prompt_splits(task, encode: Callable[[Prompt], list[int]], max_prompt_tokens: int) -> PromptSplits:
     """The records of ``[task] dataset_path``, shuffled by ``task.seed`` and split there: the
     first ``eval_size`` (or ``eval_fraction`` of them) are held out, the rest train. The split depends on the file and
-    the seed only; then every record whose prompt (``encode(question)``, the chat template
-    applied) is longer than ``max_prompt_tokens`` is dropped from its part and counted."""
+    the seed only; then every record whose prompt (``encode(prompt)``, the chat template
+    applied) is longer than ``max_prompt_tokens`` is dropped from its part and counted. A
+    prompt the encoder refuses (chat messages without a chat template, a template's
+    ``raise_exception``) stops the job, naming the file and the record."""
     records = _read_records(task)
     order = list(range(len(records)))
     random.Random(f"{task.seed}/split").shuffle(order)
     n_held = _held_out_count(task, len(records))
-    fits = [len(encode(r.question)) <= max_prompt_tokens for r in records]
+    fits = []
+    for i, record in enumerate(records):
+        try:
+            fits.append(len(encode(record.prompt)) <= max_prompt_tokens)
+        except ValueError as e:
+            raise PromptDatasetError(f"{task.dataset_path}: record {i}: {e}") from None
     held = [records[i] for i in order[:n_held] if fits[i]]
     train = [records[i] for i in order[n_held:] if fits[i]]
     if not train:
@@ -147,7 +175,9 @@ def _token_text(value) -> str | None:
 class ChatTemplate:
     """A Jinja2 chat template rendered as Hugging Face renders one: a sandboxed environment
     with ``trim_blocks`` and ``lstrip_blocks`` and the loop controls, ``raise_exception``,
-    and the variables ``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token``."""
+    and the variables ``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token``
+    (``TEMPLATE_VARIABLES``), plus any the caller adds (``apply_chat_template``'s keyword
+    arguments: ``enable_thinking``, ...)."""
 
     def __init__(self, source: str, bos_token: str | None = None, eos_token: str | None = None) -> None:
         from jinja2.ext import loopcontrols
@@ -181,36 +211,64 @@ class ChatTemplate:
             return None
         return cls(source, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **variables) -> str:
         return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                    **self.special_tokens)
+                                    **self.special_tokens, **variables)
+
+
+def template_value(value: str | bool | int | float) -> str | bool | int | float:
+    """A ``[task] chat_template_kwargs`` value as the template sees it: the strings ``"true"``
+    and ``"false"`` (any case) as booleans, so ``{% if enable_thinking %}`` reads a command
+    line's ``false`` as Hugging Face's ``enable_thinking=False``."""
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    return value
 
 
 class PromptEncoder:
-    """A task's prompt text -> the token ids the policy sees.
+    """A task's prompt -> the token ids the policy sees.
 
-    With a chat template: the text is the user's message (after ``system_prompt`` as the
-    system's, when set), rendered with the generation prompt and tokenized without any
-    special token added: the template writes the ones it wants (a BOS included), as Hugging
-    Face's ``apply_chat_template`` does, so there is never a second BOS. Without one: BOS and
-    the text (the synthetic tasks' prompts)."""
+    With a chat template: a question is the user's message, chat messages are taken as they
+    are; ``system_prompt``, when set, is the system's message before them (unless the chat
+    has a system message of its own). They are rendered with the generation prompt and
+    ``template_kwargs`` (``[task] chat_template_kwargs``, through ``template_value``) and
+    tokenized without any special token added: the template writes the ones it wants (a
+    BOS included), as Hugging Face's ``apply_chat_template`` does, so there is never a second
+    BOS. Without one: BOS and the question (the synthetic tasks' prompts); chat messages are
+    refused."""
 
-    def __init__(self, tokenizer, template: ChatTemplate | None, system_prompt: str = "") -> None:
-        if system_prompt and template is None:
-            raise ValueError("task.system_prompt is set but the tokenizer has no chat template to put it in "
-                             "(tokenizer_config.json has no chat_template, or task.chat_template is false)")
+    def __init__(self, tokenizer, template: ChatTemplate | None, system_prompt: str = "",
+                 template_kwargs: dict[str, str | bool | int | float] | None = None) -> None:
+        template_kwargs = template_kwargs or {}
+        for key, value in (("task.system_prompt", system_prompt), ("task.chat_template_kwargs", template_kwargs)):
+            if value and template is None:
+                raise ValueError(f"{key} is set but the tokenizer has no chat template to put it in "
+                                 "(tokenizer_config.json has no chat_template, or task.chat_template is false)")
+        if taken := sorted(set(template_kwargs) & set(TEMPLATE_VARIABLES)):
+            raise ValueError(f"task.chat_template_kwargs sets {taken}: the trainer sets these template variables")
         self.tokenizer, self.template, self.system_prompt = tokenizer, template, system_prompt
+        self.template_kwargs = {key: template_value(value) for key, value in template_kwargs.items()}
 
-    def render(self, text: str) -> str:
-        """The prompt as text: the rendered template, or ``text`` itself without one."""
+    def messages(self, prompt: Prompt) -> list[dict[str, str]]:
+        """The chat the template renders for ``prompt``."""
+        chat = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if self.system_prompt and chat[0]["role"] != "system":
+            chat.insert(0, {"role": "system", "content": self.system_prompt})
+        return chat
+
+    def render(self, prompt: Prompt) -> str:
+        """The prompt as text: the rendered template, or the question itself without one."""
         if self.template is None:
-            return text
-        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        return self.template.render(system + [{"role": "user", "content": text}])
+            if not isinstance(prompt, str):
+                raise ValueError("a prompt of chat messages needs a chat template: the tokenizer folder has none "
+                                 "(chat_template.jinja, or tokenizer_config.json's chat_template), or "
+                                 "task.chat_template is false")
+            return prompt
+        return self.template.render(self.messages(prompt), **self.template_kwargs)
 
-    def __call__(self, text: str) -> list[int]:
+    def __call__(self, prompt: Prompt) -> list[int]:
         from titan_cotrain.components import titan
 
         if self.template is None:
-            return self.tokenizer.encode(text, add_bos=True, add_eos=False)
-        return titan.encode_without_special_tokens(self.tokenizer, self.render(text))
+            return self.tokenizer.encode(self.render(prompt), add_bos=True, add_eos=False)
+        return titan.encode_without_special_tokens(self.tokenizer, self.render(prompt))

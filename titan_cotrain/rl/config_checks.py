@@ -1,14 +1,15 @@
-"""The job-config checks that need the task registry or the update step, registered with
-``config.validate``."""
+"""The job-config checks that need the task registry, the reward's import or the update step,
+registered with ``config.validate``."""
 
 import os
 
 from titan_cotrain.config.validate import config_check
 from titan_cotrain.data.prompts import PromptDatasetError, dataset_format
 from titan_cotrain.models.build import resolve_model_args
+from titan_cotrain.rl.rewards import load_reward
 from titan_cotrain.rl.tasks import DATASET_TASKS, TASKS
 
-__all__ = ["dataset_errors", "task_errors"]
+__all__ = ["dataset_errors", "reward_config_errors", "task_errors"]
 
 
 @config_check
@@ -16,6 +17,34 @@ def task_errors(config, world_size: int) -> list[str]:
     if config.task.name not in TASKS:
         return [f"task.name: unknown task {config.task.name!r}; known: {', '.join(sorted(TASKS))}"]
     return []
+
+
+@config_check
+def reward_config_errors(config, world_size: int) -> list[str]:
+    """The ``custom`` task's reward (importable, callable as ``function(record, prompt,
+    response)``, read by that task only) and the scoring keys' ranges."""
+    t, errors = config.task, []
+    if t.name == "custom" and not t.reward:
+        errors.append("task.reward: task 'custom' scores responses with your function: set it to "
+                      "'package.module:function' (the module on PYTHONPATH)")
+    elif t.reward and t.name != "custom":
+        errors.append(f"task.reward = {t.reward!r} is read by task.name = 'custom' only (task {t.name!r} scores "
+                      "with its own reward)")
+    elif t.reward:
+        try:
+            load_reward(t.reward)
+        except ValueError as e:
+            errors.append(str(e))
+    if t.name == "custom" and t.sft_steps and not t.solution_field:
+        errors.append(f"task.sft_steps = {t.sft_steps}: the custom task's warm start trains on the records' "
+                      "solutions: set task.solution_field (or task.sft_steps = 0)")
+    if t.reward_workers < 0:
+        errors.append(f"task.reward_workers must be >= 0 (0 = score in the rank's process), got {t.reward_workers}")
+    if not t.reward_timeout_s > 0:
+        errors.append(f"task.reward_timeout_s must be > 0, got {t.reward_timeout_s}")
+    if not 0 <= t.reward_max_error_fraction <= 1:
+        errors.append(f"task.reward_max_error_fraction must be in [0, 1], got {t.reward_max_error_fraction}")
+    return errors
 
 
 @config_check

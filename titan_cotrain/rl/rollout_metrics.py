@@ -4,11 +4,13 @@ watch on the gap between the acceptance rollouts measure and the one the draft t
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from titan_cotrain.cotrain.ttt import tau
 from titan_cotrain.rl.batching import Sample
 from titan_cotrain.engine.rollout import RolloutStats
 from titan_cotrain.engine.round_stats import RoundTable
+from titan_cotrain.rl.rewards import COUNTS
 
 __all__ = ["acceptance_over_tau", "predicted_acceptance", "rollout_metrics", "tau_at"]
 
@@ -19,8 +21,12 @@ def rollout_metrics(all_reduce: Callable[[list[float]], list[float]], samples: l
     where ``counted`` (one rank of those that hold the same batch), and the generation's
     ``stats`` (None where this rank's do not count: it generated nothing, or a rank of its
     tensor-parallel engine group reports them), summed over every rank by ``all_reduce``
-    (one call). ``k_max``: the most a round drafts; ``buckets``: the engine's live-rows
-    buckets (``RoundTable``).
+    (one call, after the details' names are agreed: ``_detail_names``). ``k_max``: the most a
+    round drafts; ``buckets``: the engine's live-rows buckets (``RoundTable``).
+
+    From the details: ``task/<name>``, the mean of each reward part over the responses whose
+    call returned it, and the sum of each of the scorer's counts (``rl.rewards.COUNTS``:
+    ``task/reward_timeouts``, ``task/reward_errors``, calls of the step).
 
     From the rounds (``RolloutStats.rounds``, summed over the engines): ``acceptance_length``
     over the rounds that drafted (1 where none did), ``acceptance_rate_<d>``, ``draft_tokens``
@@ -33,7 +39,7 @@ def rollout_metrics(all_reduce: Callable[[list[float]], list[float]], samples: l
     sequences in quarter ``q`` of ``max_new_tokens`` (mean over the engines that drafted there)."""
     weight = float(counted)
     rewards = torch.tensor([s.reward for s in samples]) * weight
-    keys = sorted(details[0]) if details else []
+    names = _detail_names(details)
     generated = stats is not None
     table = stats.rounds if generated and stats.rounds is not None else RoundTable.empty(buckets, k_max)
     by_position = torch.tensor(stats.acceptance_by_position if generated and stats.acceptance_by_position
@@ -46,7 +52,8 @@ def rollout_metrics(all_reduce: Callable[[list[float]], list[float]], samples: l
         stats.tail_s if generated else 0.0, stats.total_s if generated else 0.0,
         float(stats.preemptions) if generated else 0.0, float(stats.recomputed_tokens) if generated else 0.0,
         *by_position.nan_to_num(0.0).tolist(), *seen.double().tolist(), *table.flat(),
-        *(sum(d[key] for d in details) * weight for key in keys)])
+        *(total for name in names for total in (sum(d[name] for d in details if name in d) * weight,
+                                                 sum(name in d for d in details) * weight))])
     count, ranks = totals[2], max(totals[5], 1.0)
     mean = totals[0] / count
     flat_at = 11 + 8
@@ -80,8 +87,23 @@ def rollout_metrics(all_reduce: Callable[[list[float]], list[float]], samples: l
             metrics[f"{name}_s"] = float(table.seconds[b].sum()) / ranks
             metrics[f"{name}_tokens"] = float(table.tokens[b].sum())
             metrics[f"{name}_k"] = float((rows * k_of_mode).sum() / rows.sum()) if rows.sum() else 0.0
-    metrics |= {f"task/{key}": total / count for key, total in zip(keys, totals[flat_at + len(table.flat()):])}
+    parts = totals[flat_at + len(table.flat()):]
+    metrics |= {f"task/{name}": total if name in COUNTS else total / calls
+                for name, total, calls in zip(names, parts[0::2], parts[1::2]) if calls}
     return metrics
+
+
+def _detail_names(details: list[dict]) -> list[str]:
+    """The names in the responses' details over every rank, sorted: the sums are one list that
+    every rank must lay out alike, and a rank's own details may lack a name (a reward may
+    return different parts on different calls, and a call that failed returns none). An
+    all-gather where the job is distributed."""
+    names = sorted({name for d in details for name in d})
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, names)
+        names = sorted({name for rank_names in gathered for name in rank_names})
+    return names
 
 
 def tau_at(metrics: dict[str, float], k: int) -> float | None:

@@ -14,7 +14,6 @@ from titan_cotrain.rl.rollout_metrics import rollout_metrics
 from titan_cotrain.engine.round_stats import RoundTable, live_bucket
 from titan_cotrain.engine.sampling import SamplingParams
 from titan_cotrain.engine.speculation import SpeculationTuner
-from titan_cotrain.rl.tasks import score
 from titan_cotrain.rl.trainer_setup import rollout_draft_tokens
 
 __all__ = ["RolloutPhase", "RolloutSettings"]
@@ -164,8 +163,9 @@ class RolloutPhase:
 
     def _score(self, problems: list, prompts: list[list[int]], rollouts) -> list[tuple[list[Sample], list[dict]]]:
         """This rank's rollouts as GRPO groups: per problem (and its prompt), its
-        ``rl.group_size`` samples (with group-normalised advantages) and the task's details of
-        each response."""
+        ``rl.group_size`` samples (with group-normalised advantages) and the details of each
+        response's reward (``ProblemStream.score``: the reward's parts, and its calls that
+        failed or timed out)."""
         if rollouts is None:
             return []
         group_size = self.settings.group_size
@@ -173,7 +173,7 @@ class RolloutPhase:
         responses = [rollouts.tokens[i, :n].tolist() for i, n in enumerate(lengths)]
         logprobs = [rollouts.logprobs[i, :n].tolist() for i, n in enumerate(lengths)]
         texts = [self.problems.tokenizer.decode(ids) for ids in responses]
-        rewards, details = score(self.problems.task, [problems[i // group_size] for i in range(len(lengths))], texts)
+        rewards, details = self.problems.score([problems[i // group_size] for i in range(len(lengths))], texts)
         advantages = group_advantages(torch.tensor(rewards), group_size)
         samples = [Sample(prompts[i // group_size], responses[i], logprobs[i], rewards[i], float(advantages[i]))
                    for i in range(len(lengths))]

@@ -24,30 +24,40 @@ Dataset tasks read their problems from a local file (``[task] dataset_path``, se
   answer (``titan_cotrain.rl.answers.final_answer``) must equal the reference by ``math_verify``.
 * ``gsm8k``: integer answers (the reference after GSM8K's ``####``, or a plain number); the
   response's ``#### N``, boxed or stated answer must be the same integer.
+* ``custom``: any records, scored by the user's ``function(record, prompt, response)``
+  (``[task] reward``, ``"package.module:function"``; ``docs/recipes.md``).
+
+Every task is scored through ``score(problem, prompt, response)``, which returns what a user's
+reward returns: a float, or a dict of floats with one named ``reward`` (the built-in tasks:
+their ``reward`` and, as its other parts, their ``details``). ``rl.rewards.RewardScorer``
+makes the calls, in the rank's process or in worker processes.
 """
 
-import math
 import random
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from titan_cotrain.data.prompts import PromptDatasetError, PromptRecord, PromptSplits
 from titan_cotrain.rl.answers import final_answer, gsm8k_answer, integer_answer, last_boxed, math_equivalent
+from titan_cotrain.rl.rewards import load_reward
 
-__all__ = ["DATASET_TASKS", "TASKS", "Problem", "RewardError", "Task", "get_task", "score"]
+__all__ = ["DATASET_TASKS", "TASKS", "Problem", "Task", "get_task"]
 
 
 @dataclass(frozen=True)
 class Problem:
-    """``prompt``: the question (the trainer encodes it, chat template and all); ``answer``:
-    the reference; ``numbers``: a synthetic task's operands; ``solution``: a dataset task's
-    demonstration."""
+    """``prompt``: the question, or a dataset's chat messages (the trainer encodes it, chat
+    template and all); ``answer``: the reference; ``numbers``: a synthetic task's operands;
+    ``solution``: a dataset task's demonstration; ``record``: a dataset task's record, every
+    field of the file (what a ``custom`` reward reads)."""
 
-    prompt: str
+    prompt: str | list[dict[str, str]]
     answer: str
     numbers: tuple[int, ...] = ()
     solution: str = ""
+    record: dict = field(default_factory=dict)
 
 
 class Task(Protocol):
@@ -60,12 +70,19 @@ class Task(Protocol):
 
     def demonstration(self, problem: Problem, rng: random.Random) -> str: ...
 
-    def reward(self, problem: Problem, response: str) -> float: ...
-
-    def details(self, problem: Problem, response: str) -> dict[str, float]:
-        """What the reward is made of, per response (the trainer logs the batch means as
-        ``task/<key>``): shows where RL moves the policy, not only how far."""
+    def score(self, problem: Problem, prompt: str, response: str) -> float | dict[str, float]:
+        """The reward of ``response`` to ``problem`` (whose ``prompt`` is as the policy saw it,
+        the chat template rendered): a float, or a dict of floats with one named ``reward``
+        and the parts it is made of (the trainer logs their batch means as ``task/<name>``:
+        they show where RL moves the policy, not only how far)."""
         ...
+
+
+class _RewardAndDetails:
+    """A built-in task's ``score``: its ``reward``, with its ``details`` as the parts."""
+
+    def score(self, problem: Problem, prompt: str, response: str) -> dict[str, float]:
+        return {"reward": self.reward(problem, response), **self.details(problem, response)}
 
 
 def _final_answer(response: str) -> str | None:
@@ -75,7 +92,7 @@ def _final_answer(response: str) -> str | None:
     return response.rsplit("#", 1)[1].split("\n", 1)[0].strip()
 
 
-class Arithmetic:
+class Arithmetic(_RewardAndDetails):
     name = "arithmetic"
 
     filler = " "
@@ -159,7 +176,7 @@ class LongTailArithmetic(Arithmetic):
         return Problem(prompt="+".join(map(str, numbers)) + "=", answer=str(sum(numbers)), numbers=numbers)
 
 
-class Sort:
+class Sort(_RewardAndDetails):
     name = "sort"
 
     def __init__(self, min_len: int = 3, max_len: int = 6, max_value: int = 20) -> None:
@@ -189,18 +206,20 @@ class _DatasetTask:
     ``position`` goes through the training split in epochs: positions ``e N .. e N + N - 1``
     are epoch ``e``, a permutation of the ``N`` problems seeded by ``order_seed`` and ``e``,
     so every problem is drawn once per epoch and a resumed run (whose positions derive from
-    the step) draws the same ones. Without a position it draws uniformly with ``rng``. The
-    reward is ``correct + format_reward x format``, where ``format`` is 1 when the final
-    answer is written in the task's ``form``."""
+    the step) draws the same ones. Without a position it draws uniformly with ``rng``."""
 
     name: str
-    form: str
 
-    def __init__(self, prompts: PromptSplits, format_reward: float = 0.0, order_seed: int = 0) -> None:
-        self.format_reward, self.order_seed = format_reward, order_seed
+    def __init__(self, prompts: PromptSplits, order_seed: int = 0) -> None:
+        self.order_seed = order_seed
         self.train = [self.problem(r) for r in prompts.train]
         self.held_out = [self.problem(r) for r in prompts.held_out]
         self._epoch: tuple[int, list[int]] | None = None  # the last epoch's order
+
+    def __getstate__(self) -> dict:
+        # What a reward worker process receives (rl.rewards): it only scores, and a dataset
+        # may be large, so the problems stay here.
+        return {**self.__dict__, "train": [], "held_out": [], "_epoch": None}
 
     def problem(self, record: PromptRecord) -> Problem:
         """The record as this task's problem: its reference answer and demonstration."""
@@ -221,12 +240,24 @@ class _DatasetTask:
     def demonstration(self, problem: Problem, rng: random.Random) -> str:
         return problem.solution
 
+
+class _AnswerTask(_RewardAndDetails, _DatasetTask):
+    """A dataset task that checks the response's final answer against the record's reference.
+    The reward is ``correct + format_reward x format``, where ``format`` is 1 when the final
+    answer is written in the task's ``form``."""
+
+    form: str
+
+    def __init__(self, prompts: PromptSplits, format_reward: float = 0.0, order_seed: int = 0) -> None:
+        self.format_reward = format_reward
+        super().__init__(prompts, order_seed)
+
     def reward(self, problem: Problem, response: str) -> float:
         d = self.details(problem, response)
         return d["correct"] + self.format_reward * d["format"]
 
 
-class Math(_DatasetTask):
+class Math(_AnswerTask):
     """The reference is the answer field's last ``\\boxed{}`` when it has one (MATH's
     ``solution``), else the field itself; a demonstration is the solution field (or the
     answer field) when it states a final answer, else ``\\boxed{reference}``."""
@@ -237,7 +268,7 @@ class Math(_DatasetTask):
         reference = last_boxed(record.answer) or record.answer
         solution = record.solution or record.answer
         demonstration = solution if final_answer(solution) else f"\\boxed{{{reference}}}"
-        return Problem(record.question, reference, solution=demonstration)
+        return Problem(record.prompt, reference, solution=demonstration)
 
     def details(self, problem: Problem, response: str) -> dict[str, float]:
         found = final_answer(response)
@@ -246,7 +277,7 @@ class Math(_DatasetTask):
                 "format": float(found is not None and found[1] == self.form)}
 
 
-class GSM8K(_DatasetTask):
+class GSM8K(_AnswerTask):
     """The reference is the integer after the answer field's last ``####`` (or the field's
     number); a demonstration is the solution field (or the answer field) when it has a
     ``####`` answer, else ``#### reference``. A response's answer (``#### N``, boxed or
@@ -258,11 +289,11 @@ class GSM8K(_DatasetTask):
         stated = gsm8k_answer(record.answer)
         reference = integer_answer(stated[0] if stated else record.answer)
         if reference is None:
-            raise PromptDatasetError(f"task gsm8k: the answer {record.answer!r} of {record.question!r} is not an "
+            raise PromptDatasetError(f"task gsm8k: the answer {record.answer!r} of {record.prompt!r} is not an "
                                      "integer (task.answer_field)")
         solution = record.solution or record.answer
         demonstration = solution if "####" in solution else f"#### {reference}"
-        return Problem(record.question, str(reference), solution=demonstration)
+        return Problem(record.prompt, str(reference), solution=demonstration)
 
     def details(self, problem: Problem, response: str) -> dict[str, float]:
         found = gsm8k_answer(response)
@@ -271,45 +302,40 @@ class GSM8K(_DatasetTask):
                 "format": float(found is not None and found[1] == self.form)}
 
 
-TASKS: dict[str, type] = {"arithmetic": Arithmetic, "arithmetic_longtail": LongTailArithmetic, "sort": Sort, "math": Math, "gsm8k": GSM8K}
-DATASET_TASKS = ("gsm8k", "math")
+class Custom(_DatasetTask):
+    """Records scored by the user's ``function(record, prompt, response)`` (``[task]
+    reward``): ``record`` is the file's record, every field, ``prompt`` the prompt as the
+    policy saw it and ``response`` the response, as text. Demonstrations for the warm start
+    are the ``[task] solution_field``'s."""
+
+    name = "custom"
+
+    def __init__(self, prompts: PromptSplits, function: Callable, order_seed: int = 0) -> None:
+        self.function = function
+        super().__init__(prompts, order_seed)
+
+    def problem(self, record: PromptRecord) -> Problem:
+        return Problem(record.prompt, record.answer, solution=record.solution, record=record.fields)
+
+    def score(self, problem: Problem, prompt: str, response: str) -> float | dict[str, float]:
+        return self.function(problem.record, prompt, response)
 
 
-def get_task(name: str, prompts: PromptSplits | None = None, format_reward: float = 0.0, order_seed: int = 0) -> Task:
+TASKS: dict[str, type] = {"arithmetic": Arithmetic, "arithmetic_longtail": LongTailArithmetic, "sort": Sort,
+                          "math": Math, "gsm8k": GSM8K, "custom": Custom}
+DATASET_TASKS = ("custom", "gsm8k", "math")
+
+
+def get_task(name: str, prompts: PromptSplits | None = None, format_reward: float = 0.0, order_seed: int = 0,
+             reward: str = "") -> Task:
     """The task ``name``; a dataset task (``DATASET_TASKS``) needs its ``prompts`` (and shuffles
-    each epoch by ``order_seed``)."""
+    each epoch by ``order_seed``), ``custom`` its ``reward`` (``"package.module:function"``)."""
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; known: {', '.join(sorted(TASKS))}")
+    if name in DATASET_TASKS and prompts is None:
+        raise ValueError(f"task {name!r} reads its prompts from a dataset: set task.dataset_path")
+    if name == "custom":
+        return Custom(prompts, load_reward(reward), order_seed)
     if name in DATASET_TASKS:
-        if prompts is None:
-            raise ValueError(f"task {name!r} reads its prompts from a dataset: set task.dataset_path")
         return TASKS[name](prompts, format_reward, order_seed)
     return TASKS[name]()
-
-
-class RewardError(RuntimeError):
-    """A task's reward function failed or returned something that is not a finite number."""
-
-
-def score(task: Task, problems: list[Problem], responses: list[str]) -> tuple[list[float], list[dict[str, float]]]:
-    """Rewards of ``responses[i]`` to ``problems[i]``, and their ``details`` (empty for a
-    task without that method). A reward that raises or is not a finite number stops the
-    step with the task, prompt and response in the message: a silently wrong reward would
-    train the policy on garbage."""
-    rewards, details = [], []
-    for problem, response in zip(problems, responses, strict=True):
-        context = f"task {task.name!r}: reward {{}} for prompt {problem.prompt!r}, response {response!r}"
-        try:
-            reward = float(task.reward(problem, response))
-        except Exception as e:
-            raise RewardError(context.format("failed") + f": {e!r}") from e
-        if not math.isfinite(reward):
-            raise RewardError(context.format(reward) + " is not a finite number")
-        try:
-            detail = {key: float(v) for key, v in task.details(problem, response).items()} \
-                if hasattr(task, "details") else {}
-        except Exception as e:
-            raise RewardError(context.format("details failed") + f": {e!r}") from e
-        rewards.append(reward)
-        details.append(detail)
-    return rewards, details

@@ -43,6 +43,7 @@ from titan_cotrain.rl.offload import TrainingStateOffload, offloaded
 from titan_cotrain.rl.problems import ProblemStream
 from titan_cotrain.rl.run_mode import RealRun
 from titan_cotrain.rl.reference import reference_logprobs
+from titan_cotrain.rl.rewards import RewardScorer, RewardSettings
 from titan_cotrain.rl.rollout_metrics import acceptance_over_tau
 from titan_cotrain.rl.rollout_phase import RolloutPhase, RolloutSettings
 from titan_cotrain.rl.trainer_setup import (
@@ -87,13 +88,17 @@ class Trainer:
         self.tokenizer = titan.load_tokenizer(folder)
         self.encode_prompt = PromptEncoder(self.tokenizer,
                                            ChatTemplate.from_folder(folder) if config.task.chat_template else None,
-                                           config.task.system_prompt)
+                                           config.task.system_prompt, config.task.chat_template_kwargs)
         ro = config.rollout
         # The engine's positions per sequence; what a prompt may take of them.
         max_seq_len = ro.max_prompt_tokens + ro.max_new_tokens if ro.max_prompt_tokens else config.training.seq_len
         self.task, prompts = build_task(config, self.encode_prompt, max_seq_len - ro.max_new_tokens, self.seed, run)
+        # The reward's worker processes, if any, start now and last the job (the simulator scores nothing).
+        self.scorer = RewardScorer(self.task, RewardSettings.from_config(config.task))
+        if run.values_known:
+            self.scorer.start()
         self.problems = ProblemStream(self.task, self.tokenizer, self.encode_prompt, self.seed, self.dp_rank,
-                                      self.dp_degree)
+                                      self.dp_degree, self.scorer)
         self.total_steps = config.task.sft_steps + config.training.steps
         self.prompts_per_rank = config.rl.prompts_per_step // self.dp_degree
 
@@ -297,6 +302,7 @@ class Trainer:
                 self._check_usable(f"the checkpoint of step {step}")
             self.checkpointer.save(step, last_step=step == self.total_steps)
         self.checkpointer.close()
+        self.scorer.close()
         self.export()
         self.log.close()
 

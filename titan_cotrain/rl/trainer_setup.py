@@ -69,7 +69,8 @@ def tokenizer_folder(config, fallback: str | None = None) -> str:
 
 def build_task(config, encode: PromptEncoder, max_prompt_tokens: int, seed: int, run):
     """The ``[task]``; a dataset task's prompts from ``run.prompt_splits`` (``RealRun``: its
-    file; the simulator's: synthetic), its epochs shuffled by the job's ``seed``."""
+    file; the simulator's: synthetic), its epochs shuffled by the job's ``seed``; the
+    ``custom`` task's reward imported from ``[task] reward``."""
     t = config.task
     prompts = run.prompt_splits(t, encode, max_prompt_tokens) if t.name in DATASET_TASKS else None
-    return get_task(t.name, prompts, t.format_reward, seed), prompts
+    return get_task(t.name, prompts, t.format_reward, seed, t.reward), prompts

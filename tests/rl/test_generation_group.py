@@ -103,7 +103,7 @@ def _split_rollouts(rank: int, world_size: int, folder: str) -> None:
 
     # Peers that drew different prompts cannot share rollouts: every one of them stops.
     if rank == 1:
-        trainer.rollouts.prompts = lambda step, real=trainer.rollouts.prompts: real(step + 1)
+        trainer.rollouts.prompts = lambda step, round_=0, real=trainer.rollouts.prompts: real(step + 1, round_)
     with pytest.raises(RuntimeError, match=r"the ranks \[0, 1\], which train the same rows, drew different prompts"):
         trainer.rollouts(1)
 

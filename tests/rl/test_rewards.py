@@ -192,6 +192,6 @@ def test_task_metrics_average_a_part_over_the_calls_that_returned_it_and_sum_the
     samples = [Sample([1], [2, 3], [0.0, 0.0], reward) for reward in (1.0, 0.0, 0.5, 0.0)]
     details = [{"bonus": 1.0, "reward_timeouts": 0.0}, {"reward_timeouts": 1.0},
                {"bonus": 0.5, "extra": 2.0, "reward_timeouts": 0.0}, {"reward_timeouts": 1.0}]
-    metrics = rollout_metrics(lambda values: values, samples, details, None, 3, buckets=2, counted=True)
+    metrics = rollout_metrics(lambda values, op=None: values, samples, details, None, 3, buckets=2, counted=True)
     assert metrics["reward/mean"] == 0.375
     assert (metrics["task/bonus"], metrics["task/extra"], metrics["task/reward_timeouts"]) == (0.75, 2.0, 2.0)

@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 class Sample:
     """One rollout: ``prompt`` and ``response`` token ids, ``logprobs`` (behaviour
     log-prob of each response token), its ``reward`` and group-normalised ``advantage``;
-    ``trained``: False for a response the loss leaves out (``[rl] overlong = "mask"``)."""
+    ``trained``: False for a response the loss leaves out (``[rl] overlong = "mask"``);
+    ``truncated``: it reached ``max_new_tokens`` without a stop token."""
 
     prompt: list[int]
     response: list[int]
@@ -41,6 +42,7 @@ class Sample:
     reward: float
     advantage: float = 0.0
     trained: bool = True
+    truncated: bool = False
 
     def __len__(self) -> int:
         return len(self.prompt) + len(self.response)

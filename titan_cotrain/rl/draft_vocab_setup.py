@@ -3,7 +3,6 @@ and, optionally, the initial policy's own responses to ``[draft] vocab_generatio
 Counting and choosing are ``models.draft_vocab``'s; this module draws the corpus from the
 job's task and its rollout engine, the same on every rank."""
 
-import random
 
 import torch
 import torch.distributed as dist
@@ -21,7 +20,7 @@ __all__ = ["draft_vocab_from_generations", "task_token_counts"]
 def task_token_counts(problems: ProblemStream, samples: int, vocab_size: int) -> torch.Tensor:
     """``int64 [vocab_size]``: tokens of ``samples`` task samples (prompt + demonstration), the
     same on every rank: the corpus of a reduced draft vocabulary."""
-    rng = random.Random(f"{problems.seed}/vocab")
+    rng = problems.job_rng("vocab")
     return count_tokens((sum(problems.demonstration(rng), []) for _ in range(samples)), vocab_size)
 
 
@@ -40,7 +39,7 @@ def draft_vocab_from_generations(config, problems: ProblemStream, engine: Rollou
     if refresh_engine is not None:
         refresh_engine()
     device = engine.device
-    generator = torch.Generator(device=device).manual_seed(problems.seed * 1_000_003 + problems.dp_rank)
+    generator = torch.Generator(device=device).manual_seed(problems.generator_seed(0))
     out = engine.generate(prompts, params, generator=generator, draft_tokens=0)
     counts = count_tokens((out.tokens[i, :n].tolist() for i, n in enumerate(out.response_lens.tolist())),
                           vocab_size).to(device)

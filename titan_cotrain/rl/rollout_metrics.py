@@ -15,14 +15,23 @@ from titan_cotrain.rl.rewards import COUNTS
 __all__ = ["acceptance_over_tau", "predicted_acceptance", "rollout_metrics", "tau_at"]
 
 
-def rollout_metrics(all_reduce: Callable[[list[float]], list[float]], samples: list[Sample], details: list[dict],
-                    stats: RolloutStats | None, k_max: int, *, buckets: int, counted: bool) -> dict[str, float]:
+def rollout_metrics(all_reduce: Callable[..., list[float]], samples: list[Sample], details: list[dict],
+                    stats: RolloutStats | None, k_max: int, *, buckets: int, counted: bool, group_size: int = 1,
+                    eos_id: int | None = None) -> dict[str, float]:
     """Rewards, response lengths and the task's details of ``samples`` (this rank's batch)
     where ``counted`` (one rank of those that hold the same batch), and the generation's
     ``stats`` (None where this rank's do not count: it generated nothing, or a rank of its
     tensor-parallel engine group reports them), summed over every rank by ``all_reduce``
-    (one call, after the details' names are agreed: ``_detail_names``). ``k_max``: the most a
-    round drafts; ``buckets``: the engine's live-rows buckets (``RoundTable``).
+    (one call, after the details' names are agreed: ``_detail_names``), and the longest
+    response (a second call, a max). ``k_max``: the most a round drafts; ``buckets``: the
+    engine's live-rows buckets (``RoundTable``); ``group_size``: consecutive samples that are
+    one group; ``eos_id``: the tokenizer's EOS.
+
+    Of the responses: ``rollout/response_len`` (mean) and ``response_len_max``,
+    ``truncated_share`` (those that reached ``max_new_tokens`` without a stop),
+    ``stop_eos_share`` and ``stop_id_share`` (those ended by the EOS, by another stop id);
+    ``rl/zero_advantage_groups``, the share of groups whose advantages are all 0 (their
+    rewards all equal: no signal).
 
     From the details: ``task/<name>``, the mean of each reward part over the responses whose
     call returned it, and the sum of each of the scorer's counts (``rl.rewards.COUNTS``:
@@ -53,7 +62,9 @@ def rollout_metrics(all_reduce: Callable[[list[float]], list[float]], samples: l
         float(stats.preemptions) if generated else 0.0, float(stats.recomputed_tokens) if generated else 0.0,
         *by_position.nan_to_num(0.0).tolist(), *seen.double().tolist(), *table.flat(),
         *(total for name in names for total in (sum(d[name] for d in details if name in d) * weight,
-                                                 sum(name in d for d in details) * weight))])
+                                                 sum(name in d for d in details) * weight)),
+        *(x * weight for x in _response_counts(samples, group_size, eos_id))])
+    longest, = all_reduce([float(max((len(s.response) for s in samples), default=0))], op=dist.ReduceOp.MAX)
     count, ranks = totals[2], max(totals[5], 1.0)
     mean = totals[0] / count
     flat_at = 11 + 8
@@ -88,9 +99,23 @@ def rollout_metrics(all_reduce: Callable[[list[float]], list[float]], samples: l
             metrics[f"{name}_tokens"] = float(table.tokens[b].sum())
             metrics[f"{name}_k"] = float((rows * k_of_mode).sum() / rows.sum()) if rows.sum() else 0.0
     parts = totals[flat_at + len(table.flat()):]
+    parts, (truncated, eos, stop_id, groups, zero_groups) = parts[:-5], parts[-5:]
     metrics |= {f"task/{name}": total if name in COUNTS else total / calls
                 for name, total, calls in zip(names, parts[0::2], parts[1::2]) if calls}
+    metrics |= {"rollout/response_len_max": longest, "rollout/truncated_share": truncated / count,
+                "rollout/stop_eos_share": eos / count, "rollout/stop_id_share": stop_id / count,
+                "rl/zero_advantage_groups": zero_groups / groups if groups else 0.0}
     return metrics
+
+
+def _response_counts(samples: list[Sample], group_size: int, eos_id: int | None) -> list[float]:
+    """``[truncated, ended by the EOS, ended by another stop id, groups, groups with all
+    advantages 0]`` of this rank's ``samples``."""
+    truncated = sum(s.truncated for s in samples)
+    eos = sum(not s.truncated and bool(s.response) and s.response[-1] == eos_id for s in samples)
+    groups = [samples[i:i + group_size] for i in range(0, len(samples), group_size)]
+    zero = sum(all(s.advantage == 0 for s in group) for group in groups)
+    return [float(truncated), float(eos), float(len(samples) - truncated - eos), float(len(groups)), float(zero)]
 
 
 def _detail_names(details: list[dict]) -> list[str]:

@@ -2,13 +2,14 @@
 peer its share, ``rl.generation_group``), scored into GRPO samples, exchanged, and the rollout
 metrics reduced over the job; the speculation tuner learns from what each call measured."""
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
 import torch
 
 from titan_cotrain.rl.batching import Sample
-from titan_cotrain.rl.grpo import group_advantages
+from titan_cotrain.rl.grpo import group_advantages, overlong_penalty
 from titan_cotrain.rl.progress import RolloutProgress
 from titan_cotrain.rl.rollout_metrics import rollout_metrics
 from titan_cotrain.engine.round_stats import RoundTable, live_bucket
@@ -39,15 +40,31 @@ class RolloutSettings:
     """``[rollout] adaptive_speculation``: the tuner picks ``k`` from what earlier calls measured."""
     per_round: bool
     """``[rollout] speculation_granularity == "round"`` (else one ``k`` per call)."""
+    warm_start_positions: int = 0
+    """The prompt stream's positions the warm start drew (``sft_steps x dp x sft_batch_size``):
+    RL's prompts continue the stream after them."""
+    advantage: str = "grpo"
+    normalize_std: bool = True
+    """``[rl] advantage`` and ``normalize_std``: ``rl.grpo.group_advantages``' estimator."""
+    overlong: str = "none"
+    overlong_buffer: int = 0
+    """``[rl] overlong`` and ``overlong_buffer``: what a truncated response gets."""
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_rounds: int = 0
+    """``[rl] dynamic_sampling`` and its most extra generation rounds per step."""
 
     @classmethod
-    def from_config(cls, config) -> "RolloutSettings":
-        ro = config.rollout
-        return cls(group_size=config.rl.group_size, sft_steps=config.task.sft_steps, temperature=ro.temperature,
+    def from_config(cls, config, dp_degree: int) -> "RolloutSettings":
+        ro, rl, task = config.rollout, config.rl, config.task
+        return cls(group_size=rl.group_size, sft_steps=task.sft_steps, temperature=ro.temperature,
                    top_k=ro.top_k, top_p=ro.top_p, max_new_tokens=ro.max_new_tokens,
                    stop_token_ids=tuple(ro.stop_token_ids),
                    draft_tokens=rollout_draft_tokens(config), adaptive=ro.adaptive_speculation,
-                   per_round=ro.speculation_granularity == "round")
+                   per_round=ro.speculation_granularity == "round",
+                   warm_start_positions=task.sft_steps * dp_degree * task.sft_batch_size,
+                   advantage=rl.advantage, normalize_std=rl.normalize_std, overlong=rl.overlong,
+                   overlong_buffer=rl.overlong_buffer, dynamic_sampling=rl.dynamic_sampling,
+                   dynamic_sampling_max_rounds=rl.dynamic_sampling_max_rounds)
 
 
 class RolloutPhase:
@@ -65,8 +82,9 @@ class RolloutPhase:
     on one rank only."""
 
     def __init__(self, settings: RolloutSettings, engine, generation, problems, sync, run, device,
-                 prompts_per_rank: int, show_progress: bool) -> None:
+                 prompts_per_rank: int, show_progress: bool, state) -> None:
         self.settings, self.engine, self.generation, self.problems = settings, engine, generation, problems
+        self.state = state  # the TrainerState: dynamic sampling's extra rounds move the prompt stream
         self.device = device
         self.sync, self.run, self.prompts_per_rank = sync, run, prompts_per_rank
         self.show_progress = show_progress and run.values_known
@@ -80,29 +98,47 @@ class RolloutPhase:
                               max_new_tokens=s.max_new_tokens, eos_token_id=self.problems.tokenizer.eos_id,
                               stop_token_ids=s.stop_token_ids)
 
-    def prompts(self, step: int):
+    def prompts(self, step: int, round_: int = 0):
         """Step ``step``'s problems for this data-parallel rank and their prompts, one per
-        problem (a collective: every rank stops if one's is too long for the engine)."""
-        stream, max_new = self.problems, self.settings.max_new_tokens
-        rng = stream.rng(step, "prompts")
-        positions = stream.positions(step - self.settings.sft_steps - 1, self.prompts_per_rank)
+        problem, for the step's generation round ``round_`` (dynamic sampling's extra rounds
+        take the stream's next blocks; a synthetic task draws them with a salt of their own).
+        A collective: every rank stops if one's is too long for the engine."""
+        stream, s = self.problems, self.settings
+        rng = stream.rng(step, "prompts" if round_ == 0 else f"prompts/{round_}")
+        block = step - s.sft_steps - 1 + self.state.extra_prompt_rounds + round_
+        positions = stream.rl_positions(s.warm_start_positions, block, self.prompts_per_rank)
         problems = [stream.task.sample(rng, position) for position in positions]
         prompts = [stream.encode_prompt(p.prompt) for p in problems]
         longest = max(map(len, prompts))
         self.sync.stop_if_any_rank_failed(
-            f"a prompt of {longest} tokens plus rollout.max_new_tokens = {max_new} exceeds "
+            f"a prompt of {longest} tokens plus rollout.max_new_tokens = {s.max_new_tokens} exceeds "
             f"the engine's {self.engine.max_seq_len} positions (training.seq_len, or rollout.max_prompt_tokens "
             f"+ max_new_tokens)"
-            if longest + max_new > self.engine.max_seq_len else None, step)
+            if longest + s.max_new_tokens > self.engine.max_seq_len else None, step)
         return problems, prompts
 
     def __call__(self, step: int) -> tuple[list[Sample], dict[str, float]]:
-        group_size = self.settings.group_size
-        problems, prompts = self.prompts(step)
-        share = self.generation.share(len(problems))
-        seed = (self.problems.seed * 1_000_003 + step) * 1009 + self.problems.dp_rank
-        generator = self.run.rollout_generator(seed + 7919 * self.generation.unit, self.device)
         t0 = time.perf_counter()
+        groups, metrics, stand_in = self._round(step, 0)
+        if stand_in is not None:  # the simulator's rows
+            return stand_in, {}
+        if self.settings.dynamic_sampling:
+            groups, more = self._dynamic_sampling(step, groups)
+            metrics |= more
+        # After the metrics' all-reduce, which every rank joins: the phase lasts as long as the
+        # slowest rank's generation (a rank's own would hide the ranks it waits for later).
+        metrics["time/rollout_s"] = time.perf_counter() - t0
+        return [sample for group, _ in groups for sample in group], metrics
+
+    def _round(self, step: int, round_: int):
+        """One generation round of the step: ``(groups, metrics, None)``, the whole batch's
+        scored groups (the same on every CP x PP peer) and their metrics; or the simulator's
+        stand-in samples as ``(None, None, samples)``."""
+        group_size = self.settings.group_size
+        problems, prompts = self.prompts(step, round_)
+        share = self.generation.share(len(problems))
+        generator = self.run.rollout_generator(self.problems.generator_seed(step, self.generation.unit, round_),
+                                               self.device)
         progress = RolloutProgress() if self.show_progress else None
         k, follows, adaptive = self._draft_tokens(len(problems))
         rollouts = None
@@ -115,16 +151,48 @@ class RolloutPhase:
         stand_in = self.run.stand_in_samples([p for p in prompts for _ in range(group_size)],
                                              self.settings.max_new_tokens)
         if stand_in is not None:
-            return stand_in, {}
-        samples, metrics = self._share(rollouts, [problems[i] for i in share], [prompts[i] for i in share],
-                                       prompts, follows if adaptive else None)
-        # After the metrics' all-reduce, which every rank joins: the phase lasts as long as the
-        # slowest rank's generation (a rank's own would hide the ranks it waits for later).
-        metrics["time/rollout_s"] = time.perf_counter() - t0
-        return samples, metrics
+            return None, None, stand_in
+        groups, metrics = self._share(rollouts, [problems[i] for i in share], [prompts[i] for i in share],
+                                      prompts, follows if adaptive else None)
+        return groups, metrics, None
+
+    def _dynamic_sampling(self, step: int, groups: list) -> tuple[list, dict[str, float]]:
+        """DAPO's dynamic sampling over the first round's ``groups``: groups whose rewards are
+        all equal are dropped, and further rounds draw the stream's next blocks until every
+        data-parallel rank holds ``prompts_per_rank`` kept groups or
+        ``dynamic_sampling_max_rounds`` extra rounds have run. Whether to run another round is
+        decided by one all-reduce, so every rank runs the same rounds (a rank already full
+        still generates its share: a round's collectives need every rank). Each rank trains on
+        its first ``prompts_per_rank`` kept groups; one with none keeps a dropped group with no
+        loss (every rank needs rows). The step's metrics are its first round's, plus the kept
+        and dropped group counts (all rounds), the rounds run and the shortfall."""
+        s, per_rank = self.settings, self.prompts_per_rank
+        counted = float(self.generation.member == 0)  # one rank of those holding the same batch
+        target = per_rank * self.problems.dp_degree
+
+        def varies(group) -> bool:
+            return len({sample.reward for sample in group[0]}) > 1
+
+        kept = [g for g in groups if varies(g)]
+        dropped, extra = len(groups) - len(kept), 0
+        while True:
+            have, = self.sync.all_reduce([min(len(kept), per_rank) * counted])
+            if have >= target or extra >= s.dynamic_sampling_max_rounds:
+                break
+            extra += 1
+            more, _, _ = self._round(step, extra)
+            kept += [g for g in more if varies(g)]
+            dropped += sum(not varies(g) for g in more)
+        self.state.extra_prompt_rounds += extra  # the same on every rank: the stream moves on
+        kept_total, dropped_total = self.sync.all_reduce([len(kept) * counted, dropped * counted])
+        if not kept:
+            group, details = groups[0]
+            kept = [([dataclasses.replace(sample, trained=False) for sample in group], details)]
+        return kept[:per_rank], {"rl/kept_groups": kept_total, "rl/dropped_groups": dropped_total,
+                                 "rl/sampling_rounds": 1.0 + extra, "rl/kept_shortfall": max(target - have, 0.0)}
 
     def _share(self, rollouts, problems: list, prompts: list[list[int]], all_prompts: list[list[int]],
-               follows: bool | None) -> tuple[list[Sample], dict[str, float]]:
+               follows: bool | None) -> tuple[list, dict[str, float]]:
         """The phase's collectives after the generation, in this order on every rank: the
         tuner's round tables summed over the job (``follows`` None: the tuner is not learning),
         this rank's scored groups of ``problems`` exchanged with its CP x PP peers for the whole
@@ -140,8 +208,9 @@ class RolloutPhase:
         generated = rollouts.stats if rollouts is not None and self.generation.sends() else None
         metrics = rollout_metrics(self.sync.all_reduce, samples, details, generated, self.speculation.k_max,
                                   buckets=live_bucket(self.engine.max_batch_size) + 1,
-                                  counted=self.generation.member == 0)
-        return samples, metrics
+                                  counted=self.generation.member == 0, group_size=self.settings.group_size,
+                                  eos_id=self.problems.tokenizer.eos_id)
+        return groups, metrics
 
     def _draft_tokens(self, n_problems: int) -> tuple[int, bool, bool]:
         """``(k, follows, adaptive)``: the tokens drafted per round of this call, whether the
@@ -174,8 +243,16 @@ class RolloutPhase:
         logprobs = [rollouts.logprobs[i, :n].tolist() for i, n in enumerate(lengths)]
         texts = [self.problems.tokenizer.decode(ids) for ids in responses]
         rewards, details = self.problems.score([problems[i // group_size] for i in range(len(lengths))], texts)
-        advantages = group_advantages(torch.tensor(rewards), group_size)
-        samples = [Sample(prompts[i // group_size], responses[i], logprobs[i], rewards[i], float(advantages[i]))
+        s = self.settings
+        truncated = (~rollouts.finished).tolist()
+        if s.overlong == "soft":  # DAPO's length penalty joins the reward (and is logged as a part)
+            penalties = [overlong_penalty(n, s.max_new_tokens, s.overlong_buffer) for n in lengths]
+            rewards = [r + p for r, p in zip(rewards, penalties)]
+            details = [d | {"overlong_penalty": p} for d, p in zip(details, penalties)]
+        advantages = group_advantages(torch.tensor(rewards), group_size, estimator=s.advantage,
+                                      normalize_std=s.normalize_std)
+        samples = [Sample(prompts[i // group_size], responses[i], logprobs[i], rewards[i], float(advantages[i]),
+                          trained=not (s.overlong == "mask" and truncated[i]), truncated=truncated[i])
                    for i in range(len(lengths))]
         return [(samples[i:i + group_size], details[i:i + group_size]) for i in range(0, len(samples), group_size)]
 

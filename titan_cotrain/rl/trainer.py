@@ -15,7 +15,6 @@ repeats the uninterrupted one exactly when the drafted tokens per round are fixe
 (``[rollout] adaptive_speculation = false``). Which rank holds what under FSDP, CP and PP:
 ``docs/DESIGN.md`` sections 4, 5 and 10.
 """
-import random
 import time
 
 import torch
@@ -134,14 +133,16 @@ class Trainer:
                 print(f"warning: an engine group of [rollout] tensor_parallel_degree = "
                       f"{config.rollout.tensor_parallel_degree} spans {nodes} nodes in the {layout.order} rank layout "
                       "([parallelism] rank_order): its all-reduces cross nodes", flush=True)
-        rollout_settings = RolloutSettings.from_config(config)
+        rollout_settings = RolloutSettings.from_config(config, self.dp_degree)
         self.engine, kv_cache = build_rollout_engine(
             config, models, self.device, run, prompts=self.generation.max_share(self.prompts_per_rank),
             max_seq_len=max_seq_len, draft_tokens=rollout_settings.draft_tokens, tp_mesh=self.engine_mesh)
         if ro.kv_cache_gib == "auto":
             self.log.say(kv_pool_line(self.engine, kv_cache))
+        self.state = TrainerState()
         self.rollouts = RolloutPhase(rollout_settings, self.engine, self.generation, self.problems, self.sync, run,
-                                     self.device, self.prompts_per_rank, show_progress=rank == self.log_rank)
+                                     self.device, self.prompts_per_rank, show_progress=rank == self.log_rank,
+                                     state=self.state)
         self.acceptance_watch = AcceptanceWatch(ro.acceptance_warning_fraction, ro.acceptance_warning_steps)
         self.collapse_watch = DraftCollapseWatch(ro.collapse_fraction, ro.collapse_position_rate, ro.collapse_steps)
         if config.rollout.speculative and not config.draft.enable:
@@ -168,7 +169,6 @@ class Trainer:
                                 aggregation=rl.loss_aggregation, ratio_level=rl.ratio_level,
                                 max_new_tokens=ro.max_new_tokens)
         self.train_draft_in_rl = self.cotrain and not config.draft.freeze_after_sft
-        self.state = TrainerState()
         states["trainer"] = self.state
         self.checkpointer = titan.build_checkpointer(config.checkpoint, config.job.dump_folder, self.policy,
                                                      self.policy_opt, self.policy_lr, states)
@@ -184,7 +184,7 @@ class Trainer:
 
     def _probe_tokens(self) -> list[int]:
         """The probe of ``SaveGuard``: the first ``PROBE_TOKENS`` tokens of a fixed demonstration."""
-        prompt, response = self.problems.demonstration(random.Random(f"{self.seed}/probe"), 0)
+        prompt, response = self.problems.demonstration(self.problems.job_rng("probe"), 0)
         return (prompt + response)[:PROBE_TOKENS]
 
     @property

@@ -30,19 +30,23 @@ def rollout_draft_tokens(config) -> int:
 
 
 class TrainerState:
-    """The step counter (everything random derives from it) and the number of consecutive
-    steps that ended with a skipped update, as a DCP ``Stateful``."""
+    """The step counter (everything random derives from it), the number of consecutive
+    steps that ended with a skipped update, and the extra generation rounds dynamic sampling
+    has run (each took the next block of the prompt stream), as a DCP ``Stateful``."""
 
     def __init__(self) -> None:
         self.step = 0
         self.nonfinite_steps = 0
+        self.extra_prompt_rounds = 0
 
     def state_dict(self) -> dict:
-        return {"step": torch.tensor(self.step), "nonfinite_steps": torch.tensor(self.nonfinite_steps)}
+        return {"step": torch.tensor(self.step), "nonfinite_steps": torch.tensor(self.nonfinite_steps),
+                "extra_prompt_rounds": torch.tensor(self.extra_prompt_rounds)}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
         self.nonfinite_steps = int(state["nonfinite_steps"])
+        self.extra_prompt_rounds = int(state["extra_prompt_rounds"])
 
 
 def training_device() -> torch.device:

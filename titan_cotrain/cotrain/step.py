@@ -1,7 +1,8 @@
 """The co-training objective: a policy forward feeds both the policy loss and the draft's TTT.
 
-``L = L_policy + lambda * L_draft``, both token means over the *global* batch (every
-microbatch, every data-parallel and CP rank). The draft reads only detached tensors of the
+``L = L_policy + lambda * L_draft``, both means over the *global* batch (every microbatch,
+every data-parallel and CP rank): token means, or for the policy a per-sequence aggregation
+(its loss's own ``norm``, ``rl.grpo.ppo_loss``). The draft reads only detached tensors of the
 policy (taps, embeddings, teacher), so the policy's gradients are exactly those of
 ``L_policy`` alone, and the two parameter sets never share a gradient.
 

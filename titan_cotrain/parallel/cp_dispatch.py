@@ -4,7 +4,8 @@
 (``_context_parallel._attention.custom_ops``) that it installs into DTensor's dispatcher
 while CP is on (``_enable_context_parallel_dispatcher()``, which torchtitan calls once when it
 applies CP and never undoes; or inside ``context_parallel(...)``). Its table covers the CUDA
-SDPA ops only. ``enable_cp_dispatch`` adds ours and turns the dispatcher on:
+SDPA ops only. ``register_cp_handlers`` adds ours, and ``cp_dispatch()`` turns the dispatcher
+on for a block (the update's forward-backward) and off after it:
 
 * ``titan_cotrain::varlen_causal_attention`` and ``titan_cotrain::branch_attention``
   (forward and backward ops): ``q, k, v`` DTensors ``Shard(0)`` (packed ``[T, H, Dh]``)

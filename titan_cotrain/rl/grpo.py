@@ -1,5 +1,6 @@
-"""The policy losses: GRPO's group-normalised advantages and PPO-clipped, token-level loss,
-and the warm start's next-token cross-entropy.
+"""The policy losses: GRPO's group-normalised (or RLOO's leave-one-out) advantages, the
+PPO-clipped loss with a token or sequence (GSPO) ratio under four aggregations, DAPO's overlong
+penalty, the entropy metric, and the warm start's next-token cross-entropy.
 
 Losses read label-aligned rows (``LabelRows``, or a CP shard's ``CPBatch``): at position
 ``t``, ``next_tokens[b, t]`` is the token the logits at ``t`` predict and

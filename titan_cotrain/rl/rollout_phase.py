@@ -75,11 +75,14 @@ class RolloutPhase:
     ``GenerationGroup``; ``problems``: the ``ProblemStream``; ``sync``: the ``HostSync``;
     ``run``: the ``RealRun``; ``show_progress``: draw the progress bar (the logging rank).
 
-    Every rank calls it. Its collectives, in order: whether every rank's prompts fit the
-    engine (``prompts``, before anything is generated, so no rank stops alone), then after
-    the generation ``_share``: the tuner's round tables summed over the job, the scored groups
-    exchanged with the CP x PP peers, and the metrics' sums. Nothing between them returns early
-    on one rank only."""
+    Every rank calls it. Its collectives, per generation round, in order: whether every
+    rank's prompts fit the engine (``prompts``, before anything is generated, so no rank stops
+    alone), then after the generation ``_share``: the tuner's round tables summed over the job,
+    the scored groups exchanged with the CP x PP peers, the reward parts' names gathered, the
+    metrics' sums and the longest response (a max). Under dynamic sampling, one sum per round
+    decides whether another runs, and one sums the kept and dropped groups. Nothing between
+    them returns early on one rank only. ``state``: the ``TrainerState``, whose
+    ``extra_prompt_rounds`` dynamic sampling advances (the prompt stream's position)."""
 
     def __init__(self, settings: RolloutSettings, engine, generation, problems, sync, run, device,
                  prompts_per_rank: int, show_progress: bool, state) -> None:

@@ -5,4 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
+# The config checked once, in one process, before the ranks start: a bad key prints one message.
+.venv/bin/python -m titan_cotrain.config.check --world-size "${NPROC:-2}" "$@" || exit $?
 exec .venv/bin/torchrun --standalone --nproc_per_node "${NPROC:-2}" -m titan_cotrain.train "$@"

@@ -98,8 +98,9 @@ def _ep_rank(rank, world_size, ep, reference, overrides, width_sharded=False):
     if dims.cp_enabled:  # this rank's zigzag chunks of the rows: one document per row
         batch = PackedBatch(tokens, torch.zeros_like(tokens), torch.ones_like(tokens, dtype=torch.bool))
         cp_batch, shard = shard_batch_for_cp(batch, dims.get_mesh("cp"))
-        logits, routing = _run(policy, cp_batch.tokens, cu_seqlens=shard.cu_seqlens, positions=shard.positions,
-                               valid=shard.valid)
+        with models.forward_scope():  # torch's CP dispatcher on, as for the update's forward-backward
+            logits, routing = _run(policy, cp_batch.tokens, cu_seqlens=shard.cu_seqlens, positions=shard.positions,
+                                   valid=shard.valid)
         logits = shard.unshard(logits)
         whole_choices = [shard.shard(choices) for choices in whole_choices]
     else:

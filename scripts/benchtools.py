@@ -55,16 +55,17 @@ def plain_ticks(axis) -> None:
 
 def command_line(argv: list[str] | None = None) -> str:
     """``python scripts/<name>.py <flags>`` as this process was started, without the output
-    paths (``--json``, ``--png`` and their values): the settings that made the numbers."""
+    paths (``--json``, ``--png``, ``--work``, ``--out`` and their values): the settings that
+    made the numbers."""
     argv = list(sys.argv if argv is None else argv)
     script, flags, kept = argv[0], argv[1:], []
     skip = False
     for flag in flags:
         if skip:
             skip = False
-        elif flag in ("--json", "--png", "--work"):
+        elif flag in ("--json", "--png", "--work", "--out"):
             skip = True
-        elif not flag.startswith(("--json=", "--png=", "--work=")):
+        elif not flag.startswith(("--json=", "--png=", "--work=", "--out=")):
             kept.append(flag)
     name = script.replace("\\", "/").rsplit("/", 1)[-1]
     return shlex.join(["python", f"scripts/{name}", *kept])

@@ -51,6 +51,7 @@ BENCHMARKS = {
     "bench_compile": ([], ["--repeats", "2", "--new-tokens", "32"],
                       lambda a: ["--json", a / "bench_compile.json", "--png", a / "bench_compile.png"]),
     "bench_e2e": ([], ["--quick"], lambda a: ["--json", a / "bench_e2e.json", "--png", a / "bench_e2e.png"]),
+    "bench_recipes": ([], ["--quick"], lambda a: ["--out", a]),
 }
 
 
@@ -309,6 +310,24 @@ def compile_rows(result: dict, command: str) -> list[Row]:
             for what, rec in parts]
 
 
+def recipes_rows(result: dict, command: str) -> list[Row]:
+    claim = "RL recipes on a GSM8K-format task"
+    s, warm = result["settings"], result["warm_start"]["eval"]
+    k = max(s["pass_k"])
+    rows = []
+    for rec in result["records"]:
+        after, gain = rec["accuracy_after"], rec["accuracy_gain"]
+        spread = after["max"] - after["min"]
+        rows.append(Row(
+            claim, f"{rec['recipe']}: held-out accuracy ({warm['prompts']} prompts x {s['samples']} samples) after "
+                   f"{rec['rl_steps']} RL steps from one {s['sft_steps']}-step warm start, {len(rec['seeds'])} seeds; "
+                   f"pass@{k} {rec['pass_at_k_before'][str(k)]:.3f} -> {rec['pass_at_k_after'][str(k)]['mean']:.3f}",
+            f"{after['mean']:.3f} ({after['min']:.3f}-{after['max']:.3f})", f"warm start {rec['accuracy_before']:.3f}",
+            f"gain {gain['mean']:+.3f} ({gain['min']:+.3f} to {gain['max']:+.3f})", "gain > the seeds' spread",
+            _met(gain["mean"] > spread), s["hardware"], command))
+    return rows
+
+
 SOURCES = [  # (script, json, rows)
     ("bench_branch_memory", "bench_branch_memory.json", branch_memory_rows),
     ("bench_cp", "bench_cp.json", cp_rows),
@@ -318,6 +337,7 @@ SOURCES = [  # (script, json, rows)
     ("bench_vocab_chunks", "bench_vocab_chunks.json", vocab_rows),
     ("bench_compile", "bench_compile.json", compile_rows),
     ("bench_e2e", "bench_e2e.json", e2e_rows),
+    ("bench_recipes", "bench_recipes.json", recipes_rows),
 ]
 
 

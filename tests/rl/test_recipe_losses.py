@@ -328,3 +328,39 @@ def test_entropy_is_the_mean_entropy_of_response_positions():
     every = torch.ones(1, 7, dtype=torch.bool)
     direct = -(random_lp.exp() * random_lp).sum()
     torch.testing.assert_close(entropy_sum(random_lp, every, rows_at_once=3), direct)
+
+
+def _scored(overlong: str, buffer: int = 0):
+    """``RolloutPhase._score`` on hand-made rollouts of one group of 4 (max_new_tokens 8):
+    lengths 3, 6, 8 (truncated), 8 (ended by a stop at the budget's last token)."""
+    from types import SimpleNamespace
+
+    from titan_cotrain.rl.rollout_phase import RolloutPhase, RolloutSettings
+
+    settings = RolloutSettings(group_size=4, sft_steps=0, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=8,
+                               stop_token_ids=(), draft_tokens=0, adaptive=False, per_round=True,
+                               overlong=overlong, overlong_buffer=buffer)
+    phase = RolloutPhase.__new__(RolloutPhase)
+    phase.settings = settings
+    phase.problems = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids: "x" * len(ids)),
+                                     score=lambda problems, texts: ([1.0, 0.0, 1.0, 0.0], [{} for _ in texts]))
+    lengths = torch.tensor([3, 6, 8, 8])
+    rollouts = SimpleNamespace(response_lens=lengths, tokens=torch.ones(4, 8, dtype=torch.long),
+                               logprobs=torch.zeros(4, 8), finished=torch.tensor([True, True, False, True]))
+    ((samples, details),) = phase._score([object()], [[1, 2]], rollouts)
+    return samples, details
+
+
+def test_the_overlong_rules_touch_exactly_the_responses_they_name():
+    plain, _ = _scored("none")
+    assert [s.trained for s in plain] == [True] * 4 and [s.truncated for s in plain] == [False, False, True, False]
+    masked, _ = _scored("mask")
+    assert [s.trained for s in masked] == [True, True, False, True]  # only the truncated one leaves the loss
+    assert [s.reward for s in masked] == [s.reward for s in plain]
+    soft, details = _scored("soft", buffer=4)  # L - B = 4: lengths 6 and 8 are penalised, by length
+    assert [s.reward for s in soft] == [1.0 + 0.0, 0.0 - 0.5, 1.0 - 1.0, 0.0 - 1.0]
+    assert [d["overlong_penalty"] for d in details] == [0.0, -0.5, -1.0, -1.0]
+    assert all(s.trained for s in soft)
+    # The advantages are the group's over the penalised rewards.
+    torch.testing.assert_close(torch.tensor([s.advantage for s in soft]),
+                               group_advantages(torch.tensor([1.0, -0.5, 0.0, -1.0]), 4))

@@ -38,6 +38,10 @@ def _samples(seed: int = 0) -> list[Sample]:
     return out
 
 
+def _loss(aggregation: str):
+    return ppo_loss(0.2, 0.28, aggregation=aggregation, max_new_tokens=MAX_NEW)
+
+
 def _direct(samples, logits_of, aggregation: str, eps=(0.2, 0.28)) -> torch.Tensor:
     """The aggregation's formula, response by response (float64): ``l_it`` the clipped PPO
     term times the advantage, ``logits_of(i)`` the logits predicting response i's tokens."""
@@ -66,7 +70,7 @@ def test_each_aggregation_is_its_formula(aggregation):
     batch = pack_samples(samples, seq_len=16, pad_id=0, inv_lens=True)
     logits = torch.randn(*batch.tokens.shape, ARGS.vocab_size, generator=torch.Generator().manual_seed(1),
                          dtype=torch.float64)
-    loss_fn = ppo_loss(0.2, 0.28, aggregation=aggregation, max_new_tokens=MAX_NEW)
+    loss_fn = _loss(aggregation)
     whole = loss_fn(logits, labels_of(batch))
     norm = whole.count if whole.norm is None else whole.norm
 
@@ -121,7 +125,7 @@ def test_two_microbatches_equal_one(aggregation):
     """An update in 2 microbatches (rows split) gives one batch's loss and gradients (fp64
     models, fp32 logits: 1e-6)."""
     batch = pack_samples(_samples(), seq_len=16, pad_id=0, inv_lens=True, rows_multiple_of=2)
-    loss_fn = ppo_loss(0.2, 0.28, aggregation=aggregation, max_new_tokens=MAX_NEW)
+    loss_fn = _loss(aggregation)
     results = []
     for rows in (0, batch.tokens.shape[0] // 2):
         policy = _policy()
@@ -142,10 +146,10 @@ def _cp_batch():
     return pack_samples(_samples(), seq_len=CP_SEQ, pad_id=0, inv_lens=True, pad_to=4)
 
 
-def _single_device(aggregation: str):
+def _one_device(batch, aggregation: str):
+    """The single-device update's metrics and gradients over ``batch``: the reference."""
     policy = _policy()
-    metrics = forward_backward(policy, None, _cp_batch(), ppo_loss(0.2, 0.28, aggregation=aggregation,
-                                                                   max_new_tokens=MAX_NEW), **STEP)
+    metrics = forward_backward(policy, None, batch, _loss(aggregation), **STEP)
     return metrics, _grads(policy)
 
 
@@ -163,9 +167,8 @@ def _cp_rank(rank, world_size, references):
         policy = _policy()
         apply_context_parallel(mesh, policy)
         with cp_forward_scope():
-            metrics = forward_backward(policy, None, _cp_batch(), ppo_loss(0.2, 0.28, aggregation=aggregation,
-                                                                           max_new_tokens=MAX_NEW),
-                                       group=group, prepare=partial(prepare_cp_microbatch, group=mesh), **STEP)
+            metrics = forward_backward(policy, None, _cp_batch(), _loss(aggregation), group=group,
+                                       prepare=partial(prepare_cp_microbatch, group=mesh), **STEP)
         for key, value in ref_metrics.items():
             torch.testing.assert_close(metrics[key], value, rtol=1e-5, atol=1e-6, msg=f"{aggregation} {key}")
         for name, param in policy.named_parameters():
@@ -177,7 +180,7 @@ def _cp_rank(rank, world_size, references):
 def test_every_aggregation_under_context_parallelism_matches_one_device():
     """CP 2 (zigzag shards: a response's tokens on both ranks) against one device."""
     with one_thread():
-        references = {a: _single_device(a) for a in AGGREGATIONS}
+        references = {a: _one_device(_cp_batch(), a) for a in AGGREGATIONS}
     run_on_ranks(_cp_rank, 2, references)
 
 
@@ -188,13 +191,6 @@ def _pp_batch():
     return pack_samples(_samples() + _samples(1), seq_len=PP_SEQ, pad_id=0, inv_lens=True, rows_multiple_of=PP_ROWS)
 
 
-def _pp_reference(aggregation: str):
-    policy = _policy()
-    metrics = forward_backward(policy, None, _pp_batch(), ppo_loss(0.2, 0.28, aggregation=aggregation,
-                                                                   max_new_tokens=MAX_NEW), **STEP)
-    return metrics, _grads(policy)
-
-
 def _pp_rank(rank, world_size, references):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -202,7 +198,7 @@ def _pp_rank(rank, world_size, references):
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("pp",))
     for aggregation, (ref_metrics, ref_grads) in references.items():
-        loss_fn = ppo_loss(0.2, 0.28, aggregation=aggregation, max_new_tokens=MAX_NEW)
+        loss_fn = _loss(aggregation)
         plan = plan_pipeline(ARGS.n_layers, world_size, "1F1B", layers_per_stage=[4, 4])
         settings = PipelineSettings(microbatch_size=1, n_microbatches=PP_ROWS, seq_len=PP_SEQ,
                                     tap_timeout=timedelta(seconds=60), **STEP)
@@ -220,7 +216,7 @@ def _pp_rank(rank, world_size, references):
 def test_every_aggregation_under_pipeline_parallelism_matches_one_device():
     """PP 2 (1F1B, 4 one-row microbatches) against one device."""
     with one_thread():
-        references = {a: _pp_reference(a) for a in AGGREGATIONS}
+        references = {a: _one_device(_pp_batch(), a) for a in AGGREGATIONS}
     run_on_ranks(_pp_rank, 2, references)
 
 

@@ -79,8 +79,8 @@ CURVES = {"correct": "task/correct", "reward": "reward/mean", "kl_ref": "rl/kl_r
 # The curves every run must log, finite at every step (the KL only where the recipe has one).
 REQUIRED = ("correct", "reward", "entropy", "grad_norm", "lr", "acceptance_length", "step_s")
 
-QUICK = dict(bench.QUICK, records=300, eval_size=8, sft_steps=4, steps=2, eval_every=1, samples=2, pass_k=[1, 2],
-             variants=["grpo", "grpo_shuffled", "grpo_untied"])
+QUICK = dict(bench.QUICK, records=300, eval_size=8, sft_steps=4, steps=2, eval_every=2, samples=2, pass_k=[1, 2],
+             variants=["grpo_shuffled", "grpo_untied"])
 FULL = dict(bench.FULL, steps=60, eval_every=20, variants=list(VARIANTS))
 
 
@@ -122,7 +122,8 @@ def untied_copy(warm: Path, folder: Path, sft_steps: int) -> None:
         value = optimizer[key]
         optimizer[key.replace(".embed_tokens.weight.", ".lm_head.weight.")] = (
             value.clone() if isinstance(value, torch.Tensor) else value)
-    torch_save_to_dcp(state, folder / f"step-{sft_steps}")
+    torch.save(state, flat)
+    torch_save_to_dcp(flat, folder / f"step-{sft_steps}")
     flat.unlink()
 
 

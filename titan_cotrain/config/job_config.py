@@ -3,7 +3,8 @@
 torchtitan's ``ConfigManager`` merges this module's ``JobConfig`` into its own when a TOML
 file (or the command line) names it in ``[job] custom_config_module``; the project's loader
 (``titan_cotrain.config.load_job_config``) names it for you. Sections that torchtitan
-already has (``[model]``, ``[training]``, ``[parallelism]``) gain fields; ``[draft] [rl] [rollout] [task]`` are new.
+already has (``[model]``, ``[training]``, ``[parallelism]``) gain fields; ``[draft] [rl] [rollout]
+[task] [eval] [simulate]`` are new.
 
 Every field's docstring is the documentation of its TOML key.
 """
@@ -527,6 +528,73 @@ class Task:
 
 
 @dataclass
+class Eval:
+    enable: bool = False
+    """Evaluate during training (``rl.evaluation``): the held-out prompts are answered by the
+    rollout engine on every rank (split over the data-parallel ranks, results gathered) and
+    scored, before the first RL step, every ``interval`` RL steps and at the end; logged under
+    ``eval/`` (TensorBoard, ``metrics.jsonl``, a line with ``"phase": "eval"`` and the step of
+    the policy evaluated) and written to ``<dump_folder>/eval/eval_step<N>.json``. It runs on
+    the engine the next rollout uses, just refreshed: no extra copy of the weights."""
+
+    interval: int = 0
+    """RL steps between evaluations: the policy after RL step ``n x interval`` is evaluated
+    (at the start of the next step, on the engine refreshed for its rollout); 0: only before
+    the first RL step and at the end."""
+
+    at_end: bool = True
+    """Also evaluate the final policy at the end of the job (before the export)."""
+
+    path: str = ""
+    """The evaluation's own prompt file (JSON Lines or Parquet, read like ``[task]
+    dataset_path``; every record is an evaluation prompt). Empty: the training file's held-out
+    split (``[task] eval_size`` / ``eval_fraction``); a synthetic task draws ``prompts``
+    problems of its own (seeded apart from the training stream, though a problem may recur
+    there)."""
+
+    task: str = ""
+    """The task that scores ``path``'s records (``math``, ``gsm8k``, ``custom``); empty: the
+    job's ``[task] name``."""
+
+    reward: str = ""
+    """The reward of a ``custom`` evaluation task (``[task] reward``'s form); empty: the job's."""
+
+    prompt_field: str = ""
+    answer_field: str = ""
+    """Fields of ``path``'s records; empty: ``[task] prompt_field`` / ``answer_field``."""
+
+    dataset_format: Literal["", "json", "parquet"] = ""
+    """``path``'s format; empty: from its extension."""
+
+    prompts: int = 0
+    """The most evaluation prompts (the first ones of the file or split); 0: all. A synthetic
+    task needs it (its problems are endless)."""
+
+    samples: int = 0
+    """Responses per prompt; 0: ``[rl] group_size``."""
+
+    pass_k: list[int] = field(default_factory=list)
+    """The ``k`` of ``eval/pass@k`` (each in ``1..samples``); empty: 1 and ``samples``."""
+
+    temperature: float = -1.0
+    """Sampling temperature of the evaluation (0: greedy); negative: ``[rollout] temperature``."""
+
+    top_p: float = 0.0
+    """Nucleus sampling of the evaluation; 0: ``[rollout] top_p``."""
+
+    top_k: int = -1
+    """Top-k of the evaluation (0: off); negative: ``[rollout] top_k``."""
+
+    max_new_tokens: int = 0
+    """The longest response of the evaluation; 0: ``[rollout] max_new_tokens`` (it may not
+    exceed that: the engine's positions are sized by it)."""
+
+    save_responses: bool = True
+    """Write every response, its reward and whether it is correct beside the JSON
+    (``eval_step<N>.responses.jsonl``)."""
+
+
+@dataclass
 class Simulate:
     enable: bool = False
     """Run the scale simulator instead of training: the real job, rank by rank, on a fake
@@ -574,4 +642,5 @@ class JobConfig:
     rl: RL = field(default_factory=RL)
     rollout: Rollout = field(default_factory=Rollout)
     task: Task = field(default_factory=Task)
+    eval: Eval = field(default_factory=Eval)
     simulate: Simulate = field(default_factory=Simulate)

@@ -162,9 +162,11 @@ def synthetic_prompt_splits(encode: Callable[[str], list[int]], n_tokens: int) -
     """What a dataset task trains on under the scale simulator, which never reads the file:
     one question of digits whose prompt is ``n_tokens`` long under a character-level
     tokenizer (the project's, which the simulator uses without ``[model] hf_path``), the
-    chat template's own tokens included; its answer is 1."""
+    chat template's own tokens included; its answer is 1. It is the held-out split's one
+    question too (an ``[eval]`` evaluation's, of the same length)."""
     overhead = len(encode(""))
-    return PromptSplits([PromptRecord("1" * max(n_tokens - overhead, 1), "1")], [], "synthetic (simulation)")
+    record = PromptRecord("1" * max(n_tokens - overhead, 1), "1")
+    return PromptSplits([record], [record], "synthetic (simulation)")
 
 
 def _token_text(value) -> str | None:

@@ -6,10 +6,11 @@ import os
 from titan_cotrain.config.validate import config_check
 from titan_cotrain.data.prompts import PromptDatasetError, dataset_format
 from titan_cotrain.models.build import resolve_model_args
+from titan_cotrain.rl.evaluation import settings_errors
 from titan_cotrain.rl.rewards import load_reward
 from titan_cotrain.rl.tasks import DATASET_TASKS, TASKS
 
-__all__ = ["dataset_errors", "reward_config_errors", "task_errors"]
+__all__ = ["dataset_errors", "eval_errors", "reward_config_errors", "task_errors"]
 
 
 @config_check
@@ -68,4 +69,20 @@ def dataset_errors(config, world_size: int) -> list[str]:
             errors.append(f"task.dataset_path = {t.dataset_path!r}: no such file")
         elif not os.access(t.dataset_path, os.R_OK):
             errors.append(f"task.dataset_path = {t.dataset_path!r}: not readable")
+    return errors
+
+
+@config_check
+def eval_errors(config, world_size: int) -> list[str]:
+    """``[eval]``'s settings (``rl.evaluation.settings_errors``), its file (as ``dataset_errors``
+    checks the task's) and its custom reward's import."""
+    e = config.eval
+    errors = settings_errors(config)
+    if e.path and not config.simulate.enable and not os.path.isfile(e.path):
+        errors.append(f"eval.path = {e.path!r}: no such file")
+    if e.path and e.reward:
+        try:
+            load_reward(e.reward)
+        except ValueError as err:
+            errors.append(str(err).replace("task.reward", "eval.reward"))
     return errors

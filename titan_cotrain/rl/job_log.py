@@ -41,6 +41,18 @@ class JobLog:
         if done in (1, total) or done % max(self.config.metrics.log_freq, 1) == 0:
             print(step_line(phase, done, total, metrics), flush=True)
 
+    def eval(self, step: int, metrics: dict[str, float], line: str) -> None:
+        """An evaluation of the policy after step ``step`` (``rl.evaluation``): its ``eval/``
+        ``metrics`` to TensorBoard at that step and as a ``"phase": "eval"`` line of
+        ``metrics.jsonl``, and its console ``line``."""
+        if not self.active:
+            return
+        if self.tb is not None:
+            self.tb.log(metrics, step)
+        with open(os.path.join(self.config.job.dump_folder, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps({"step": step, "phase": "eval", **metrics}) + "\n")
+        print(line, flush=True)
+
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()

@@ -9,12 +9,15 @@ score, exchange with the CP x PP peers, GRPO samples on the host), release, rest
 update (``UpdateStep.step``: microbatched forward/backward with the gradients scaled by the
 global counts, clipping, optimizer steps); the run mode is told each phase as it begins (the
 scale simulator measures them so). ``run`` is the loop. Step ``s`` is a warm-start step for
-``s <= task.sft_steps``, an RL step after, each phase on its own LR schedule; its prompts and
-sampling seeds derive from ``(debug.seed, s, dp rank)`` (``rl.problems``), so a resumed run
-repeats the uninterrupted one exactly when the drafted tokens per round are fixed
-(``[rollout] adaptive_speculation = false``). Which rank holds what under FSDP, CP and PP:
+``s <= task.sft_steps``, an RL step after, each phase on its own LR schedule; its prompts are
+its block of the job's prompt stream, drawn by global position (the same at any layout), and
+its sampling seeds derive from ``(debug.seed, s, dp rank)`` (``rl.problems``), so a resumed run
+at the same layout repeats the uninterrupted one exactly when the drafted tokens per round are
+fixed (``[rollout] adaptive_speculation = false``), and one at another layout trains on the
+same prompts. Which rank holds what under FSDP, CP and PP:
 ``docs/DESIGN.md`` sections 4, 5 and 10.
 """
+import os
 import time
 
 import torch
@@ -32,6 +35,7 @@ from titan_cotrain.parallel.rank_layout import describe_role, gpus_per_node, ran
 from titan_cotrain.rl.batching import Sample, pack_rank_batch, sequence_logratios
 from titan_cotrain.rl.draft_health import AcceptanceWatch, DraftCollapseWatch
 from titan_cotrain.rl.draft_vocab_setup import draft_vocab_from_generations, task_token_counts
+from titan_cotrain.rl.evaluation import build_evaluation, eval_metrics, summary_line, write_result
 from titan_cotrain.rl.export import export_job
 from titan_cotrain.rl.generation_group import GenerationGroup
 from titan_cotrain.rl.grpo import next_token_loss, ppo_loss
@@ -133,13 +137,13 @@ class Trainer:
                 print(f"warning: an engine group of [rollout] tensor_parallel_degree = "
                       f"{config.rollout.tensor_parallel_degree} spans {nodes} nodes in the {layout.order} rank layout "
                       "([parallelism] rank_order): its all-reduces cross nodes", flush=True)
-        rollout_settings = RolloutSettings.from_config(config, self.dp_degree)
+        rollout_settings = RolloutSettings.from_config(config)
         self.engine, kv_cache = build_rollout_engine(
             config, models, self.device, run, prompts=self.generation.max_share(self.prompts_per_rank),
             max_seq_len=max_seq_len, draft_tokens=rollout_settings.draft_tokens, tp_mesh=self.engine_mesh)
         if ro.kv_cache_gib == "auto":
             self.log.say(kv_pool_line(self.engine, kv_cache))
-        self.state = TrainerState()
+        self.state = TrainerState(self.dp_degree * config.task.sft_batch_size, config.task.sft_steps)
         self.rollouts = RolloutPhase(rollout_settings, self.engine, self.generation, self.problems, self.sync, run,
                                      self.device, self.prompts_per_rank, show_progress=rank == self.log_rank,
                                      state=self.state)
@@ -147,6 +151,7 @@ class Trainer:
         self.collapse_watch = DraftCollapseWatch(ro.collapse_fraction, ro.collapse_position_rate, ro.collapse_steps)
         if config.rollout.speculative and not config.draft.enable:
             self.log.say("note: [draft] enable = false: rollouts decode plainly ([rollout] speculative ignored)")
+        self.evaluation = build_evaluation(self)  # None without [eval] enable
         if config.draft.vocab_generations and run.values_known:
             draft_vocab_from_generations(config, self.problems, self.engine, self.rollouts.sampling_params(),
                                          self.draft, refresh_engine=self.refresh_engine if self.pipeline else None)
@@ -169,9 +174,12 @@ class Trainer:
                                 aggregation=rl.loss_aggregation, ratio_level=rl.ratio_level,
                                 max_new_tokens=ro.max_new_tokens)
         self.train_draft_in_rl = self.cotrain and not config.draft.freeze_after_sft
-        states["trainer"] = self.state
+        states["trainer"], states["speculation"] = self.state, self.rollouts.speculation
+        # Checkpoints written before the warm start's position and the tuner were saved still load.
+        partial = {"trainer": "the warm start's prompt positions follow from the step at this layout",
+                   "speculation": "the speculation tuner starts fresh"}
         self.checkpointer = titan.build_checkpointer(config.checkpoint, config.job.dump_folder, self.policy,
-                                                     self.policy_opt, self.policy_lr, states)
+                                                     self.policy_opt, self.policy_lr, states, partial, self.log.say)
         self.offload = None
         if config.rollout.offload_training_state:
             parts = self.pipeline.model_parts if self.pipeline is not None else []
@@ -183,8 +191,8 @@ class Trainer:
             self.log.say(f"task {config.task.name}: {prompts.summary()}")
 
     def _probe_tokens(self) -> list[int]:
-        """The probe of ``SaveGuard``: the first ``PROBE_TOKENS`` tokens of a fixed demonstration."""
-        prompt, response = self.problems.demonstration(self.problems.job_rng("probe"), 0)
+        """The probe of ``SaveGuard``: the first ``PROBE_TOKENS`` tokens of the stream's first demonstration."""
+        prompt, response = self.problems.demonstration(0)
         return (prompt + response)[:PROBE_TOKENS]
 
     @property
@@ -194,11 +202,11 @@ class Trainer:
 
     # ---------------------------------------------------------------- steps
     def sft_step(self, step: int) -> dict[str, float]:
-        """Warm start: next-token training of the policy on demonstrations, draft co-trained."""
-        rng = self.problems.rng(step, "sft")
+        """Warm start: next-token training of the policy on demonstrations (this rank's part of
+        the prompt stream's next block), draft co-trained."""
         samples = []
-        for position in self.problems.positions(step - 1, self.config.task.sft_batch_size):
-            prompt, response = self.problems.demonstration(rng, position)
+        for position in self.problems.positions(self.state.warm_start_block(), self.config.task.sft_batch_size):
+            prompt, response = self.problems.demonstration(position)
             samples.append(Sample(prompt, response, [0.0] * len(response), 0.0))
         batch = pack_rank_batch(samples, self.config, self.sync, step)
         batch.advantages = batch.old_logprobs = batch.inv_lens = None
@@ -211,7 +219,8 @@ class Trainer:
 
         ``offload`` the gradients and optimizers' state leave the device
         (``[rollout] offload_training_state``); ``refresh`` the engine's copies <- the trained
-        weights, then the parameters leave too; ``rollout`` this step's prompts are generated,
+        weights, then the parameters leave too; ``eval`` (``[eval]``, when due) the policy of
+        the step before is evaluated on the refreshed engine; ``rollout`` this step's prompts are generated,
         scored and exchanged (``RolloutPhase``); ``release`` the engine's weights and pool are
         freed (``[rollout] release_between_rollouts``); ``restore`` the training state comes
         back; ``pack`` the samples become rows, with the KL reference's log-probs (the
@@ -224,6 +233,9 @@ class Trainer:
                 self.refresh_engine()
                 t_refresh = time.perf_counter() - t0
                 parameters_away()  # the refresh has read them; the rollout does not
+            if self.evaluation is not None and self.evaluation.settings.due(step - 1):
+                with phase("eval"):
+                    self.evaluate(step - 1)
             with phase("rollout"):
                 samples, metrics = self.rollouts(step)
             with phase("release"):
@@ -257,6 +269,24 @@ class Trainer:
             batch.seq_logratios = sequence_logratios(
                 batch, reference_logprobs(self.policy, batch, self.device, temperature))
         return batch
+
+    def evaluate(self, step: int, stem: str | None = None, log: bool = True) -> dict | None:
+        """``rl.evaluation``'s result for the engine's current weights, taken as the policy
+        after job step ``step`` (every rank calls it; None on a simulated device): written to
+        ``<dump_folder>/eval/<stem>.json`` (default ``eval_step<step>``) and printed by the
+        logging rank, and with ``log`` logged under ``eval/`` (TensorBoard, ``metrics.jsonl``)."""
+        result = self.evaluation(step)
+        if result is None:
+            return None
+        if self.rank == self.log_rank:
+            result["json"] = write_result(result, os.path.join(self.config.job.dump_folder, "eval"),
+                                          stem or f"eval_step{step}")
+            line = summary_line(result)
+            if log:
+                self.log.eval(step, eval_metrics(result), line)
+            else:
+                print(line, flush=True)
+        return result
 
     def refresh_engine(self) -> None:
         """The rollout engine's models <- the trained weights (a collective: every rank
@@ -301,8 +331,17 @@ class Trainer:
             if titan.checkpoint_due(self.checkpointer, step, last_step=step == self.total_steps):
                 self._check_usable(f"the checkpoint of step {step}")
             self.checkpointer.save(step, last_step=step == self.total_steps)
+        settings = self.evaluation.settings if self.evaluation is not None else None
+        if settings is not None and (settings.at_end or settings.due(self.state.step)):
+            with offloaded(self.offload):  # the refreshed pool beside the parameters only
+                self.refresh_engine()
+                self.evaluate(self.state.step)
+                if cfg.rollout.release_between_rollouts:
+                    self.engine.release()
         self.checkpointer.close()
         self.scorer.close()
+        if self.evaluation is not None:
+            self.evaluation.close()
         self.export()
         self.log.close()
 

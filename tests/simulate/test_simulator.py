@@ -65,6 +65,28 @@ def test_the_simulator_measures_the_phases_the_trainer_takes(tmp_path):
     assert list(simulated) == ["construction", "optimizer state", *seen, "checkpoint"]
 
 
+def test_the_evaluation_phase_is_simulated_and_adds_nothing_to_the_update(tmp_path):
+    """With ``[eval]`` on, the first RL step evaluates the policy RL starts from (an ``eval``
+    phase between the refresh and the rollout, on the refreshed engine): the simulator measures
+    it as the trainer takes it, below the rollout's peak (the same engine, fewer rows), and the
+    update's peak is the one without it."""
+    from titan_cotrain.rl.run_mode import RealRun
+    from titan_cotrain.rl.trainer import Trainer
+
+    seen: list[str] = []
+    args = ["--job.config_file", "train_configs/debug_cpu.toml", "--job.dump_folder", str(tmp_path / "real"),
+            "--task.sft_steps", "0", "--checkpoint.no-enable", "--metrics.no-enable_tensorboard",
+            "--rollout.max_new_tokens", "8", "--eval.enable", "--eval.prompts", "2"]
+    Trainer(load_job_config(args, world_size=1), 1, 0, mode=RealRun(on_phase=seen.append)).rl_step(1)
+    assert seen == ["offload", "refresh", "eval", "rollout", "release", "restore", "pack", "update"]
+    assert (tmp_path / "real" / "eval" / "eval_step0.json").is_file()
+    plain = simulate(_config(tmp_path), "debug_cpu.toml")["ranks"][0]["phase_peak_gib"]
+    evaluated = simulate(_config(tmp_path, "--eval.enable", "--eval.prompts", "2"),
+                         "debug_cpu.toml")["ranks"][0]["phase_peak_gib"]
+    assert list(evaluated) == ["construction", "optimizer state", *seen, "checkpoint"]
+    assert evaluated["eval"] <= evaluated["rollout"] and evaluated["update"] == plain["update"]
+
+
 def test_a_dataset_task_simulates_without_its_file(tmp_path, monkeypatch):
     """The simulator never reads ``[task] dataset_path``: its prompts are synthetic, of
     ``[simulate] prompt_tokens`` (here capped by the 128 - 64 = 64-token prompt budget)."""

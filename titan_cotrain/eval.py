@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.hf_policy and not trainer.checkpointer.load(step=config.checkpoint.load_step):
             raise EvalError(f"no checkpoint in {trainer.checkpointer.folder}")
         trainer.refresh_engine()
-        trainer.evaluate(trainer.state.step, stem="eval_hf" if args.hf_policy else None, log=False)
+        trainer.evaluate(trainer.state.step, stem="eval_hf" if args.hf_policy else None, log=False,
+                         models=args.hf_policy)
         trainer.evaluation.close()
         trainer.scorer.close()
         succeeded = True

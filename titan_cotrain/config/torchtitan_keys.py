@@ -67,7 +67,7 @@ UNHONOURED: dict[str, str] = {
     "experimental.custom_import": "[task] reward imports a reward function; models are the project's own",
     "experimental.custom_args_module": "the project's sections are fixed (titan_cotrain.config.job_config)",
     **{f"validation.{key}": ("evaluation during training is [eval] (enable, interval, path: "
-                                 "docs/evaluation.md); afterwards, python -m titan_cotrain.eval")
+                                 "docs/datasets.md); afterwards, python -m titan_cotrain.eval")
        for key in ("enable", "dataset", "dataset_path", "local_batch_size", "seq_len", "freq", "steps", "dataloader")},
     "debug.moe_force_load_balance": "drop the key",
 }

@@ -270,14 +270,18 @@ class Trainer:
                 batch, reference_logprobs(self.policy, batch, self.device, temperature))
         return batch
 
-    def evaluate(self, step: int, stem: str | None = None, log: bool = True) -> dict | None:
+    def evaluate(self, step: int, stem: str | None = None, log: bool = True, models: str | None = None
+                 ) -> dict | None:
         """``rl.evaluation``'s result for the engine's current weights, taken as the policy
         after job step ``step`` (every rank calls it; None on a simulated device): written to
         ``<dump_folder>/eval/<stem>.json`` (default ``eval_step<step>``) and printed by the
-        logging rank, and with ``log`` logged under ``eval/`` (TensorBoard, ``metrics.jsonl``)."""
+        logging rank, and with ``log`` logged under ``eval/`` (TensorBoard, ``metrics.jsonl``).
+        ``models``: where the weights came from (default: the job's checkpoint folder)."""
         result = self.evaluation(step)
         if result is None:
             return None
+        result = {"config": str(self.config.job.config_file), "models": models or getattr(self.checkpointer, "folder", None),
+                  **result}
         if self.rank == self.log_rank:
             result["json"] = write_result(result, os.path.join(self.config.job.dump_folder, "eval"),
                                           stem or f"eval_step{step}")

@@ -92,20 +92,23 @@ def test_a_two_process_job_evaluates_every_two_rl_steps_as_the_evaluation_comman
     assert (during["step"], during["task"], during["source"]) == (6, "math", str(prompts))
     shutil.copytree(dump / "eval", tmp_path / "during")
 
-    # The command, on 1 process and on 2 ranks, on the last checkpoint (the same weights).
+    # The command, on 1 process, on 2 data-parallel ranks and on 2 CP peers (which share out
+    # their prompts), on the last checkpoint: the weights the job's last evaluation had.
     results = {}
-    for nproc in (None, 2):
-        command = _run(*job, "--path", str(prompts), "--eval.task", "math", "--samples", "2", "--pass_k", "1", "2",
-                       "--eval.temperature", "0", nproc=nproc, module="titan_cotrain.eval")
+    for name, nproc, layout in (("one", None, ()), ("fsdp2", 2, ()),
+                                ("cp2", 2, ("--parallelism.context_parallel_degree", "2"))):
+        command = _run(*job, *layout, "--path", str(prompts), "--eval.task", "math", "--samples", "2", "--pass_k", "1",
+                       "2", "--eval.temperature", "0", nproc=nproc, module="titan_cotrain.eval")
         assert command.returncode == 0, command.stdout[-3000:] + command.stderr[-3000:]
-        results[nproc] = json.loads((dump / "eval" / "eval_step6.json").read_text())
-        results[nproc]["responses"] = _responses(results[nproc]["responses"])
-    one, two = results[None], results[2]
+        results[name] = json.loads((dump / "eval" / "eval_step6.json").read_text())
+        results[name]["responses"] = _responses(results[name]["responses"])
+    one = results["one"]
     for key in ("step", "prompts", "samples_per_prompt", "accuracy", "pass_at_k", "reward_mean", "format",
                 "response_len"):
-        assert one[key] == pytest.approx(two[key]), key
-        assert during[key] == pytest.approx(one[key]), key
-    assert one["responses"] == two["responses"] == _responses(tmp_path / "during" / "eval_step6.responses.jsonl")
+        for other in (results["fsdp2"], results["cp2"], during):
+            assert other[key] == pytest.approx(one[key]), key
+    assert one["responses"] == results["fsdp2"]["responses"] == results["cp2"]["responses"]
+    assert one["responses"] == _responses(tmp_path / "during" / "eval_step6.responses.jsonl")
     assert len(one["responses"]) == 12 * 2
     correct = sum(c for *_, c in one["responses"])
     assert one["accuracy"] == pytest.approx(correct / 24)

@@ -1,23 +1,57 @@
-"""The job's final export: the policy as a Hugging Face folder (with the job's tokenizer files),
-the draft as an EAGLE-3 folder, in ``<dump_folder>/export``."""
+"""The job's export: the policy as a Hugging Face folder (with the job's tokenizer files), the
+draft as an EAGLE-3 folder. ``export_job`` writes ``<dump_folder>/export`` at the end of a
+job, from the rollout engine's copies; ``python -m titan_cotrain.export`` writes the same
+folders from a DCP checkpoint (``titan_cotrain/export.py``). Both go through
+``write_export``, so the same weights give the same bytes."""
 
 import os
 import shutil
+from collections.abc import Callable
 
-from titan_cotrain.models.eagle3 import save_eagle3
-from titan_cotrain.models.hf import save_hf
+import torch
+
+from titan_cotrain.models.draft import Draft
+from titan_cotrain.models.eagle3 import ENGINE_N_TAPS, save_eagle3
+from titan_cotrain.models.hf_stream import save_hf_streamed
+from titan_cotrain.models.transformer import Transformer
 from titan_cotrain.parallel.engine_tp import whole_host_state
 
-__all__ = ["export_job"]
+__all__ = ["export_job", "write_export"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def write_export(folder: str, policy: Transformer, read_policy: Callable[[str], torch.Tensor], draft: Draft | None,
+                 tokenizer_folder: str) -> str:
+    """Write ``folder/policy`` (Hugging Face, plus the tokenizer files of ``tokenizer_folder``)
+    and ``folder/draft`` (EAGLE-3); returns what was written ("the policy and the draft").
+
+    ``policy`` gives the config, the dtype (its embedding's) and the tensors' names and
+    shapes, and may live on the meta device; ``read_policy(name)`` gives its state-dict entry
+    ``name`` whole, and is called once per tensor as the file is written, so the host holds
+    one tensor of the policy at a time (``models.hf_stream``). ``draft``: whole, in the
+    dtype to write; None: the policy only. A draft fusing other than 3 tap layers is not
+    written (the engines load exactly 3), and that is printed."""
+    save_hf_streamed(policy, os.path.join(folder, "policy"), read_policy)
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(tokenizer_folder, name)):
+            shutil.copy(os.path.join(tokenizer_folder, name), os.path.join(folder, "policy", name))
+    if draft is None:
+        return "the policy"
+    if len(policy.tap_layers) != ENGINE_N_TAPS:
+        print(f"the draft fuses {len(policy.tap_layers)} tap layers; vLLM and SGLang load EAGLE-3 drafts "
+              f"of exactly {ENGINE_N_TAPS}, so it is not exported", flush=True)
+        return "the policy"
+    save_eagle3(draft, os.path.join(folder, "draft"), policy.tap_layers,
+                target_max_position_embeddings=policy.args.max_seq_len)
+    return "the policy and the draft"
 
 
 def export_job(trainer) -> None:
     """Every rank gathers the whole models into the rollout engine's copies (FSDP shards, PP
     stages; a tensor-parallel engine's slices are gathered once more, one tensor at a time),
-    the logging rank writes them. Weights that are not finite, or whose forward on a probe is
-    not, are not written."""
+    the logging rank writes them, in the engine's dtype. Weights that are not finite, or
+    whose forward on a probe is not, are not written."""
     trainer.refresh_engine()
     # Every rank holds the same whole copies (or, tensor-parallel, its slices: then all
     # ranks vote): each checks its own, so all stop alike.
@@ -25,20 +59,9 @@ def export_job(trainer) -> None:
     trainer.guard.weights("the export", trainer.engine.policy, trainer.engine.draft, collective=tp)
     trainer.guard.probe("the export", trainer.engine.policy, trainer.engine.draft)
     policy, draft = trainer.engine.policy, trainer.engine.draft
-    state = whole_host_state(policy, keep=trainer.rank == trainer.log_rank) if tp else None
+    state = whole_host_state(policy, keep=trainer.rank == trainer.log_rank) if tp else policy.state_dict()
     if trainer.rank != trainer.log_rank:
         return
     folder = os.path.join(trainer.config.job.dump_folder, "export")
-    save_hf(policy, os.path.join(folder, "policy"), state=state)
-    for name in TOKENIZER_FILES:
-        if os.path.isfile(os.path.join(trainer.tokenizer_folder, name)):
-            shutil.copy(os.path.join(trainer.tokenizer_folder, name), os.path.join(folder, "policy", name))
-    exported = "the policy"
-    if draft is not None and len(policy.tap_layers) == 3:
-        save_eagle3(draft, os.path.join(folder, "draft"), policy.tap_layers,
-                    target_max_position_embeddings=policy.args.max_seq_len)
-        exported += " and the draft"
-    elif draft is not None:
-        print(f"the draft fuses {len(policy.tap_layers)} tap layers; vLLM and SGLang load EAGLE-3 drafts "
-              "of exactly 3, so it is not exported", flush=True)
+    exported = write_export(folder, policy, state.__getitem__, draft, trainer.tokenizer_folder)
     print(f"exported {exported} to {folder}", flush=True)

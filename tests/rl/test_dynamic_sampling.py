@@ -62,16 +62,13 @@ def _dynamic(rank: int, world_size: int, folder: str) -> None:
     # The update trains on the kept groups only.
     update = trainer.update.step(trainer.pack(samples, 1), trainer.rl_loss, train_draft=True, warm_start=False)
     assert torch.isfinite(torch.tensor(update["loss/policy"]))
-    # Step 2 starts from the block after step 1's last round: no problem of step 1 is drawn again
-    # on this rank's part of a dataset stream (the synthetic task draws by salted rngs, so check
-    # the block index through the positions the stream hands out).
-    stream, s = trainer.problems, trainer.rollouts.settings
-    last_block_step1 = 0 + rounds - 1
-    first_block_step2 = 2 - s.sft_steps - 1 + trainer.state.extra_prompt_rounds
-    assert first_block_step2 == last_block_step1 + 1
-    a = stream.rl_positions(s.warm_start_positions, last_block_step1, 2)
-    b = stream.rl_positions(s.warm_start_positions, first_block_step2, 2)
-    assert b.start >= a.stop
+    # Every round drew the stream's next block (2 positions per rank, 4 per block), and step 2
+    # starts from the block after step 1's last round: no problem is drawn twice.
+    stream = trainer.problems
+    assert [a for _, _, answers in drawn for a in answers] == [
+        stream.problem(p).answer for r in range(rounds) for p in stream.positions(4 * r, 2)]
+    step2, _ = trainer.rollouts.prompts(2)
+    assert [p.answer for p in step2] == [stream.problem(p).answer for p in stream.positions(4 * rounds, 2)]
 
 
 def test_dynamic_sampling_keeps_varied_groups_and_refills_the_batch(tmp_path):
@@ -81,10 +78,16 @@ def test_dynamic_sampling_keeps_varied_groups_and_refills_the_batch(tmp_path):
 def test_rl_prompts_continue_the_stream_after_the_warm_start():
     """RL's first block starts where the warm start's draws ended (all ranks' of them)."""
     from titan_cotrain.rl.problems import ProblemStream
+    from titan_cotrain.rl.trainer_setup import TrainerState
 
     streams = [ProblemStream(None, None, None, seed=0, dp_rank=r, dp_degree=2, scorer=object()) for r in range(2)]
-    warm = 3 * 2 * 8  # 3 warm-start steps x 2 ranks x 8 demonstrations
-    sft = [p for step in range(3) for s in streams for p in s.positions(step, 8)]
-    assert sorted(sft) == list(range(warm))
-    rl = [p for s in streams for p in s.rl_positions(warm, 0, 4)]
-    assert sorted(rl) == list(range(warm, warm + 8))
+    state = TrainerState(warm_start_batch=2 * 8, sft_steps=3)  # 2 ranks x 8 demonstrations
+    sft = [p for _ in range(3) for start in [state.warm_start_block()] for s in streams for p in s.positions(start, 8)]
+    assert sorted(sft) == list(range(48)) and state.warm_start_positions == 48
+    rl = [p for s in streams for p in s.positions(state.warm_start_positions, 4)]
+    assert sorted(rl) == list(range(48, 56))
+    # A checkpoint from before the position was saved: the warm start's draws follow from the step.
+    old = TrainerState(warm_start_batch=2 * 8, sft_steps=3)
+    old.load_state_dict({"step": torch.tensor(5), "nonfinite_steps": torch.tensor(0),
+                         "extra_prompt_rounds": torch.tensor(0)})
+    assert old.warm_start_positions == 48

@@ -37,8 +37,8 @@ def test_the_ranks_take_consecutive_parts_of_each_steps_slice_of_the_stream():
 
     from titan_cotrain.rl.problems import ProblemStream
 
-    positions = [p for index in range(3) for rank in range(2)
-                 for p in ProblemStream.positions(SimpleNamespace(dp_degree=2, dp_rank=rank), index, 4)]
+    positions = [p for start in (0, 8, 16) for rank in range(2)
+                 for p in ProblemStream.positions(SimpleNamespace(dp_degree=2, dp_rank=rank), start, 4)]
     assert positions == list(range(24))
 
 

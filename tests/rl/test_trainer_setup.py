@@ -90,6 +90,24 @@ def test_the_warm_start_and_rl_each_run_their_own_lr_schedule(tmp_path):
     assert [m["lr/draft"] for m in _metrics(tmp_path)] == draft
 
 
+def test_a_resumed_job_runs_its_first_update_at_its_own_schedule(tmp_path):
+    """A warm start saved by a job of another length (``bench_recipes.py``'s: one RL step) and
+    resumed with ``training.steps`` 5: the first RL update runs at this job's warm-up value,
+    not at the LR the saving job's schedule left in the checkpointed optimizer."""
+    saving = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0",
+              "--task.sft_steps", "2", "--optimizer.lr", "1e-4", "--lr_scheduler.warmup_steps", "3",
+              "--draft.lr", "5e-4")
+    _trainer(tmp_path / "saved", *saving, "--training.steps", "1").run()
+    shutil.copytree(tmp_path / "saved" / "checkpoint" / "step-2", tmp_path / "resumed" / "checkpoint" / "step-2")
+    trainer = _trainer(tmp_path / "resumed", *saving, "--training.steps", "5")
+    policy, draft = _record_lrs(trainer.policy_opt), _record_lrs(trainer.draft_opt)
+    trainer.run()
+    rl = dict(steps=5, warmup=3, decay="linear", min_factor=0.667)
+    assert policy == pytest.approx([1e-4 * _factor(i, **rl) for i in range(5)], rel=1e-12, abs=0)
+    assert draft == pytest.approx([5e-4 * _factor(i, **rl) for i in range(5)], rel=1e-12, abs=0)
+    assert [m["lr/policy"] for m in _metrics(tmp_path / "resumed")] == policy
+
+
 @pytest.mark.parametrize("overrides, speculative", [
     (("--draft.no-enable",), False),  # plain RL: rollout.speculative (on by default) is ignored, with a note
     (("--draft.no-enable", "--rollout.no-speculative"), False),
@@ -128,12 +146,13 @@ def _top(counts: Counter, k: int, vocab: int) -> list[int]:
 
 
 def test_a_reduced_draft_vocabulary_is_counted_on_task_samples(tmp_path):
-    """Through the task protocol: ``vocab_samples`` prompts + demonstrations, as tokenized for
-    the warm start; a vocabulary larger than twice what the task writes is refused."""
+    """Through the task protocol: the stream's first ``vocab_samples`` prompts + demonstrations,
+    as tokenized for the warm start; a vocabulary larger than twice what the task writes is refused."""
     trainer = _trainer(tmp_path, "--draft.vocab_size", "12", "--draft.vocab_samples", "50")
-    rng, counts = random.Random(f"{trainer.seed}/vocab"), Counter()
-    for _ in range(50):
-        problem = trainer.task.sample(rng)
+    counts = Counter()
+    for position in range(50):  # the prompt stream's first problems, each drawn from its position's stream
+        rng = random.Random(f"{trainer.seed}/position/{position}")
+        problem = trainer.task.sample(rng, position)
         counts.update(trainer.tokenizer.encode(problem.prompt, add_bos=True, add_eos=False))
         counts.update(trainer.tokenizer.encode(trainer.task.demonstration(problem, rng), add_bos=False, add_eos=True))
     assert _chosen_ids(trainer.draft) == _top(counts, 12, 256) == _chosen_ids(trainer.engine.draft)

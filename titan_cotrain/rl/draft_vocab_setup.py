@@ -18,24 +18,23 @@ __all__ = ["draft_vocab_from_generations", "task_token_counts"]
 
 
 def task_token_counts(problems: ProblemStream, samples: int, vocab_size: int) -> torch.Tensor:
-    """``int64 [vocab_size]``: tokens of ``samples`` task samples (prompt + demonstration), the
-    same on every rank: the corpus of a reduced draft vocabulary."""
-    rng = problems.job_rng("vocab")
-    return count_tokens((sum(problems.demonstration(rng), []) for _ in range(samples)), vocab_size)
+    """``int64 [vocab_size]``: tokens of the prompt stream's first ``samples`` problems (prompt +
+    demonstration), the same on every rank: the corpus of a reduced draft vocabulary."""
+    return count_tokens((sum(problems.demonstration(position), []) for position in range(samples)), vocab_size)
 
 
 def draft_vocab_from_generations(config, problems: ProblemStream, engine: RolloutEngine, params: SamplingParams,
                                  draft: Draft | None, refresh_engine=None) -> None:
     """The reduced draft vocabulary from the task samples' tokens plus the initial policy's own
-    responses (``engine`` sampling with ``params``) to ``[draft] vocab_generations`` prompts
-    (each data-parallel rank answers its share, counts are summed over all ranks, so every rank
-    chooses the same), written into the trained ``draft`` (None off a pipeline's last stage)
+    responses (``engine`` sampling with ``params``) to the prompt stream's first ``[draft]
+    vocab_generations`` prompts (each data-parallel rank answers its part of them, rounded up;
+    counts are summed over all ranks, so every rank chooses the same), written into the trained ``draft`` (None off a pipeline's last stage)
     and the engine's copy. ``refresh_engine``: fills the engine first (a pipeline's engine gets
     its weights streamed from the stages). A collective: every rank calls it."""
     vocab_size = resolve_model_args(config).vocab_size
-    rng = problems.rng(0, "vocab")
     per_rank = -(-config.draft.vocab_generations // problems.dp_degree)
-    prompts = [problems.encode_prompt(problems.task.sample(rng).prompt) for _ in range(per_rank)]
+    prompts = [problems.encode_prompt(problems.problem(position).prompt)
+               for position in problems.positions(0, per_rank)]
     if refresh_engine is not None:
         refresh_engine()
     device = engine.device

@@ -1,16 +1,24 @@
-"""The job's streams of problems and of random numbers, per data-parallel rank, and the scoring
-of their responses.
+"""The job's stream of problems, its random numbers, and the scoring of responses.
 
-Everything random derives from ``(debug.seed, step, dp rank, salt)``, and every seed is made
-here: host draws by ``rng`` (``job_rng`` for the job-wide ones), torch generators by
-``generator_seed``, the same key folded into an integer. So a resumed run draws what the
-uninterrupted one did, and context-parallel and pipeline peers (the same dp rank) draw the
-same prompts and demonstrations.
+The job draws its problems from one stream, by global position: position ``p`` is a dataset
+task's ``p``-th problem in its epoch order, or a synthetic task's problem drawn (with its
+demonstration) from a host random stream keyed by ``(debug.seed, p)`` alone. A step's
+positions are its block of the stream (``positions``): the warm start's steps take
+consecutive blocks of ``dp x sft_batch_size``, RL continues after them with blocks of
+``rl.prompts_per_step``, each data-parallel rank a consecutive part of the block. So a step's
+problems depend on the step and their positions only, never on the data-parallel degree or
+rank: a job resumed at another layout trains on the prompts the uninterrupted one would have.
+CP and PP peers (the same dp rank) draw the same part.
+
+The sampling streams are the rank's: torch generators seeded by ``generator_seed``, keyed by
+``(debug.seed, step, dp rank, engine group, round)``. A resumed run at the same layout draws
+what the uninterrupted one did; at another layout its sampled (not greedy) responses differ.
 """
 
 import random
 
 from titan_cotrain.rl.rewards import RewardScorer
+from titan_cotrain.rl.tasks import Problem
 
 __all__ = ["ProblemStream"]
 
@@ -26,47 +34,37 @@ class ProblemStream:
         self.seed, self.dp_rank, self.dp_degree = seed, dp_rank, dp_degree
         self.scorer = scorer or RewardScorer(task)
 
-    def rng(self, step: int, salt: str) -> random.Random:
-        """Step ``step``'s host random numbers for ``salt`` on this data-parallel rank."""
-        return random.Random(f"{self.seed}/{step}/{self.dp_rank}/{salt}")
+    def _draw(self, position: int) -> tuple[Problem, random.Random]:
+        """The problem at ``position`` and the random stream it was drawn from, which goes on
+        to draw its demonstration (the same on every rank, at any layout)."""
+        rng = random.Random(f"{self.seed}/position/{position}")
+        return self.task.sample(rng, position), rng
 
-    def job_rng(self, salt: str) -> random.Random:
-        """The job's host random numbers for ``salt`` (the same on every rank)."""
-        return random.Random(f"{self.seed}/{salt}")
+    def problem(self, position: int) -> Problem:
+        """The stream's problem at ``position``."""
+        return self._draw(position)[0]
+
+    def demonstration(self, position: int) -> tuple[list[int], list[int]]:
+        """The prompt and demonstration response of the problem at ``position``, as token ids."""
+        problem, rng = self._draw(position)
+        response = self.tokenizer.encode(self.task.demonstration(problem, rng), add_bos=False, add_eos=True)
+        return self.encode_prompt(problem.prompt), response
+
+    def positions(self, start: int, per_rank: int) -> range:
+        """This data-parallel rank's part of the block of ``dp_degree x per_rank`` positions of the
+        stream that starts at ``start``: the DP ranks take consecutive parts (so a dataset task's
+        epoch goes to the ranks without repeats; CP and PP peers share theirs)."""
+        first = start + self.dp_rank * per_rank
+        return range(first, first + per_rank)
 
     def generator_seed(self, step: int, unit: int = 0, round_: int = 0) -> int:
         """The integer seed of a torch generator for step ``step`` on this data-parallel rank,
         engine group ``unit`` and generation round ``round_`` of the step (dynamic sampling's
-        extra rounds): ``rng``'s key folded into one integer by fixed primes, since a torch
-        generator takes an integer. Step 0 is before the first step (the draft vocabulary's
-        generations)."""
+        extra rounds), folded from the key by fixed primes. Step 0 is before the first step
+        (the draft vocabulary's generations)."""
         if step == 0:
             return self.seed * 1_000_003 + self.dp_rank
         return (self.seed * 1_000_003 + step) * 1009 + self.dp_rank + 7919 * unit + 104_729 * round_
-
-    def positions(self, block: int, per_rank: int) -> range:
-        """This data-parallel rank's places in the job's stream of problems in its ``block``-th
-        block of ``dp_degree x per_rank`` positions: consecutive blocks are consecutive slices of
-        the stream, the DP ranks consecutive parts of each (so a dataset task's epoch goes to the
-        ranks without repeats; CP and PP peers share theirs). The warm start's step ``s`` takes
-        block ``s - 1`` of its batch size; RL continues the stream after it
-        (``rl_positions``)."""
-        first = (block * self.dp_degree + self.dp_rank) * per_rank
-        return range(first, first + per_rank)
-
-    def rl_positions(self, warm_start_positions: int, block: int, per_rank: int) -> range:
-        """``positions`` of RL's ``block``-th block of the stream, which starts after the
-        ``warm_start_positions`` the warm start drew (every rank's): RL does not re-draw the
-        problems the warm start's last epoch trained on first."""
-        within = self.positions(block, per_rank)
-        return range(warm_start_positions + within.start, warm_start_positions + within.stop)
-
-    def demonstration(self, rng: random.Random, position: int | None = None) -> tuple[list[int], list[int]]:
-        """A task sample's prompt and demonstration response, as token ids (``position``: as
-        in ``Task.sample``)."""
-        problem = self.task.sample(rng, position)
-        response = self.tokenizer.encode(self.task.demonstration(problem, rng), add_bos=False, add_eos=True)
-        return self.encode_prompt(problem.prompt), response
 
     def score(self, problems: list, responses: list[str]) -> tuple[list[float], list[dict[str, float]]]:
         """The rewards of ``responses[i]`` to ``problems[i]`` and their details

@@ -40,9 +40,6 @@ class RolloutSettings:
     """``[rollout] adaptive_speculation``: the tuner picks ``k`` from what earlier calls measured."""
     per_round: bool
     """``[rollout] speculation_granularity == "round"`` (else one ``k`` per call)."""
-    warm_start_positions: int = 0
-    """The prompt stream's positions the warm start drew (``sft_steps x dp x sft_batch_size``):
-    RL's prompts continue the stream after them."""
     advantage: str = "grpo"
     normalize_std: bool = True
     """``[rl] advantage`` and ``normalize_std``: ``rl.grpo.group_advantages``' estimator."""
@@ -54,14 +51,13 @@ class RolloutSettings:
     """``[rl] dynamic_sampling`` and its most extra generation rounds per step."""
 
     @classmethod
-    def from_config(cls, config, dp_degree: int) -> "RolloutSettings":
+    def from_config(cls, config) -> "RolloutSettings":
         ro, rl, task = config.rollout, config.rl, config.task
         return cls(group_size=rl.group_size, sft_steps=task.sft_steps, temperature=ro.temperature,
                    top_k=ro.top_k, top_p=ro.top_p, max_new_tokens=ro.max_new_tokens,
                    stop_token_ids=tuple(ro.stop_token_ids),
                    draft_tokens=rollout_draft_tokens(config), adaptive=ro.adaptive_speculation,
                    per_round=ro.speculation_granularity == "round",
-                   warm_start_positions=task.sft_steps * dp_degree * task.sft_batch_size,
                    advantage=rl.advantage, normalize_std=rl.normalize_std, overlong=rl.overlong,
                    overlong_buffer=rl.overlong_buffer, dynamic_sampling=rl.dynamic_sampling,
                    dynamic_sampling_max_rounds=rl.dynamic_sampling_max_rounds)
@@ -103,14 +99,14 @@ class RolloutPhase:
 
     def prompts(self, step: int, round_: int = 0):
         """Step ``step``'s problems for this data-parallel rank and their prompts, one per
-        problem, for the step's generation round ``round_`` (dynamic sampling's extra rounds
-        take the stream's next blocks; a synthetic task draws them with a salt of their own).
-        A collective: every rank stops if one's is too long for the engine."""
+        problem, for the step's generation round ``round_``: RL's ``block``-th block of the
+        stream (``rl.problems``), after the warm start's positions; dynamic sampling's extra
+        rounds take the next blocks. A collective: every rank stops if one's is too long for
+        the engine."""
         stream, s = self.problems, self.settings
-        rng = stream.rng(step, "prompts" if round_ == 0 else f"prompts/{round_}")
         block = step - s.sft_steps - 1 + self.state.extra_prompt_rounds + round_
-        positions = stream.rl_positions(s.warm_start_positions, block, self.prompts_per_rank)
-        problems = [stream.task.sample(rng, position) for position in positions]
+        start = self.state.warm_start_positions + block * self.prompts_per_rank * stream.dp_degree
+        problems = [stream.problem(position) for position in stream.positions(start, self.prompts_per_rank)]
         prompts = [stream.encode_prompt(p.prompt) for p in problems]
         longest = max(map(len, prompts))
         self.sync.stop_if_any_rank_failed(

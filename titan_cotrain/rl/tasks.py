@@ -65,7 +65,8 @@ class Task(Protocol):
 
     def sample(self, rng: random.Random, position: int | None = None) -> Problem:
         """A problem. ``position``: its place in the job's stream of draws (a dataset task goes
-        through its training split in epochs by it); a synthetic task draws with ``rng`` alone."""
+        through its training split in epochs by it); a synthetic task draws with ``rng`` alone
+        (``rl.problems.ProblemStream`` hands it a random stream keyed by the position)."""
         ...
 
     def demonstration(self, problem: Problem, rng: random.Random) -> str: ...

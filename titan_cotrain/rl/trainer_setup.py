@@ -30,23 +30,41 @@ def rollout_draft_tokens(config) -> int:
 
 
 class TrainerState:
-    """The step counter (everything random derives from it), the number of consecutive
-    steps that ended with a skipped update, and the extra generation rounds dynamic sampling
-    has run (each took the next block of the prompt stream), as a DCP ``Stateful``."""
+    """The step counter, the number of consecutive steps that ended with a skipped update, and
+    the prompt stream's position (``rl.problems``): the positions the warm start has drawn,
+    every rank's (RL's blocks follow them), and the extra generation rounds dynamic sampling
+    has run (each took the next RL block), as a DCP ``Stateful``. Nothing in it depends on the
+    layout, so a job resumes at another.
 
-    def __init__(self) -> None:
+    ``warm_start_batch``: the positions a warm-start step draws at this layout (``dp x [task]
+    sft_batch_size``); with ``sft_steps``, what a checkpoint written before the warm start's
+    position was saved had drawn: ``warm_start_batch`` per warm-start step taken (exact when it
+    was written at this layout)."""
+
+    def __init__(self, warm_start_batch: int = 0, sft_steps: int = 0) -> None:
+        self.warm_start_batch, self.sft_steps = warm_start_batch, sft_steps
         self.step = 0
         self.nonfinite_steps = 0
+        self.warm_start_positions = 0
         self.extra_prompt_rounds = 0
+
+    def warm_start_block(self) -> int:
+        """The first position of the next warm-start step's block; the stream moves past it."""
+        start = self.warm_start_positions
+        self.warm_start_positions += self.warm_start_batch
+        return start
 
     def state_dict(self) -> dict:
         return {"step": torch.tensor(self.step), "nonfinite_steps": torch.tensor(self.nonfinite_steps),
+                "warm_start_positions": torch.tensor(self.warm_start_positions),
                 "extra_prompt_rounds": torch.tensor(self.extra_prompt_rounds)}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
         self.nonfinite_steps = int(state["nonfinite_steps"])
         self.extra_prompt_rounds = int(state["extra_prompt_rounds"])
+        self.warm_start_positions = (int(state["warm_start_positions"]) if "warm_start_positions" in state
+                                     else min(self.step, self.sft_steps) * self.warm_start_batch)
 
 
 def training_device() -> torch.device:

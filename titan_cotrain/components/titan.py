@@ -505,16 +505,68 @@ def model_stateful(module: nn.Module):
 
 
 def build_checkpointer(checkpoint_config, base_folder: str, model: nn.Module, optimizers, lr_schedulers,
-                       states: dict):
+                       states: dict, partial: dict[str, str] | None = None, announce=print):
     """torchtitan's DCP ``CheckpointManager`` for ``model`` plus extra ``Stateful`` ``states``
-    (saved under their keys; ``model_stateful`` wraps further modules)."""
-    init_torchtitan()
-    from torchtitan.components.checkpoint import CheckpointManager
+    (saved under their keys; ``model_stateful`` wraps further modules). DCP reshards what it
+    loads: the keys are the whole model's names at any (dp_shard, cp, pp) layout.
 
-    return CheckpointManager(
+    ``partial``: the states that load from a checkpoint lacking some of their keys (one written
+    before they were saved) or holding them at other shapes, name -> what then happens: their
+    ``load_state_dict`` gets the keys found, and ``announce`` says which were left out. Every
+    other key must be in the checkpoint at its shape (DCP raises)."""
+    return _partial_loading_checkpointer_class()(
         dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=lr_schedulers,
         states=states, checkpoint_config=checkpoint_config, sd_adapter=None, base_folder=base_folder,
+        partial=partial or {}, announce=announce,
     )
+
+
+@functools.cache
+def _partial_loading_checkpointer_class():
+    """torchtitan's ``CheckpointManager`` whose load (``dcp_load``: the DCP checkpoints it
+    writes, never Hugging Face ones here) leaves out the keys of ``partial`` states that the
+    checkpoint lacks or holds at another shape, through a DCP load planner that drops them
+    from the state dicts it is handed before planning."""
+    init_torchtitan()
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torchtitan.components.checkpoint import MODEL, CheckpointManager
+
+    class PartialStatesPlanner(DefaultLoadPlanner):
+        def __init__(self, partial) -> None:
+            super().__init__()
+            self.partial, self.left_out = partial, []
+
+        def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+            saved = metadata.state_dict_metadata
+            for name in self.partial:
+                inner = state_dict.get(name) or {}
+                for key, value in list(inner.items()):
+                    found = saved.get(f"{name}.{key}")
+                    if found is None or (isinstance(found, TensorStorageMetadata) and found.size != value.size()):
+                        del inner[key]
+                        self.left_out.append(f"{name}.{key}")
+            super().set_up_planner(state_dict, metadata, is_coordinator)
+
+    class PartialLoadingCheckpointer(CheckpointManager):
+        def __init__(self, *args, partial: dict[str, str], announce, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.partial, self.announce = partial, announce
+
+        def dcp_load(self, state_dict, checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
+            if from_hf:
+                raise ValueError("loading a Hugging Face checkpoint through the checkpoint manager is not supported")
+            planner = PartialStatesPlanner([name for name in self.partial if name in state_dict])
+            dcp.load(state_dict, checkpoint_id=checkpoint_id, planner=planner)
+            if MODEL in self.states:  # torchtitan flattens the model's keys into state_dict
+                self.states[MODEL].load_state_dict(state_dict)
+            for name, what in self.partial.items():
+                missing = [key.removeprefix(f"{name}.") for key in planner.left_out if key.startswith(f"{name}.")]
+                if missing:
+                    self.announce(f"{checkpoint_id} has no {name} {', '.join(missing)} at this job's shapes: {what}")
+
+    return PartialLoadingCheckpointer
 
 
 def checkpoint_due(checkpointer, step: int, last_step: bool) -> bool:

@@ -42,16 +42,22 @@ sequences at ``E_b(k) / c_b(1 + k)`` tokens per second each:
 
 Measurements are running averages (``smoothing``), learnt from whole calls (``observe``, a
 ``RoundTable``): within a call the state is frozen, so every rank of a tensor-parallel engine
-group, which sees the same live rows, makes the same choices. Chosen ``k`` depend on timings,
+group, which sees the same live rows, makes the same choices. The tuner is a DCP ``Stateful``
+(its tables as tensors whose shapes depend on ``k_max`` only): a job resumes with what it had
+learnt, at any layout. Chosen ``k`` depend on timings,
 so sampled rollouts are not reproducible run to run (they have the same distribution:
 speculative sampling is lossless at every ``k``, and in every round).
 """
 
 from __future__ import annotations
 
+import torch
+
 from titan_cotrain.engine.round_stats import RoundTable, live_bucket
 
 __all__ = ["SpeculationTuner", "expected_tokens"]
+
+STATE_BUCKETS = 32  # live-rows buckets a checkpoint holds: up to 2^31 live sequences
 
 
 def expected_tokens(acceptance: list[float], k: int) -> float:
@@ -245,6 +251,56 @@ class SpeculationTuner:
             best = self.best_round(bucket)
             if best is not None:
                 self.current[bucket] = best
+
+    # The checkpoint.
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every table as a host fp64 tensor over ``STATE_BUCKETS`` live-rows buckets, NaN where
+        not measured (``current``, ``current_call``: int64, -1 where none): ``round_s [B, k_max +
+        2]``, ``live, volume [B]``, ``acceptance [B, k_max]``, ``pooled [k_max]``, ``prefill_s [2]``
+        (plain, following), ``current, current_call [B]``; ``follows``, ``calls`` scalars."""
+        b, k = STATE_BUCKETS, self.k_max
+
+        def table(shape, entries, fill=float("nan"), dtype=torch.float64):
+            out = torch.full(shape, fill, dtype=dtype)
+            for index, value in entries:
+                if value is not None:
+                    out[index] = value
+            return out
+
+        return {
+            "round_s": table((b, k + 2), self.round_s.items()),
+            "live": table((b,), self.live.items()),
+            "volume": table((b,), self.volume.items()),
+            "acceptance": table((b, k), (((bucket, d), r) for bucket, rates in self.acceptance.items()
+                                         for d, r in enumerate(rates))),
+            "pooled": table((k,), enumerate(self.pooled)),
+            "prefill_s": table((2,), ((int(f), v) for f, v in self.prefill_s.items())),
+            "current": table((b,), self.current.items(), -1, torch.int64),
+            "current_call": table((b,), self.current_call.items(), -1, torch.int64),
+            "follows": torch.tensor(self.follows),
+            "calls": torch.tensor(self.calls),
+        }
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """``state_dict``'s tables back; a state missing any of them (a checkpoint written before
+        the tuner was saved, or with another ``k_max``) leaves the tuner as it is, fresh."""
+        if state.keys() != self.state_dict().keys():
+            return
+
+        def measured(t: torch.Tensor) -> dict:
+            """``{index: value}`` where ``t`` holds a measurement (not NaN, not -1)."""
+            held = ~t.isnan() if t.is_floating_point() else t != -1
+            return {(tuple(i) if t.dim() > 1 else i[0]): t[tuple(i)].item() for i in held.nonzero().tolist()}
+
+        self.round_s = measured(state["round_s"])
+        self.live, self.volume = measured(state["live"]), measured(state["volume"])
+        self.acceptance = {bucket: [None if r.isnan() else r.item() for r in rates]
+                           for bucket, rates in enumerate(state["acceptance"]) if not rates.isnan().all()}
+        self.pooled = [None if r.isnan() else r.item() for r in state["pooled"]]
+        self.prefill_s = {bool(f): v for f, v in measured(state["prefill_s"]).items()}
+        self.current, self.current_call = measured(state["current"]), measured(state["current_call"])
+        self.follows, self.calls = bool(state["follows"]), int(state["calls"])
 
     def _average_rates(self, rates: list[float | None], judged, accepted) -> None:
         for d in range(self.k_max):

@@ -71,6 +71,8 @@ VARIANTS = {
                                description="GRPO at 4x LR, advantages shuffled across groups (control)"),
     "grpo_untied": dict(recipe="grpo", flags=[], untied=True,
                         description="GRPO on an untied copy of the warm start"),
+    "grpo_lr4x_untied": dict(recipe="grpo", flags=["--optimizer.lr", f"{4 * RECIPE_LR:g}"], untied=True,
+                             description="GRPO at 4x LR on an untied copy of the warm start"),
 }
 # A run's per-step curves: name in the JSON -> metrics.jsonl key (NaN where a step lacks it).
 CURVES = {"correct": "task/correct", "reward": "reward/mean", "kl_ref": "rl/kl_ref", "entropy": "rl/entropy",

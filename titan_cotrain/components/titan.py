@@ -244,8 +244,9 @@ def build_lr_schedulers(optimizers, phases: Sequence[tuple[object, int, float]])
 
     The LR is a function of the step count alone: every param group's base LR is set to 1
     (``LambdaLR`` multiplies it by the factor, so the factor is the LR) and a checkpoint's
-    ``base_lrs`` is ignored on load, so a run resumed from any checkpoint follows the
-    schedule of its config."""
+    ``base_lrs`` is ignored on load and the loaded optimizers' LRs are replaced by the
+    schedule's, so a run resumed from any checkpoint follows the schedule of its config from
+    its first update on."""
     init_torchtitan()
     from torchtitan.components.lr_scheduler import LRSchedulersContainer
     from torchtitan.components.lr_scheduler import build_lr_schedulers as titan_build_lr_schedulers
@@ -265,14 +266,29 @@ def build_lr_schedulers(optimizers, phases: Sequence[tuple[object, int, float]])
         peak, factor = factors[phase]
         return peak * factor(step - starts[phase])
 
+    def follow_schedule(scheduler) -> None:
+        value = lr(scheduler.last_epoch)
+        for group in scheduler.optimizer.param_groups:
+            group["lr"] = value
+        scheduler._last_lr = [value] * len(scheduler.optimizer.param_groups)
+
     class PhasedLRSchedulers(LRSchedulersContainer):
         def load_state_dict(self, state_dict):
             super().load_state_dict({k: v for k, v in state_dict.items() if k != "base_lrs"})
+            for scheduler in self.schedulers:
+                follow_schedule(scheduler)
 
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             group["lr"] = group["initial_lr"] = 1.0
-    return PhasedLRSchedulers(optimizers, lr)
+    schedulers = PhasedLRSchedulers(optimizers, lr)
+    # A loaded optimizer's param groups hold the LR that the *saving* job's schedule set for
+    # the next update: a job resumed with other phases (a warm start reused with another
+    # training.steps) would run its first update at it. Each load, the optimizer's or the
+    # schedule's (DCP loads states in key order), sets this schedule's from the step count.
+    for scheduler in schedulers.schedulers:
+        scheduler.optimizer.register_load_state_dict_post_hook(lambda _, s=scheduler: follow_schedule(s))
+    return schedulers
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, pp_mesh=None) -> torch.Tensor:

@@ -65,8 +65,6 @@ VARIANTS = {
     "grpo": dict(recipe="grpo", flags=[], description="GRPO recipe as shipped"),
     "grpo_lr4x": dict(recipe="grpo", flags=["--optimizer.lr", f"{4 * RECIPE_LR:g}"],
                       description="GRPO at 4x the policy LR"),
-    "grpo_lr2x": dict(recipe="grpo", flags=["--optimizer.lr", f"{2 * RECIPE_LR:g}"],
-                      description="GRPO at 2x the policy LR"),
     "grpo_shuffled": dict(recipe="grpo", flags=[], shuffled=True,
                           description="GRPO, advantages shuffled across groups (control)"),
     "grpo_lr4x_shuffled": dict(recipe="grpo", flags=["--optimizer.lr", f"{4 * RECIPE_LR:g}"], shuffled=True,

@@ -184,6 +184,34 @@ class Draft:
     """Stop training the draft when RL starts (the frozen-draft baseline): rollouts keep
     using the draft as the warm start left it. Needs ``enable``."""
 
+    prefit_steps: int = 0
+    """Draft-only steps between the warm start and RL (``rl.prefit``): the policy answers
+    training prompts by plain decoding and only the draft trains on those responses (the
+    policy's forward gives the taps and the teacher); the policy's weights, optimizer state
+    and LR schedule are untouched. They are job steps ``task.sft_steps + 1 ..
+    task.sft_steps + prefit_steps``; RL's steps follow. 0: none."""
+
+    prefit_prompts: int = 0
+    """Prompts per prefit step, split over the data-parallel ranks; 0: ``rl.prompts_per_step``.
+    Step ``i`` of the prefit asks the prompts RL's step ``i`` will (the stream after the warm
+    start), so a prefit as long as a few RL steps covers exactly the first ones' prompts."""
+
+    prefit_samples: int = 1
+    """Responses per prompt in a prefit step (sampled at ``[rollout]``'s settings)."""
+
+    prefit_lr: float = 0.0
+    """The draft's peak LR in the prefit; 0: ``lr``."""
+
+    prefit_warmup_steps: int = 0
+    """Warm-up steps of the prefit's LR schedule (it has its own, like the warm start's)."""
+
+    prefit_decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
+    """Decay of the prefit's schedule after its warm-up (``[lr_scheduler] decay_type``'s meaning)."""
+
+    prefit_min_lr_factor: float = 1.0
+    """The prefit's LR decays to ``prefit_min_lr_factor x`` its peak at its last step (1: no
+    decay, the draft enters RL at the prefit's peak)."""
+
 
 @dataclass
 class RL:

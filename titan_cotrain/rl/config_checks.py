@@ -7,10 +7,11 @@ from titan_cotrain.config.validate import config_check
 from titan_cotrain.data.prompts import PromptDatasetError, dataset_format
 from titan_cotrain.models.build import resolve_model_args
 from titan_cotrain.rl.evaluation import settings_errors
+from titan_cotrain.rl.prefit import prefit_errors
 from titan_cotrain.rl.rewards import load_reward
 from titan_cotrain.rl.tasks import DATASET_TASKS, TASKS
 
-__all__ = ["dataset_errors", "eval_errors", "reward_config_errors", "task_errors"]
+__all__ = ["dataset_errors", "eval_errors", "prefit_config_errors", "reward_config_errors", "task_errors"]
 
 
 @config_check
@@ -85,4 +86,18 @@ def eval_errors(config, world_size: int) -> list[str]:
             load_reward(e.reward)
         except ValueError as err:
             errors.append(str(err).replace("task.reward", "eval.reward"))
+    return errors
+
+
+@config_check
+def prefit_config_errors(config, world_size: int) -> list[str]:
+    """``[draft] prefit_*`` (``rl.prefit.prefit_errors``), and its prompts split evenly over
+    the data-parallel ranks."""
+    errors = prefit_errors(config)
+    p = config.parallelism
+    dp_world = max(p.context_parallel_degree * p.pipeline_parallel_degree, 1)
+    prompts = config.draft.prefit_prompts
+    if prompts and isinstance(world_size, int) and world_size % dp_world == 0 and prompts % (world_size // dp_world):
+        errors.append(f"draft.prefit_prompts ({prompts}) must split evenly over the {world_size // dp_world} "
+                      "data-parallel ranks")
     return errors

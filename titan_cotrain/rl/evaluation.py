@@ -41,6 +41,7 @@ import torch.distributed as dist
 from titan_cotrain.engine.round_stats import live_bucket
 from titan_cotrain.engine.sampling import SamplingParams
 from titan_cotrain.rl.batching import Sample
+from titan_cotrain.rl.prefit import rl_offset
 from titan_cotrain.rl.problems import ProblemStream
 from titan_cotrain.rl.rewards import COUNTS, RewardScorer, RewardSettings
 from titan_cotrain.rl.rollout_metrics import rollout_metrics
@@ -78,8 +79,9 @@ class EvalSettings:
     stop_token_ids: tuple[int, ...]
     prompts: int
     save_responses: bool
-    sft_steps: int
-    """``[task] sft_steps``: RL step ``n`` is job step ``sft_steps + n``."""
+    rl_offset: int
+    """RL step ``n`` is job step ``rl_offset + n`` (``rl.prefit.rl_offset``: the warm start's
+    and the draft prefit's steps come first)."""
 
     @classmethod
     def from_config(cls, config) -> "EvalSettings":
@@ -90,12 +92,12 @@ class EvalSettings:
                    temperature=ro.temperature if e.temperature < 0 else e.temperature,
                    top_p=e.top_p or ro.top_p, top_k=ro.top_k if e.top_k < 0 else e.top_k,
                    max_new_tokens=e.max_new_tokens or ro.max_new_tokens, stop_token_ids=tuple(ro.stop_token_ids),
-                   prompts=e.prompts, save_responses=e.save_responses, sft_steps=config.task.sft_steps)
+                   prompts=e.prompts, save_responses=e.save_responses, rl_offset=rl_offset(config))
 
     def due(self, step: int) -> bool:
         """Whether the policy after job step ``step`` is evaluated during training: the one RL
-        starts from (``step == sft_steps``) and every ``interval``-th RL step's."""
-        done = step - self.sft_steps
+        starts from (``step == rl_offset``) and every ``interval``-th RL step's."""
+        done = step - self.rl_offset
         return done == 0 or (done > 0 and self.interval > 0 and done % self.interval == 0)
 
 

@@ -29,17 +29,18 @@ class JobLog:
             print(line, flush=True)
 
     def step(self, step: int, phase: str, metrics: dict[str, float]) -> None:
-        """Step ``step``'s metrics; ``phase``: ``"sft"`` or ``"rl "`` (padded for the console)."""
+        """Step ``step``'s metrics; ``phase``: ``"sft"``, ``"prefit"`` (the draft's) or ``"rl"``."""
         if not self.active:
             return
         if self.tb is not None:
             self.tb.log(metrics, step)
         with open(os.path.join(self.config.job.dump_folder, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps({"step": step, "phase": phase.strip(), **metrics}) + "\n")
-        sft_steps = self.config.task.sft_steps
-        done, total = (step, sft_steps) if phase.strip() == "sft" else (step - sft_steps, self.config.training.steps)
+            f.write(json.dumps({"step": step, "phase": phase, **metrics}) + "\n")
+        sft_steps, prefit_steps = self.config.task.sft_steps, self.config.draft.prefit_steps
+        done, total = {"sft": (step, sft_steps), "prefit": (step - sft_steps, prefit_steps)}.get(
+            phase, (step - sft_steps - prefit_steps, self.config.training.steps))
         if done in (1, total) or done % max(self.config.metrics.log_freq, 1) == 0:
-            print(step_line(phase, done, total, metrics), flush=True)
+            print(step_line("rl " if phase == "rl" else phase, done, total, metrics), flush=True)
 
     def eval(self, step: int, metrics: dict[str, float], line: str) -> None:
         """An evaluation of the policy after step ``step`` (``rl.evaluation``): its ``eval/``

@@ -43,6 +43,7 @@ from titan_cotrain.rl.host_sync import HostSync
 from titan_cotrain.rl.job_log import JobLog
 from titan_cotrain.rl.nonfinite import SaveGuard, count_skipped_updates
 from titan_cotrain.rl.offload import TrainingStateOffload, offloaded
+from titan_cotrain.rl.prefit import DraftPrefit, PrefitSettings, frozen_policy_loss, rl_offset, with_prefit_phase
 from titan_cotrain.rl.problems import ProblemStream
 from titan_cotrain.rl.run_mode import RealRun
 from titan_cotrain.rl.reference import reference_logprobs
@@ -102,7 +103,9 @@ class Trainer:
             self.scorer.start()
         self.problems = ProblemStream(self.task, self.tokenizer, self.encode_prompt, self.seed, self.dp_rank,
                                       self.dp_degree, self.scorer)
-        self.total_steps = config.task.sft_steps + config.training.steps
+        self.prefit_settings = PrefitSettings.from_config(config)
+        self.rl_offset = rl_offset(config)  # RL step n is job step rl_offset + n
+        self.total_steps = self.rl_offset + config.training.steps
         self.prompts_per_rank = config.rl.prompts_per_step // self.dp_degree
 
         vocab = resolve_model_args(config).vocab_size
@@ -152,6 +155,10 @@ class Trainer:
         if config.rollout.speculative and not config.draft.enable:
             self.log.say("note: [draft] enable = false: rollouts decode plainly ([rollout] speculative ignored)")
         self.evaluation = build_evaluation(self)  # None without [eval] enable
+        self.prefit, self._prefit_engine_ready = None, False
+        if self.prefit_settings.steps:
+            self.prefit = DraftPrefit(self.prefit_settings, self.engine, self.generation, self.problems, self.sync,
+                                      run, self.device, self.state, show_progress=rank == self.log_rank)
         if config.draft.vocab_generations and run.values_known:
             draft_vocab_from_generations(config, self.problems, self.engine, self.rollouts.sampling_params(),
                                          self.draft, refresh_engine=self.refresh_engine if self.pipeline else None)
@@ -162,8 +169,8 @@ class Trainer:
         states = {}
         if self.draft is not None:
             self.draft_opt = titan.build_optimizers([self.draft], config.optimizer, self.parallel_dims)
-            self.draft_lr = titan.build_lr_schedulers(self.draft_opt, lr_phases(
-                config, config.draft.sft_lr or config.draft.lr, config.draft.lr))
+            self.draft_lr = titan.build_lr_schedulers(self.draft_opt, with_prefit_phase(config, lr_phases(
+                config, config.draft.sft_lr or config.draft.lr, config.draft.lr)))
             states = {"draft": titan.model_stateful(self.draft), "draft_optimizer": self.draft_opt,
                       "draft_lr_scheduler": self.draft_lr}
         if self.reference is not None:
@@ -212,6 +219,35 @@ class Trainer:
         batch.advantages = batch.old_logprobs = batch.inv_lens = None
         return self.update.step(batch, next_token_loss, train_draft=self.cotrain, warm_start=True)
 
+    def prefit_step(self, step: int) -> dict[str, float]:
+        """A draft-only step of the prefit (``rl.prefit``), its phases named for the run mode
+        as ``prefit <phase>``: ``refresh`` the engine's copies (at the first prefit step a
+        process runs: the policy does not change in the prefit, and plain decoding does not
+        read the draft), ``generate`` the policy's responses to the step's prompts, ``release``
+        the engine when ``[rollout] release_between_rollouts``, ``pack`` them, ``update`` the
+        draft alone (the policy's optimizer does not step); ``offload`` and ``restore`` as in
+        ``rl_step``."""
+        phase = self.mode.phase
+        with offloaded(self.offload, phase) as parameters_away:
+            with phase("prefit refresh"):
+                if not self._prefit_engine_ready:
+                    self.refresh_engine()
+                    self._prefit_engine_ready = True
+                parameters_away()
+            with phase("prefit generate"):
+                samples, metrics = self.prefit(step)
+            with phase("prefit release"):
+                if self.config.rollout.release_between_rollouts:
+                    self.engine.release()
+                    self._prefit_engine_ready = False
+        with phase("prefit pack"):
+            batch = pack_rank_batch(samples, self.config, self.sync, step)
+            batch.advantages = batch.old_logprobs = batch.inv_lens = None
+        with phase("prefit update"):
+            metrics |= self.update.step(batch, frozen_policy_loss, train_draft=True, warm_start=True,
+                                        train_policy=False)
+        return metrics
+
     def rl_step(self, step: int) -> dict[str, float]:
         """One RL step. This is the one place its phases and their order are written; the run
         mode (``mode.phase``) is told as each begins, which is how the scale simulator measures
@@ -244,7 +280,7 @@ class Trainer:
         if self.offload is not None:
             metrics |= {"time/offload_s": self.offload.seconds, "memory/offloaded_gib": self.offload.host_bytes / 2**30}
         with phase("pack"):
-            if self.reference is not None and step == self.config.task.sft_steps + 1:
+            if self.reference is not None and step == self.rl_offset + 1:
                 copy_shards(self.policy, self.reference)
             batch = self.pack(samples, step)
         with phase("update"):
@@ -315,17 +351,18 @@ class Trainer:
         while self.state.step < self.total_steps:
             step = self.state.step + 1
             t0 = time.perf_counter()
-            sft = step <= cfg.task.sft_steps
-            metrics = self.sft_step(step) if sft else self.rl_step(step)
+            kind = "sft" if step <= cfg.task.sft_steps else "prefit" if self.prefit_settings.holds(step) else "rl"
+            metrics = {"sft": self.sft_step, "prefit": self.prefit_step, "rl": self.rl_step}[kind](step)
             metrics["lr/policy"] = self.policy_lr.schedulers[0].get_last_lr()[0]
-            self.policy_lr.step()
+            if kind != "prefit":  # the prefit leaves the policy's schedule where it was
+                self.policy_lr.step()
             if self.draft_lr is not None:
                 metrics["lr/draft"] = self.draft_lr.schedulers[0].get_last_lr()[0]
                 self.draft_lr.step()
             metrics["time/step_s"] = time.perf_counter() - t0
             metrics |= titan.device_memory_stats()
             self.state.step = step
-            self.log.step(step, "sft" if sft else "rl ", metrics)
+            self.log.step(step, kind, metrics)
             for watch in (self.acceptance_watch, self.collapse_watch):  # every rank keeps the counts
                 warning = watch.observe(step, metrics)
                 if warning:

@@ -87,8 +87,10 @@ class UpdateStep:
         raise NotImplementedError
 
     def step(self, batch: PackedBatch, loss_fn: PolicyLossFn, *, train_draft: bool,
-             warm_start: bool) -> dict[str, float]:
-        """``batch``'s updates: one for the warm start, ``updates_per_step`` for an RL batch."""
+             warm_start: bool, train_policy: bool = True) -> dict[str, float]:
+        """``batch``'s updates: one for the warm start (and the draft's prefit), ``updates_per_step``
+        for an RL batch. ``train_policy`` False (the prefit): the policy's optimizer does not step
+        (its gradients are zeroed), so its weights and optimizer state stay what they were."""
         n = 1 if warm_start else self.settings.updates_per_step
         rows = batch.tokens.shape[0]
         metrics: dict[str, float] = {}
@@ -97,7 +99,8 @@ class UpdateStep:
             out = self.gradients(batch.map(lambda t, part=part: t[part]), loss_fn, train_draft)
             host = self.host_values(out | nonfinite_flags(out, self.device))
             step_optimizers(self.policy_opt, self.draft_opt if train_draft else None,
-                            step_policy=not host["nonfinite/policy"], step_draft=not host["nonfinite/draft"])
+                            step_policy=train_policy and not host["nonfinite/policy"],
+                            step_draft=not host["nonfinite/draft"])
             for key, value in host.items():  # the mean over minibatches
                 metrics[key] = metrics.get(key, 0.0) + value / n
         return metrics

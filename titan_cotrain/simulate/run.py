@@ -191,8 +191,10 @@ def simulate_rank(config, rank: int, world_size: int) -> tuple[dict, list[str]]:
             _warm_optimizers(trainer)
             # The first RL step, then one as every later step meets the rank: after an update,
             # with what updates leave alive (a pipeline stage's buffers, for one).
+            if trainer.prefit is not None:  # a step of the draft's prefit, as the last before RL
+                trainer.prefit_step(trainer.rl_offset)
             for step in (1, 2):
-                trainer.rl_step(config.task.sft_steps + step)
+                trainer.rl_step(trainer.rl_offset + step)
             host_bytes = trainer.offload.host_bytes if trainer.offload is not None else 0
             enter("checkpoint")
             trainer.checkpoint_state_dicts()

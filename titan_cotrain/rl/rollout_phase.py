@@ -10,6 +10,7 @@ import torch
 
 from titan_cotrain.rl.batching import Sample
 from titan_cotrain.rl.grpo import group_advantages, overlong_penalty
+from titan_cotrain.rl.prefit import rl_offset
 from titan_cotrain.rl.progress import RolloutProgress
 from titan_cotrain.rl.rollout_metrics import rollout_metrics
 from titan_cotrain.engine.round_stats import RoundTable, live_bucket
@@ -27,7 +28,8 @@ class RolloutSettings:
     group_size: int
     """``[rl] group_size``: samples per prompt (a GRPO group)."""
     sft_steps: int
-    """``[task] sft_steps``: the RL prompt stream's step 1 is job step ``sft_steps + 1``."""
+    """The steps before RL (``rl.prefit.rl_offset``: the warm start's and the draft prefit's):
+    the RL prompt stream's step 1 is job step ``sft_steps + 1``."""
     temperature: float
     top_k: int
     top_p: float
@@ -53,7 +55,7 @@ class RolloutSettings:
     @classmethod
     def from_config(cls, config) -> "RolloutSettings":
         ro, rl, task = config.rollout, config.rl, config.task
-        return cls(group_size=rl.group_size, sft_steps=task.sft_steps, temperature=ro.temperature,
+        return cls(group_size=rl.group_size, sft_steps=rl_offset(config), temperature=ro.temperature,
                    top_k=ro.top_k, top_p=ro.top_p, max_new_tokens=ro.max_new_tokens,
                    stop_token_ids=tuple(ro.stop_token_ids),
                    draft_tokens=rollout_draft_tokens(config), adaptive=ro.adaptive_speculation,

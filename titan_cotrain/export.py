@@ -10,15 +10,18 @@ job's tokenizer files) and ``<out>/draft`` (an EAGLE-3 folder) through the write
 bytes of that job's ``<dump_folder>/export``, whatever layout (FSDP, CP, PP, EP) saved it.
 The job's arguments give the models' shapes and the tokenizer (they must be the job's);
 ``--dtype``: of the weights written, by default the rollout engine's on this host, which is
-what the job's end writes (``float32`` on a CPU, ``bfloat16`` with a GPU).
+what the job's end writes (``float32`` on a CPU, ``bfloat16`` with a GPU: a GPU job's
+checkpoint exported on a CPU host needs ``--dtype bfloat16`` for its job's bytes). It prints
+``exported the policy and the draft of step N (<step folder>) to <out> in float32``.
 
 One process, no process group: DCP reads each tensor whole, gathered from every rank's
 shards (``no_dist``), one at a time as the policy's file is written; only the models'
-tensors are read (no optimizer state). The host holds one tensor of the policy at a time,
-and the draft (one layer) whole. A checkpoint without the draft's tensors (a model-only
-save: ``[checkpoint] last_save_model_only``) exports the policy alone and says so. Weights
-are not checked for finiteness here: the job checked them before saving the checkpoint.
-Launched by ``torchrun``, it must be with one rank.
+tensors are read (no optimizer state). Beyond the interpreter the host holds the draft (one
+layer) whole and one tensor of the policy (twice while DCP assembles it):
+``scripts/export_memory.py`` measures it. A checkpoint without the draft's tensors (a
+model-only save: ``[checkpoint] last_save_model_only``) exports the policy alone and says so.
+Weights are not checked for finiteness here: the job checked them before saving the
+checkpoint. Launched by ``torchrun``, it must be with one rank.
 """
 
 import argparse
@@ -42,6 +45,8 @@ __all__ = ["CheckpointTensors", "ExportError", "checkpoint_step", "export_checkp
 
 DRAFT_PREFIX = "draft."  # the trainer's checkpointer saves the draft's Stateful under "draft"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# The job's layout, whatever it was, validated as one process: nothing here is parallel.
+ONE_RANK = (*ONE_PROCESS, "--parallelism.expert_parallel_degree", "1", "--rollout.tensor_parallel_degree", "1")
 
 
 class ExportError(ValueError):
@@ -195,7 +200,7 @@ def _arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="of the weights written (default: the rollout engine's on this host, as the job's "
                              "end writes: float32 on a CPU, bfloat16 with a GPU)")
     args, job = parser.parse_known_args(argv)
-    return args, [*job, *ONE_PROCESS]
+    return args, [*job, *ONE_RANK]
 
 
 def main(argv: list[str] | None = None) -> int:

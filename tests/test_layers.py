@@ -19,6 +19,7 @@ LAYERS = [
     ("simulate",),
     ("train",),
     ("eval",),
+    ("export",),
 ]
 LEVEL = {package: i for i, layer in enumerate(LAYERS) for package in layer}
 

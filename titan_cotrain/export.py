@@ -70,7 +70,8 @@ def checkpoint_step(path: str, step: int | None = None) -> tuple[str, int]:
     steps = sorted(int(m.group(1)) for name in os.listdir(path) if (m := re.fullmatch(r"step-(\d+)", name))
                    and os.path.isfile(os.path.join(path, name, ".metadata")))
     if not steps:
-        raise ExportError(f"no checkpoint in {path}: no step-N folder with a .metadata file")
+        raise ExportError(f"no checkpoint in {path}: no step-N folder with a .metadata file (a job saves them in "
+                          "<dump_folder>/checkpoint)")
     if step is None:
         step = steps[-1]
     elif step not in steps:

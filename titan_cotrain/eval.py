@@ -39,6 +39,7 @@ __all__ = ["EvalError", "main", "pass_at_k"]
 
 ONE_PROCESS = ("--parallelism.data_parallel_replicate_degree", "1", "--parallelism.data_parallel_shard_degree", "-1",
                "--parallelism.context_parallel_degree", "1", "--parallelism.pipeline_parallel_degree", "1",
+               "--parallelism.expert_parallel_degree", "1", "--rollout.tensor_parallel_degree", "1",
                "--metrics.no-enable_tensorboard")
 
 

@@ -46,7 +46,7 @@ __all__ = ["CheckpointTensors", "ExportError", "checkpoint_step", "export_checkp
 DRAFT_PREFIX = "draft."  # the trainer's checkpointer saves the draft's Stateful under "draft"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # The job's layout, whatever it was, validated as one process: nothing here is parallel.
-ONE_RANK = (*ONE_PROCESS, "--parallelism.expert_parallel_degree", "1", "--rollout.tensor_parallel_degree", "1")
+ONE_RANK = ONE_PROCESS  # every parallel degree 1 (expert and the engine's tensor parallelism included)
 
 
 class ExportError(ValueError):

@@ -40,7 +40,7 @@ The JSON describes itself: the command, the settings, the dataset and the model,
 start's evaluation, per recipe each seed's values and their mean/min/max, and a flat
 ``records`` list (one row per recipe) for a README table.
 
-    .venv/bin/python scripts/bench_recipes.py                 # warm start (~11 min), 4 recipes x 2 seeds, into assets/
+    .venv/bin/python scripts/bench_recipes.py                 # warm start, then 4 recipes x 3 seeds x 70 RL steps
     .venv/bin/python scripts/bench_recipes.py --warm-start W  # W: a copy of an earlier run's <work>/warm_start
     .venv/bin/python scripts/bench_recipes.py --quick         # a smoke run (~1.5 min) into a temporary folder
 """
@@ -201,7 +201,7 @@ QUICK = dict(records=300, eval_size=16, sft_steps=20, steps=3, seeds=1, recipes=
                                                "--rl.group_size", "4"])
 # max_new_tokens: the recipes' own budget, whose last 16 tokens DAPO's soft penalty covers; a
 # worked solution takes at most about 30 (a smaller budget would penalise right answers).
-FULL = dict(records=5000, eval_size=200, sft_steps=600, steps=40, seeds=2, recipes=RECIPES, max_new_tokens=64,
+FULL = dict(records=5000, eval_size=200, sft_steps=600, steps=70, seeds=3, recipes=RECIPES, max_new_tokens=64,
             samples=8, pass_k=[1, 4, 8], flags=[])
 # What the warm start fixes (its manifest): a reused warm start brings its own.
 WARM_START_KEYS = ("records", "eval_size", "sft_steps", "max_new_tokens", "data_seed", "vocab_size")

@@ -98,6 +98,14 @@ def launch(dump: Path, extra: list[str], recipe: str, shuffled: bool) -> list[di
     return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
 
 
+def code_commit() -> str:
+    """The commit the code ran at (``git rev-parse HEAD`` of the checkout), a suffix
+    ``+changes`` when tracked files differ from it."""
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=ROOT).returncode != 0
+    return head + ("+changes" if dirty else "")
+
+
 def untied_copy(warm: Path, folder: Path, sft_steps: int) -> None:
     """``folder``: ``warm``'s policy folder and ``step-<sft_steps>`` checkpoint, untied: the
     config says ``tie_word_embeddings = false``, the safetensors and the checkpoint hold
@@ -165,7 +173,8 @@ def run_variant(name: str, warm: Path, manifest: dict, settings: dict, work: Pat
         evals.append(result | {"rl_step": step - sft})
     return {"description": variant["description"], "recipe": variant["recipe"], "flags": variant["flags"],
             "shuffled_advantages": variant.get("shuffled", False), "untied": variant.get("untied", False),
-            "command": command_line(), "runtime_s": round(time.perf_counter() - start, 1), "evals": evals, **curves}
+            "command": command_line(), "commit": code_commit(), "runtime_s": round(time.perf_counter() - start, 1),
+            "evals": evals, **curves}
 
 
 def summarize(variant: dict, before: dict) -> dict:

@@ -121,6 +121,27 @@ def test_the_draft_follows_a_call_only_where_that_beats_plain_decoding():
         assert (drafting * (1 + tuner.min_gain) < plain) == follows
 
 
+def test_plain_decoding_is_explored_less_often_while_the_draft_wins_by_a_wide_margin():
+    """Every 8th call while the two choices are close; while drafting stays more than 20% ahead,
+    each exploration doubles the wait for the next (8, then 16, 32, 64 calls, at most 64); once
+    the draft falls behind, the explorations come every 8 calls again."""
+    good, close = [0.9, 0.9, 0.9], [0.34, 0.0, 0.0]
+    tuner = SpeculationTuner(k_max=K, explore_every=8, smoothing=1.0)
+    calls = [_call(tuner, [8] * 4 + [1] * 4, good)[0] for _ in range(200)]
+    plain, drafting = tuner.call_seconds(False), tuner.call_seconds(True)
+    assert plain > 1.2 * drafting  # a wide margin
+    assert [i + 1 for i, f in enumerate(calls) if not f] == [2, 8, 24, 56, 120, 184]  # was 2, 8, 16, ... 200: 26
+    assert tuner.interval == 64
+    # The draft falls behind: the margin narrows (or flips), and the wait is back to explore_every.
+    follows = [_call(tuner, [8] * 4 + [1] * 4, close)[0] for _ in range(200)]
+    ratio = tuner.call_seconds(False) / tuner.call_seconds(True)
+    assert ratio < 1.2 and tuner.interval == 8, (ratio, tuner.interval)
+    last = follows[100:]
+    usual = max(set(last), key=last.count)
+    minority = [i for i, f in enumerate(last) if f != usual]
+    assert 11 <= len(minority) <= 14, minority  # one call in 8 of the last 100 explores the other choice
+
+
 def test_it_follows_a_draft_that_falls_behind():
     tuner = SpeculationTuner(k_max=K, smoothing=1.0)
     for _ in range(3):

@@ -34,8 +34,13 @@ sequences at ``E_b(k) / c_b(1 + k)`` tokens per second each:
   the call's prefill, with each bucket at its best mode either way; the draft follows only
   where that is ``min_gain`` (5%) faster than plain decoding (measurements are noisy, and plain
   decoding is the choice that cannot make a rollout slower). The first call drafts (and
-  measures), the second decodes plainly, and every ``explore_every``-th call after runs the
-  other choice.
+  measures), the second decodes plainly, and from the ``explore_every``-th call on a call runs
+  the other choice every ``interval`` calls: ``explore_every`` while the two are within
+  ``wide_margin`` (20%) of each other, doubled at each exploration that finds the current
+  choice still that far ahead, up to ``max_interval_factor x explore_every`` (64 calls). An
+  exploration of plain decoding costs a whole call at plain speed; once a draft has proved
+  itself by a wide margin a few times, it is re-checked rarely, and as soon as the margin
+  narrows (a moving policy, a draft falling behind) the checks are frequent again.
 * ``choose_call(batch)``: one ``k`` for a whole call (``[rollout] speculation_granularity =
   "call"``), from the bucket of its first wave: plain decoding against ``E_b(k) / c_b(1 + k)``,
   with the margins and exploration above counted in calls. Its tail runs at the bulk's ``k``.
@@ -75,11 +80,17 @@ class SpeculationTuner:
     ``smoothing``: weight of a new measurement in the running averages. ``min_gain``: the
     margin a new choice must beat the current one by (and drafting, plain decoding)."""
 
-    def __init__(self, k_max: int, explore_every: int = 8, smoothing: float = 0.5, min_gain: float = 0.05) -> None:
-        if k_max < 0 or explore_every < 2 or not 0 < smoothing <= 1 or min_gain < 0:
+    def __init__(self, k_max: int, explore_every: int = 8, smoothing: float = 0.5, min_gain: float = 0.05,
+                 wide_margin: float = 0.2, max_interval_factor: int = 8) -> None:
+        if (k_max < 0 or explore_every < 2 or not 0 < smoothing <= 1 or min_gain < 0 or wide_margin < 0
+                or max_interval_factor < 1):
             raise ValueError(f"k_max {k_max} must be >= 0, explore_every {explore_every} >= 2, smoothing "
-                             f"{smoothing} in (0, 1], min_gain {min_gain} >= 0")
+                             f"{smoothing} in (0, 1], min_gain {min_gain} >= 0, wide_margin {wide_margin} >= 0, "
+                             f"max_interval_factor {max_interval_factor} >= 1")
         self.k_max, self.explore_every, self.smoothing, self.min_gain = k_max, explore_every, smoothing, min_gain
+        self.wide_margin, self.max_interval = wide_margin, max_interval_factor * explore_every
+        self.interval = explore_every  # calls between explorations of the other choice
+        self.next_exploration = explore_every  # the call count of the next one
         self.round_s: dict[tuple[int, int], float] = {}  # (bucket, mode) -> c_b(m)
         self.live: dict[int, float] = {}  # bucket -> n_b
         self.volume: dict[int, float] = {}  # bucket -> V_b
@@ -175,7 +186,11 @@ class SpeculationTuner:
             best = drafting * (1 + self.min_gain) < plain * (1 + 2 * self.min_gain)  # stay unless worse
         else:
             best = drafting * (1 + self.min_gain) < plain
-        if self.calls % self.explore_every == 0:
+        if self.calls >= self.next_exploration:
+            wide = drafting is not None and plain is not None and max(drafting, plain) > (
+                1 + self.wide_margin) * min(drafting, plain)
+            self.interval = min(2 * self.interval, self.max_interval) if wide else self.explore_every
+            self.next_exploration = self.calls + self.interval
             return not best
         self.follows = best
         return best
@@ -258,7 +273,8 @@ class SpeculationTuner:
         """Every table as a host fp64 tensor over ``STATE_BUCKETS`` live-rows buckets, NaN where
         not measured (``current``, ``current_call``: int64, -1 where none): ``round_s [B, k_max +
         2]``, ``live, volume [B]``, ``acceptance [B, k_max]``, ``pooled [k_max]``, ``prefill_s [2]``
-        (plain, following), ``current, current_call [B]``; ``follows``, ``calls`` scalars."""
+        (plain, following), ``current, current_call [B]``; ``follows``, ``calls``, ``interval``,
+        ``next_exploration`` scalars."""
         b, k = STATE_BUCKETS, self.k_max
 
         def table(shape, entries, fill=float("nan"), dtype=torch.float64):
@@ -280,6 +296,8 @@ class SpeculationTuner:
             "current_call": table((b,), self.current_call.items(), -1, torch.int64),
             "follows": torch.tensor(self.follows),
             "calls": torch.tensor(self.calls),
+            "interval": torch.tensor(self.interval),
+            "next_exploration": torch.tensor(self.next_exploration),
         }
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -301,6 +319,7 @@ class SpeculationTuner:
         self.prefill_s = {bool(f): v for f, v in measured(state["prefill_s"]).items()}
         self.current, self.current_call = measured(state["current"]), measured(state["current_call"])
         self.follows, self.calls = bool(state["follows"]), int(state["calls"])
+        self.interval, self.next_exploration = int(state["interval"]), int(state["next_exploration"])
 
     def _average_rates(self, rates: list[float | None], judged, accepted) -> None:
         for d in range(self.k_max):

@@ -87,6 +87,21 @@ def test_the_evaluation_phase_is_simulated_and_adds_nothing_to_the_update(tmp_pa
     assert evaluated["eval"] <= evaluated["rollout"] and evaluated["update"] == plain["update"]
 
 
+def test_the_draft_prefit_is_simulated_before_the_rl_steps(tmp_path):
+    """With ``[draft] prefit_steps``, the simulator runs one prefit step (the last before RL)
+    as the trainer writes it, then the two RL steps; the prefit's update (the draft's alone, the
+    policy's forward and zero-weight backward) peaks no higher than RL's, whose peaks the
+    prefit leaves as they were."""
+    plain = simulate(_config(tmp_path), "debug_cpu.toml")["ranks"][0]["phase_peak_gib"]
+    prefit = simulate(_config(tmp_path, "--draft.prefit_steps", "3"), "debug_cpu.toml")["ranks"][0]["phase_peak_gib"]
+    # Dictionary order: each phase where it first came (the RL steps' offload and restore are the prefit's keys).
+    assert list(prefit) == ["construction", "optimizer state", "offload", "prefit refresh", "prefit generate",
+                            "prefit release", "restore", "prefit pack", "prefit update", "refresh", "rollout",
+                            "release", "pack", "update", "checkpoint"]
+    assert prefit["prefit update"] <= prefit["update"]
+    assert all(prefit[name] == plain[name] for name in ("rollout", "update", "checkpoint"))
+
+
 def test_a_dataset_task_simulates_without_its_file(tmp_path, monkeypatch):
     """The simulator never reads ``[task] dataset_path``: its prompts are synthetic, of
     ``[simulate] prompt_tokens`` (here capped by the 128 - 64 = 64-token prompt budget)."""

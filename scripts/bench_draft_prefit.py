@@ -146,6 +146,8 @@ def main() -> int:
     parser.add_argument("--prefit", type=int, nargs="+", help=f"prefit lengths (default {FULL['prefit']})")
     parser.add_argument("--rl-steps", type=int, help=f"RL steps per run (default {FULL['rl_steps']})")
     parser.add_argument("--sft-steps", type=int, help=f"warm-start steps (default {FULL['sft_steps']})")
+    parser.add_argument("--policy", type=Path, default=None,
+                        help="an exported warm-start policy folder to reuse (default: warm-start and export one)")
     parser.add_argument("--quick", action="store_true", help="a smoke run into a temporary folder")
     parser.add_argument("--out", type=Path, default=None, help="where the JSON and PNG go (default assets/)")
     parser.add_argument("--work", type=Path, default=None, help="the jobs' folders (default outputs/bench_draft_prefit)")
@@ -160,7 +162,8 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     failures: list[str] = []
     t0 = time.perf_counter()
-    policy = warm_start(work, settings, flags, failures)
+    policy = args.policy.resolve() if args.policy else warm_start(work, settings, flags, failures)
+    settings["policy_reused"] = args.policy is not None
     records = []
     if policy is not None:
         for prefit in settings["prefit"]:
@@ -171,6 +174,7 @@ def main() -> int:
         "description": __doc__.split("\n\n")[1].replace("\n", " "),
         "command": "python scripts/bench_draft_prefit.py" + (" --quick" if args.quick else ""),
         "settings": {**settings, "flags": flags, "config": "train_configs/debug_cpu.toml", "draft_tokens": 3,
+                     "prefit_lr": "[draft] sft_lr of the config (3e-3), constant after no warm-up (the defaults)",
                      "hardware": "2-core CPU, gloo, 2 processes, 1 thread each"},
         "records": records,
         "checks": {"passed": not failures, "failures": failures},

@@ -200,7 +200,8 @@ class Draft:
     """Responses per prompt in a prefit step (sampled at ``[rollout]``'s settings)."""
 
     prefit_lr: float = 0.0
-    """The draft's peak LR in the prefit; 0: ``lr``."""
+    """The draft's peak LR in the prefit; 0: ``sft_lr`` when set (a fresh draft learns at the
+    warm start's rate), else ``lr``."""
 
     prefit_warmup_steps: int = 0
     """Warm-up steps of the prefit's LR schedule (it has its own, like the warm start's)."""

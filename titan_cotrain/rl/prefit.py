@@ -37,7 +37,7 @@ def rl_offset(config) -> int:
 
 def with_prefit_phase(config, phases: list[tuple[object, int, float]]) -> list[tuple[object, int, float]]:
     """The draft's LR phases (``rl.trainer_setup.lr_phases``: the warm start's, RL's) with the
-    prefit's between them: ``[draft] prefit_lr`` (or ``lr``) after ``prefit_warmup_steps``,
+    prefit's between them: ``[draft] prefit_lr`` (or ``sft_lr``, or ``lr``) after ``prefit_warmup_steps``,
     decaying by ``prefit_decay_type`` to ``prefit_min_lr_factor`` of it. The policy's schedule
     has no such phase: it does not advance in the prefit."""
     d = config.draft
@@ -45,7 +45,7 @@ def with_prefit_phase(config, phases: list[tuple[object, int, float]]) -> list[t
                                  decay_type=d.prefit_decay_type, min_lr_factor=d.prefit_min_lr_factor,
                                  decay_ratio=None, total_steps=None)
     steps = d.prefit_steps if d.enable else 0
-    return [phases[0], (prefit, steps, d.prefit_lr or d.lr), *phases[1:]]
+    return [phases[0], (prefit, steps, d.prefit_lr or d.sft_lr or d.lr), *phases[1:]]
 
 
 def frozen_policy_loss(logits, rows) -> PolicyLoss:
@@ -93,7 +93,7 @@ def prefit_errors(config) -> list[str]:
     for key, ok, rule in (("prefit_steps", d.prefit_steps >= 0, ">= 0"),
                           ("prefit_prompts", d.prefit_prompts >= 0, ">= 0 (0 = rl.prompts_per_step)"),
                           ("prefit_samples", d.prefit_samples >= 1, ">= 1"),
-                          ("prefit_lr", d.prefit_lr >= 0, ">= 0 (0 = draft.lr)"),
+                          ("prefit_lr", d.prefit_lr >= 0, ">= 0 (0 = draft.sft_lr, or draft.lr)"),
                           ("prefit_warmup_steps", 0 <= d.prefit_warmup_steps <= max(d.prefit_steps, 0),
                            "in [0, draft.prefit_steps]"),
                           ("prefit_min_lr_factor", 0 <= d.prefit_min_lr_factor <= 1, "in [0, 1]")):

@@ -52,6 +52,7 @@ BENCHMARKS = {
                       lambda a: ["--json", a / "bench_compile.json", "--png", a / "bench_compile.png"]),
     "bench_e2e": ([], ["--quick"], lambda a: ["--json", a / "bench_e2e.json", "--png", a / "bench_e2e.png"]),
     "bench_recipes": ([], ["--quick"], lambda a: ["--out", a]),
+    "bench_draft_prefit": ([], ["--quick"], lambda a: ["--out", a]),
 }
 
 
@@ -328,6 +329,26 @@ def recipes_rows(result: dict, command: str) -> list[Row]:
     return rows
 
 
+def prefit_rows(result: dict, command: str) -> list[Row]:
+    claim = "The draft's prefit: rollout time saved in the first RL steps against its cost"
+    s = result["settings"]
+    n = s["rl_steps"]
+    base = next(r for r in result["records"] if r["prefit_steps"] == 0)
+    rows = []
+    for rec in result["records"]:
+        if rec["prefit_steps"] == 0:
+            continue
+        saved = base[f"rollout_s_first{n}"] - rec[f"rollout_s_first{n}"]
+        rows.append(Row(
+            claim, f"{rec['prefit_steps']} prefit steps from a fresh draft on the exported {s['sft_steps']}-step warm "
+                   f"start: acceptance at RL step 1 (k = {s['draft_tokens']}, measured / tau "
+                   f"{rec['acceptance_over_tau_rl_step1']:.2f}); rollout seconds over the first {n} RL steps",
+            f"{rec['acceptance_rl_step1']:.2f}; {rec[f'rollout_s_first{n}']:.1f} s",
+            f"no prefit {base['acceptance_rl_step1']:.2f}; {base[f'rollout_s_first{n}']:.1f} s",
+            f"saved {saved:.1f} s for {rec['prefit_s']:.1f} s of prefit", "-", "-", s["hardware"], command))
+    return rows
+
+
 SOURCES = [  # (script, json, rows)
     ("bench_branch_memory", "bench_branch_memory.json", branch_memory_rows),
     ("bench_cp", "bench_cp.json", cp_rows),
@@ -338,6 +359,7 @@ SOURCES = [  # (script, json, rows)
     ("bench_compile", "bench_compile.json", compile_rows),
     ("bench_e2e", "bench_e2e.json", e2e_rows),
     ("bench_recipes", "bench_recipes.json", recipes_rows),
+    ("bench_draft_prefit", "bench_draft_prefit.json", prefit_rows),
 ]
 
 

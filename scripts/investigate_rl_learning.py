@@ -33,7 +33,7 @@ variant records its own command line and runtime), so the investigation can grow
 
     .venv/bin/python scripts/investigate_rl_learning.py --warm-start W           # every variant, into assets/
     .venv/bin/python scripts/investigate_rl_learning.py --warm-start W --variants grpo_lr4x --merge
-    .venv/bin/python scripts/investigate_rl_learning.py --quick                  # a smoke run (< 1 min), a temporary folder
+    .venv/bin/python scripts/investigate_rl_learning.py --quick                  # a smoke run, a temporary folder
     .venv/bin/python scripts/investigate_rl_learning.py --replot
 """
 
@@ -65,6 +65,9 @@ VARIANTS = {
     "grpo": dict(recipe="grpo", flags=[], description="GRPO recipe as shipped"),
     "grpo_lr4x": dict(recipe="grpo", flags=["--optimizer.lr", f"{4 * RECIPE_LR:g}"],
                       description="GRPO at 4x the policy LR"),
+    "grpo_no_kl": dict(recipe="grpo", flags=["--rl.kl_coef", "0"], description="GRPO without its KL term"),
+    "grpo_no_std": dict(recipe="grpo", flags=["--rl.no-normalize_std"],
+                        description="GRPO with advantages not divided by the group's std"),
     "grpo_shuffled": dict(recipe="grpo", flags=[], shuffled=True,
                           description="GRPO, advantages shuffled across groups (control)"),
     "grpo_lr4x_shuffled": dict(recipe="grpo", flags=["--optimizer.lr", f"{4 * RECIPE_LR:g}"], shuffled=True,
@@ -74,7 +77,7 @@ VARIANTS = {
     "grpo_lr4x_untied": dict(recipe="grpo", flags=["--optimizer.lr", f"{4 * RECIPE_LR:g}"], untied=True,
                              description="GRPO at 4x LR on an untied copy of the warm start"),
 }
-# A run's per-step curves: name in the JSON -> metrics.jsonl key (NaN where a step lacks it).
+# A run's per-step curves: name in the JSON -> metrics.jsonl key (None where a step lacks it).
 CURVES = {"correct": "task/correct", "reward": "reward/mean", "kl_ref": "rl/kl_ref", "entropy": "rl/entropy",
           "grad_norm": "grad_norm/policy", "lr": "lr/policy", "zero_advantage_groups": "rl/zero_advantage_groups",
           "acceptance_length": "rollout/acceptance_length", "step_s": "time/step_s"}
@@ -153,17 +156,23 @@ def run_variant(name: str, warm: Path, manifest: dict, settings: dict, work: Pat
     flags = bench.job_flags(warm, manifest, settings)
     flags[flags.index("--model.hf_path") + 1] = str(source / "policy")
     every = settings["eval_every"]
+    # The warm-start job has no KL reference: a run with one copies the policy into it at its first RL step.
+    recipe = bench.read_job_toml(ROOT / "train_configs" / "recipes" / f"{variant['recipe']}.toml")
+    kl_coef = recipe.get("rl", {}).get("kl_coef", 0.0)
+    if "--rl.kl_coef" in variant["flags"]:
+        kl_coef = float(variant["flags"][variant["flags"].index("--rl.kl_coef") + 1])
+    no_reference = ["--checkpoint.exclude_from_loading", "reference"] if kl_coef > 0 else []
     metrics = launch(folder, [*flags, "--training.steps", str(settings["steps"]), "--debug.seed", "0",
-                              "--checkpoint.interval", str(every), "--checkpoint.exclude_from_loading", "reference",
-                              *variant["flags"]], variant["recipe"], variant.get("shuffled", False))
+                              "--checkpoint.interval", str(every), *no_reference, *variant["flags"]],
+                     variant["recipe"], variant.get("shuffled", False))
     if folder_hash(folder / "checkpoint" / step_dir) != source_hash:
         failures.append(f"{name}: the run changed its copy of the warm start")
     rl = [m for m in metrics if m["phase"] == "rl"]
     if len(rl) != settings["steps"]:
         failures.append(f"{name}: logged {len(rl)} of {settings['steps']} RL steps")
-    curves = {field: [m.get(key, math.nan) for m in rl] for field, key in CURVES.items()}
+    curves = {field: [m.get(key) for m in rl] for field, key in CURVES.items()}
     for field in REQUIRED:
-        if not curves[field] or not all(math.isfinite(x) for x in curves[field]):
+        if not curves[field] or not all(x is not None and math.isfinite(x) for x in curves[field]):
             failures.append(f"{name}: {CURVES[field]} missing or non-finite")
     evals = []
     for step in range(sft + every, sft + settings["steps"] + 1, every):
@@ -186,7 +195,8 @@ def summarize(variant: dict, before: dict) -> dict:
             "pass_at_k_last": last["pass_at_k"], "accuracy_best": max(e["accuracy"] for e in variant["evals"]),
             "correct_first_quarter": statistics.fmean(variant["correct"][:n]),
             "correct_last_quarter": statistics.fmean(variant["correct"][-n:]),
-            "kl_ref_last": variant["kl_ref"][-1], "entropy_first": variant["entropy"][0],
+            "kl_ref_last": variant["kl_ref"][-1],
+            "entropy_first": variant["entropy"][0],
             "entropy_last": variant["entropy"][-1]}
 
 
@@ -307,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         s = variant["summary"]
         print(f"{name:20s} " + " ".join(f"{e['rl_step']}:{e['accuracy']:.3f}" for e in variant["evals"])
               + f"  train correct {s['correct_first_quarter']:.3f} -> {s['correct_last_quarter']:.3f}"
-              + f"  kl {s['kl_ref_last']:.4f}")
+              + (f"  kl {s['kl_ref_last']:.4f}" if s["kl_ref_last"] is not None else ""))
     print(f"wrote {json_path} and {png_path}")
     return 0
 

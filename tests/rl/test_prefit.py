@@ -67,6 +67,42 @@ def test_the_prefit_trains_the_draft_alone_on_the_policys_plain_generations(tmp_
     assert any(not torch.equal(draft[k], trained[k]) for k in draft), "the prefit did not train the draft"
 
 
+def test_the_prefits_first_generations_choose_the_reduced_vocabulary_and_are_trained_on(tmp_path, monkeypatch):
+    """A fresh draft with a reduced vocabulary on a Hugging Face policy, prefit from step 1: the
+    prefit's first step is generated while the trainer is built, its responses are the
+    vocabulary's corpus (``vocab_samples = 0``), and that step trains on them without generating
+    again: one generation in all."""
+    from collections import Counter
+
+    from tests.rl.test_trainer_setup import _chosen_ids, _top
+    from titan_cotrain.engine.rollout import RolloutEngine
+    from titan_cotrain.models.build import build_target
+    from titan_cotrain.models.hf import save_hf
+    from titan_cotrain.rl.trainer import Trainer
+
+    folder = tmp_path / "policy"
+    save_hf(build_target(load_job_config([], world_size=1)), folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(REPO / "assets" / "tokenizer" / name, folder / name)
+    calls = []
+    generate = RolloutEngine.generate
+    monkeypatch.setattr(RolloutEngine, "generate", lambda *a, **k: calls.append(generate(*a, **k)) or calls[-1])
+    config = load_job_config([*CONFIG, *SHORT, "--task.sft_steps", "0", "--draft.prefit_steps", "2",
+                              "--model.hf_path", str(folder), "--draft.vocab_size", "16", "--draft.vocab_samples", "0",
+                              "--job.dump_folder", str(tmp_path / "run"), "--checkpoint.no-enable",
+                              "--metrics.no-enable_tensorboard"], world_size=1)
+    trainer = Trainer(config, world_size=1, rank=0)
+    (out,) = calls
+    responses = [out.tokens[i, :n].tolist() for i, n in enumerate(out.response_lens.tolist())]
+    counts = Counter(t for r in responses for t in r)
+    vocab = trainer.policy.args.vocab_size
+    assert _chosen_ids(trainer.draft) == _top(counts, 16, vocab) == _chosen_ids(trainer.engine.draft)
+    samples, _ = trainer.prefit(1)
+    assert [s.response for s in samples] == responses and len(calls) == 1  # trained on, not generated again
+    trainer.prefit(2)
+    assert len(calls) == 2
+
+
 def test_the_draft_schedule_has_the_prefits_phase_and_the_policys_does_not():
     from titan_cotrain.components import titan
     from titan_cotrain.rl.prefit import with_prefit_phase

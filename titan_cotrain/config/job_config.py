@@ -189,7 +189,9 @@ class Draft:
     training prompts by plain decoding and only the draft trains on those responses (the
     policy's forward gives the taps and the teacher); the policy's weights, optimizer state
     and LR schedule are untouched. They are job steps ``task.sft_steps + 1 ..
-    task.sft_steps + prefit_steps``; RL's steps follow. 0: none."""
+    task.sft_steps + prefit_steps``; RL's steps follow. 0: none. With a reduced ``vocab_size``,
+    a fresh draft, ``[model] hf_path`` and no warm start, the prefit's first generations choose
+    the draft's vocabulary (``vocab_generations`` is not used) and are then trained on."""
 
     prefit_prompts: int = 0
     """Prompts per prefit step, split over the data-parallel ranks; 0: ``rl.prompts_per_step``.

@@ -24,24 +24,28 @@ def task_token_counts(problems: ProblemStream, samples: int, vocab_size: int) ->
 
 
 def draft_vocab_from_generations(config, problems: ProblemStream, engine: RolloutEngine, params: SamplingParams,
-                                 draft: Draft | None, refresh_engine=None) -> None:
+                                 draft: Draft | None, refresh_engine=None,
+                                 responses: list[list[int]] | None = None) -> None:
     """The reduced draft vocabulary from the task samples' tokens plus the initial policy's own
     responses (``engine`` sampling with ``params``) to the prompt stream's first ``[draft]
     vocab_generations`` prompts (each data-parallel rank answers its part of them, rounded up;
     counts are summed over all ranks, so every rank chooses the same), written into the trained ``draft`` (None off a pipeline's last stage)
     and the engine's copy. ``refresh_engine``: fills the engine first (a pipeline's engine gets
-    its weights streamed from the stages). A collective: every rank calls it."""
+    its weights streamed from the stages). ``responses``: this rank's share of generations made
+    already (the draft prefit's first step, ``rl.prefit``: each counted by one rank), counted
+    instead of generating. A collective: every rank calls it."""
     vocab_size = resolve_model_args(config).vocab_size
-    per_rank = -(-config.draft.vocab_generations // problems.dp_degree)
-    prompts = [problems.encode_prompt(problems.problem(position).prompt)
-               for position in problems.positions(0, per_rank)]
-    if refresh_engine is not None:
-        refresh_engine()
     device = engine.device
-    generator = torch.Generator(device=device).manual_seed(problems.generator_seed(0))
-    out = engine.generate(prompts, params, generator=generator, draft_tokens=0)
-    counts = count_tokens((out.tokens[i, :n].tolist() for i, n in enumerate(out.response_lens.tolist())),
-                          vocab_size).to(device)
+    if responses is None:
+        per_rank = -(-config.draft.vocab_generations // problems.dp_degree)
+        prompts = [problems.encode_prompt(problems.problem(position).prompt)
+                   for position in problems.positions(0, per_rank)]
+        if refresh_engine is not None:
+            refresh_engine()
+        generator = torch.Generator(device=device).manual_seed(problems.generator_seed(0))
+        out = engine.generate(prompts, params, generator=generator, draft_tokens=0)
+        responses = [out.tokens[i, :n].tolist() for i, n in enumerate(out.response_lens.tolist())]
+    counts = count_tokens(responses, vocab_size).to(device)
     if dist.is_initialized():
         dist.all_reduce(counts)
     corpus = counts.cpu() + task_token_counts(problems, config.draft.vocab_samples, vocab_size)

@@ -26,7 +26,8 @@ from titan_cotrain.rl.batching import Sample
 from titan_cotrain.rl.grpo import next_token_loss
 from titan_cotrain.rl.progress import RolloutProgress
 
-__all__ = ["DraftPrefit", "PrefitSettings", "frozen_policy_loss", "prefit_errors", "rl_offset", "with_prefit_phase"]
+__all__ = ["DraftPrefit", "PrefitSettings", "frozen_policy_loss", "prefit_chooses_vocabulary", "prefit_errors", "rl_offset",
+           "with_prefit_phase"]
 
 
 def rl_offset(config) -> int:
@@ -46,6 +47,17 @@ def with_prefit_phase(config, phases: list[tuple[object, int, float]]) -> list[t
                                  decay_ratio=None, total_steps=None)
     steps = d.prefit_steps if d.enable else 0
     return [phases[0], (prefit, steps, d.prefit_lr or d.sft_lr or d.lr), *phases[1:]]
+
+
+def prefit_chooses_vocabulary(config) -> bool:
+    """Whether the prefit's first generations choose the reduced draft vocabulary: a prefit
+    right at the start (no warm start) of a fresh draft (no ``init_path``) with a reduced
+    ``[draft] vocab_size``, on a policy from ``[model] hf_path`` (whose own writing is what the
+    draft will propose). ``[draft] vocab_generations`` is then not used: the prefit's first
+    step's ``prefit_prompts x prefit_samples`` responses are the generations."""
+    d = config.draft
+    return bool(d.enable and d.prefit_steps and d.vocab_size and not d.init_path and config.model.hf_path
+                and not config.task.sft_steps)
 
 
 def frozen_policy_loss(logits, rows) -> PolicyLoss:
@@ -119,6 +131,15 @@ class DraftPrefit:
         self.sync, self.run, self.device, self.state = sync, run, device, state
         self.show_progress = show_progress and run.values_known
         self.prompts_per_rank = settings.prompts // problems.dp_degree
+        self._first = None  # the first step's generations, made early to choose the draft's vocabulary
+
+    def generate_first(self) -> list[list[int]]:
+        """The first prefit step's generations, made now (before the draft's reduced vocabulary
+        exists: plain decoding does not read the draft) and kept for that step; returns this
+        rank's share of their responses for the vocabulary's counts (each response counted by
+        one rank: the first member of its CP x PP group)."""
+        self._first = self(self.settings.first_step)
+        return [s.response for s in self._first[0]] if self.generation.member == 0 else []
 
     def sampling_params(self) -> SamplingParams:
         s = self.settings
@@ -140,6 +161,9 @@ class DraftPrefit:
         return prompts
 
     def __call__(self, step: int) -> tuple[list[Sample], dict[str, float]]:
+        if self._first is not None and step == self.settings.first_step:
+            first, self._first = self._first, None
+            return first
         t0 = time.perf_counter()
         s = self.settings
         prompts = self.prompts(step)

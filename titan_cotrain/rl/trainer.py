@@ -43,7 +43,14 @@ from titan_cotrain.rl.host_sync import HostSync
 from titan_cotrain.rl.job_log import JobLog
 from titan_cotrain.rl.nonfinite import SaveGuard, count_skipped_updates
 from titan_cotrain.rl.offload import TrainingStateOffload, offloaded
-from titan_cotrain.rl.prefit import DraftPrefit, PrefitSettings, frozen_policy_loss, rl_offset, with_prefit_phase
+from titan_cotrain.rl.prefit import (
+    DraftPrefit,
+    PrefitSettings,
+    frozen_policy_loss,
+    prefit_chooses_vocabulary,
+    rl_offset,
+    with_prefit_phase,
+)
 from titan_cotrain.rl.problems import ProblemStream
 from titan_cotrain.rl.run_mode import RealRun
 from titan_cotrain.rl.reference import reference_logprobs
@@ -117,7 +124,7 @@ class Trainer:
             # Building needs the maps' shapes only: where their values come later (from the
             # policy's generations, once it is filled) or do not matter (unknown), every id
             # counts once.
-            later = not run.values_known or config.draft.vocab_generations
+            later = not run.values_known or config.draft.vocab_generations or prefit_chooses_vocabulary(config)
             counts = (torch.ones(vocab, dtype=torch.int64) if later
                       else task_token_counts(self.problems, config.draft.vocab_samples, vocab))
         models = parallelize(config, dims, world_size, self.device, policy_loss_fn=next_token_loss,
@@ -159,9 +166,17 @@ class Trainer:
         if self.prefit_settings.steps:
             self.prefit = DraftPrefit(self.prefit_settings, self.engine, self.generation, self.problems, self.sync,
                                       run, self.device, self.state, show_progress=rank == self.log_rank)
-        if config.draft.vocab_generations and run.values_known:
+        if (config.draft.vocab_generations or prefit_chooses_vocabulary(config)) and run.values_known:
+            responses = None
+            if prefit_chooses_vocabulary(config):
+                # The prefit's first generations choose the vocabulary, then train the draft
+                # (kept for its first step): nothing is generated twice.
+                if self.pipeline is not None:
+                    self.refresh_engine()
+                responses = self.prefit.generate_first()
             draft_vocab_from_generations(config, self.problems, self.engine, self.rollouts.sampling_params(),
-                                         self.draft, refresh_engine=self.refresh_engine if self.pipeline else None)
+                                         self.draft, refresh_engine=self.refresh_engine if self.pipeline else None,
+                                         responses=responses)
         self.policy_opt = titan.build_optimizers([self.policy], config.optimizer, self.parallel_dims)
         self.policy_lr = titan.build_lr_schedulers(self.policy_opt, lr_phases(
             config, config.task.sft_lr or config.optimizer.lr, config.optimizer.lr))

@@ -65,6 +65,8 @@ VARIANTS = {
     "grpo": dict(recipe="grpo", flags=[], description="GRPO recipe as shipped"),
     "grpo_lr_half": dict(recipe="grpo", flags=["--optimizer.lr", f"{RECIPE_LR / 2:g}"],
                          description="GRPO at half the policy LR"),
+    "grpo_lr_quarter": dict(recipe="grpo", flags=["--optimizer.lr", f"{RECIPE_LR / 4:g}"],
+                            description="GRPO at a quarter of the policy LR"),
     "grpo_lr4x": dict(recipe="grpo", flags=["--optimizer.lr", f"{4 * RECIPE_LR:g}"],
                       description="GRPO at 4x the policy LR"),
     "grpo_no_kl": dict(recipe="grpo", flags=["--rl.kl_coef", "0"], description="GRPO without its KL term"),

@@ -92,11 +92,13 @@ def test_a_two_process_job_evaluates_every_two_rl_steps_as_the_evaluation_comman
     assert (during["step"], during["task"], during["source"]) == (6, "math", str(prompts))
     shutil.copytree(dump / "eval", tmp_path / "during")
 
-    # The command, on 1 process, on 2 data-parallel ranks and on 2 CP peers (which share out
-    # their prompts), on the last checkpoint: the weights the job's last evaluation had.
+    # The command, on 1 process, on 2 data-parallel ranks, on 2 CP peers and on 2 pipeline stages
+    # (the peers share out their prompts), on the last checkpoint: the weights the job's last
+    # evaluation had.
     results = {}
     for name, nproc, layout in (("one", None, ()), ("fsdp2", 2, ()),
-                                ("cp2", 2, ("--parallelism.context_parallel_degree", "2"))):
+                                ("cp2", 2, ("--parallelism.context_parallel_degree", "2")),
+                                ("pp2", 2, ("--parallelism.pipeline_parallel_degree", "2"))):
         command = _run(*job, *layout, "--path", str(prompts), "--eval.task", "math", "--samples", "2", "--pass_k", "1",
                        "2", "--eval.temperature", "0", nproc=nproc, module="titan_cotrain.eval")
         assert command.returncode == 0, command.stdout[-3000:] + command.stderr[-3000:]
@@ -105,9 +107,9 @@ def test_a_two_process_job_evaluates_every_two_rl_steps_as_the_evaluation_comman
     one = results["one"]
     for key in ("step", "prompts", "samples_per_prompt", "accuracy", "pass_at_k", "reward_mean", "format",
                 "response_len"):
-        for other in (results["fsdp2"], results["cp2"], during):
+        for other in (results["fsdp2"], results["cp2"], results["pp2"], during):
             assert other[key] == pytest.approx(one[key]), key
-    assert one["responses"] == results["fsdp2"]["responses"] == results["cp2"]["responses"]
+    assert all(results[name]["responses"] == one["responses"] for name in ("fsdp2", "cp2", "pp2"))
     assert one["responses"] == _responses(tmp_path / "during" / "eval_step6.responses.jsonl")
     assert len(one["responses"]) == 12 * 2
     correct = sum(c for *_, c in one["responses"])

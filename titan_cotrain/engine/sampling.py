@@ -58,6 +58,15 @@ class SamplingParams:
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative int token ids, got {self.stop_token_ids}")
 
+    @classmethod
+    def of(cls, settings, eos_token_id: int | None) -> "SamplingParams":
+        """The sampling of a settings object with ``temperature``, ``top_k``, ``top_p``,
+        ``max_new_tokens`` and ``stop_token_ids`` (a rollout's, an evaluation's, the draft
+        prefit's), whose responses also end at ``eos_token_id``."""
+        return cls(temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
+                   max_new_tokens=settings.max_new_tokens, eos_token_id=eos_token_id,
+                   stop_token_ids=settings.stop_token_ids)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0

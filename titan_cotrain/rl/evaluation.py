@@ -190,10 +190,7 @@ class Evaluation:
         return self.stream.task.name
 
     def sampling_params(self) -> SamplingParams:
-        s = self.settings
-        return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                              max_new_tokens=s.max_new_tokens, eos_token_id=self.stream.tokenizer.eos_id,
-                              stop_token_ids=s.stop_token_ids)
+        return SamplingParams.of(self.settings, self.stream.tokenizer.eos_id)
 
     def __call__(self, step: int) -> dict | None:
         t0 = time.perf_counter()

@@ -142,10 +142,7 @@ class DraftPrefit:
         return [s.response for s in self._first[0]] if self.generation.member == 0 else []
 
     def sampling_params(self) -> SamplingParams:
-        s = self.settings
-        return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                              max_new_tokens=s.max_new_tokens, eos_token_id=self.problems.tokenizer.eos_id,
-                              stop_token_ids=s.stop_token_ids)
+        return SamplingParams.of(self.settings, self.problems.tokenizer.eos_id)
 
     def prompts(self, step: int) -> list[list[int]]:
         """This data-parallel rank's prompts of step ``step``: its part of the prefit's block."""

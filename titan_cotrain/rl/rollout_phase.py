@@ -94,10 +94,7 @@ class RolloutPhase:
     def sampling_params(self) -> SamplingParams:
         """The ``[rollout]`` sampling settings (responses end at the tokenizer's EOS and at
         ``stop_token_ids``)."""
-        s = self.settings
-        return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                              max_new_tokens=s.max_new_tokens, eos_token_id=self.problems.tokenizer.eos_id,
-                              stop_token_ids=s.stop_token_ids)
+        return SamplingParams.of(self.settings, self.problems.tokenizer.eos_id)
 
     def prompts(self, step: int, round_: int = 0):
         """Step ``step``'s problems for this data-parallel rank and their prompts, one per

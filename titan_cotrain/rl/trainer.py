@@ -17,8 +17,10 @@ fixed (``[rollout] adaptive_speculation = false``), and one at another layout tr
 same prompts. Which rank holds what under FSDP, CP and PP:
 ``docs/DESIGN.md`` sections 4, 5 and 10.
 """
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -389,11 +391,8 @@ class Trainer:
             self.checkpointer.save(step, last_step=step == self.total_steps)
         settings = self.evaluation.settings if self.evaluation is not None else None
         if settings is not None and (settings.at_end or settings.due(self.state.step)):
-            with offloaded(self.offload):  # the refreshed pool beside the parameters only
-                self.refresh_engine()
+            with self._refreshed_engine():
                 self.evaluate(self.state.step)
-                if cfg.rollout.release_between_rollouts:
-                    self.engine.release()
         self.checkpointer.close()
         self.scorer.close()
         if self.evaluation is not None:
@@ -407,11 +406,19 @@ class Trainer:
         refreshed for it: the next step refreshes them anyway)."""
         self.guard.weights(what, self.policy, self.draft, self.reference)
         if self.guard.active:
-            with offloaded(self.offload):  # the refreshed pool beside the parameters only
-                self.refresh_engine()
+            with self._refreshed_engine():
                 self.guard.probe(what, self.engine.policy, self.engine.draft)
-                if self.config.rollout.release_between_rollouts:
-                    self.engine.release()
+
+    @contextlib.contextmanager
+    def _refreshed_engine(self) -> Iterator[None]:
+        """The engine refreshed outside a step (a checkpoint's probe, the final evaluation): its
+        pool beside the parameters only (the rest of the training state offloaded, when
+        ``[rollout] offload_training_state``), released after when ``release_between_rollouts``."""
+        with offloaded(self.offload):
+            self.refresh_engine()
+            yield
+            if self.config.rollout.release_between_rollouts:
+                self.engine.release()
 
     def export(self) -> None:
         """Write the final policy and draft to ``<dump_folder>/export`` (``rl.export``)."""

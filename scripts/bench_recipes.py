@@ -419,6 +419,18 @@ def parse_settings(argv: list[str] | None = None) -> tuple[argparse.Namespace, d
     return args, settings
 
 
+def failed_command(e: subprocess.CalledProcessError) -> str:
+    """A job or evaluation that exited non-zero, as a check's failure."""
+    return f"exit status {e.returncode}: {' '.join(map(str, e.cmd[1:]))}"
+
+
+def report_failures(failures: list[str]) -> bool:
+    """Print every failure; whether there was one (the script then exits 1)."""
+    for failure in failures:
+        print(f"FAIL: {failure}", file=sys.stderr)
+    return bool(failures)
+
+
 def measure(args: argparse.Namespace, settings: dict, failures: list[str]) -> dict:
     """The warm start (made, or copied from ``--warm-start``) and its evaluation, then every
     recipe's runs; the JSON's measured parts. Appends what the checks find to ``failures``."""
@@ -463,10 +475,8 @@ def main() -> int:
     try:
         measured = measure(args, settings, failures)
     except subprocess.CalledProcessError as e:
-        failures.append(f"exit status {e.returncode}: {' '.join(map(str, e.cmd[1:]))}")
-    if failures:
-        for failure in failures:
-            print(f"FAIL: {failure}", file=sys.stderr)
+        failures.append(failed_command(e))
+    if report_failures(failures):
         return 1
 
     before = measured["warm_start"]["eval"]

@@ -291,10 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         if folder_hash(warm) != warm_hash:
             failures.append("the warm start changed during the runs")
     except subprocess.CalledProcessError as e:
-        failures.append(f"exit status {e.returncode}: {' '.join(map(str, e.cmd[1:]))}")
-    if failures:
-        for failure in failures:
-            print(f"FAIL: {failure}", file=sys.stderr)
+        failures.append(bench.failed_command(e))
+    if bench.report_failures(failures):
         return 1
 
     if previous is not None:

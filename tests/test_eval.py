@@ -38,12 +38,17 @@ def test_pass_at_k_is_the_unbiased_estimator():
         pass_at_k(4, 1, 5)
 
 
+def _chat_tokenizer(folder: Path) -> Path:
+    """The project's tokenizer files in ``folder``, with ``TEMPLATE`` as their chat template."""
+    shutil.copytree(REPO / "assets" / "tokenizer", folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    return folder
+
+
 @pytest.mark.slow
 def test_math_dataset_trains_and_evaluates_end_to_end(tmp_path):
-    tokenizer = tmp_path / "tokenizer"
-    shutil.copytree(REPO / "assets" / "tokenizer", tokenizer)
-    config = json.loads((tokenizer / "tokenizer_config.json").read_text())
-    (tokenizer / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    tokenizer = _chat_tokenizer(tmp_path / "tokenizer")
     dump = tmp_path / "job"
     job = (*SHORT, "--task.name", "math", "--task.dataset_path", str(_dataset(tmp_path / "math.jsonl")),
            "--task.solution_field", "solution", "--task.eval_size", "4", "--task.format_reward", str(FORMAT_REWARD),

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.test_bench_recipes import _finite_numbers
 from titan_cotrain.rl.grpo import group_advantages
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,14 +39,6 @@ def test_the_control_permutes_the_advantages_across_groups():
     # Advantages left their groups: some group's shuffled values are not its own.
     assert any(sorted(shuffled.view(3, 4)[g].tolist()) != pytest.approx(sorted(real.view(3, 4)[g].tolist()))
                for g in range(3))
-
-
-def _finite_numbers(value) -> list[float]:
-    if isinstance(value, dict):
-        return [x for v in value.values() for x in _finite_numbers(v)]
-    if isinstance(value, list):
-        return [x for v in value for x in _finite_numbers(v)]
-    return [value] if isinstance(value, float) else []
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_eval import TEMPLATE, _dataset
+from tests.test_eval import _chat_tokenizer, _dataset
 from tests.test_train import REPO, SHORT, _metrics, _run
 from titan_cotrain.config import ConfigError, load_job_config
 from titan_cotrain.rl.evaluation import EvalSettings, eval_metrics
@@ -65,10 +65,7 @@ def _responses(path: Path) -> list[tuple]:
 
 @pytest.mark.slow
 def test_a_two_process_job_evaluates_every_two_rl_steps_as_the_evaluation_command_does(tmp_path):
-    tokenizer = tmp_path / "tokenizer"
-    shutil.copytree(REPO / "assets" / "tokenizer", tokenizer)
-    config = json.loads((tokenizer / "tokenizer_config.json").read_text())
-    (tokenizer / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    tokenizer = _chat_tokenizer(tmp_path / "tokenizer")
     prompts = _dataset(tmp_path / "eval.jsonl")  # a file of its own, scored by the math task
     train_file = _dataset(tmp_path / "train.jsonl")
     dump = tmp_path / "job"

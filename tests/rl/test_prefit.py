@@ -74,16 +74,11 @@ def test_the_prefits_first_generations_choose_the_reduced_vocabulary_and_are_tra
     again: one generation in all."""
     from collections import Counter
 
-    from tests.rl.test_trainer_setup import _chosen_ids, _top
+    from tests.rl.test_trainer_setup import _chosen_ids, _policy_folder, _top
     from titan_cotrain.engine.rollout import RolloutEngine
-    from titan_cotrain.models.build import build_target
-    from titan_cotrain.models.hf import save_hf
     from titan_cotrain.rl.trainer import Trainer
 
-    folder = tmp_path / "policy"
-    save_hf(build_target(load_job_config([], world_size=1)), folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(REPO / "assets" / "tokenizer" / name, folder / name)
+    folder = _policy_folder(tmp_path / "policy")
     calls = []
     generate = RolloutEngine.generate
     monkeypatch.setattr(RolloutEngine, "generate", lambda *a, **k: calls.append(generate(*a, **k)) or calls[-1])

@@ -137,6 +137,18 @@ def test_every_runnable_draft_and_decoding_combination_runs(tmp_path, capsys, ov
         assert draft_cfg["max_position_embeddings"] >= policy_cfg["max_position_embeddings"]
 
 
+def _policy_folder(folder: Path, policy=None) -> Path:
+    """``policy`` (default: the debug config's, freshly initialised) saved as a Hugging Face
+    folder with the project's tokenizer files."""
+    from titan_cotrain.models.build import build_target
+    from titan_cotrain.models.hf import save_hf
+
+    save_hf(policy if policy is not None else build_target(load_job_config([], world_size=1)), folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(REPO / "assets" / "tokenizer" / name, folder / name)
+    return folder
+
+
 def _chosen_ids(draft) -> list[int]:
     return (torch.arange(draft.args.draft_vocab_size) + draft.d2t.cpu()).tolist()
 
@@ -163,13 +175,7 @@ def test_a_reduced_draft_vocabulary_is_counted_on_task_samples(tmp_path):
 def test_a_reduced_draft_vocabulary_can_count_the_policys_own_generations(tmp_path, monkeypatch):
     """``vocab_generations``: the initial policy (a Hugging Face folder) answers task prompts at
     construction, and its responses are the corpus (with ``vocab_samples = 0``)."""
-    from titan_cotrain.models.build import build_target
-    from titan_cotrain.models.hf import save_hf
-
-    folder = tmp_path / "policy"
-    save_hf(build_target(load_job_config([], world_size=1)), folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(REPO / "assets" / "tokenizer" / name, folder / name)
+    folder = _policy_folder(tmp_path / "policy")
     outputs = []
     generate = RolloutEngine.generate
     monkeypatch.setattr(RolloutEngine, "generate", lambda *a, **k: outputs.append(generate(*a, **k)) or outputs[-1])
@@ -191,16 +197,12 @@ def test_the_exported_draft_config_carries_the_policys_rope_and_context(tmp_path
     ``rope_scaling`` (both layouts), and a ``max_position_embeddings`` no smaller than the
     policy's, whatever ``training.seq_len`` the job trains at (64 here)."""
     from titan_cotrain.models.build import build_target
-    from titan_cotrain.models.hf import save_hf
     from titan_cotrain.models.transformer import Transformer
 
     base = build_target(load_job_config([], world_size=1))
     policy = Transformer(base.args.replace(max_seq_len=4096, **rope), tap_layers=base.tap_layers)
     policy.load_state_dict(base.state_dict())
-    folder = tmp_path / "policy"
-    save_hf(policy, folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(REPO / "assets" / "tokenizer" / name, folder / name)
+    folder = _policy_folder(tmp_path / "policy", policy)
     trainer = _trainer(tmp_path / "run", "--model.hf_path", str(folder))
     trainer.export()
     policy_config = json.loads((folder / "config.json").read_text())

@@ -40,7 +40,7 @@ The JSON describes itself: the command, the settings, the dataset and the model,
 start's evaluation, per recipe each seed's values and their mean/min/max, and a flat
 ``records`` list (one row per recipe) for a README table.
 
-    .venv/bin/python scripts/bench_recipes.py                 # warm start, then 4 recipes x 3 seeds x 70 RL steps
+    .venv/bin/python scripts/bench_recipes.py                 # warm start, then 4 recipes x 3 seeds x 200 RL steps
     .venv/bin/python scripts/bench_recipes.py --warm-start W  # W: a copy of an earlier run's <work>/warm_start
     .venv/bin/python scripts/bench_recipes.py --quick         # a smoke run (~1.5 min) into a temporary folder
 """
@@ -201,7 +201,7 @@ QUICK = dict(records=300, eval_size=16, sft_steps=20, steps=3, seeds=1, recipes=
                                                "--rl.group_size", "4"])
 # max_new_tokens: the recipes' own budget, whose last 16 tokens DAPO's soft penalty covers; a
 # worked solution takes at most about 30 (a smaller budget would penalise right answers).
-FULL = dict(records=5000, eval_size=200, sft_steps=600, steps=70, seeds=3, recipes=RECIPES, max_new_tokens=64,
+FULL = dict(records=5000, eval_size=200, sft_steps=600, steps=200, seeds=3, recipes=RECIPES, max_new_tokens=64,
             samples=8, pass_k=[1, 4, 8], flags=[])
 # What the warm start fixes (its manifest): a reused warm start brings its own.
 WARM_START_KEYS = ("records", "eval_size", "sft_steps", "max_new_tokens", "data_seed", "vocab_size")
@@ -291,6 +291,11 @@ def run_recipe(recipe: str, seed: int, warm: Path, manifest: dict, settings: dic
     the seed's curves and values. A changed copy, a short run or a bad number is a failure."""
     name, step_dir = f"{recipe}, seed {seed}", f"step-{manifest['sft_steps']}"
     folder = work / "runs" / recipe / f"seed-{seed}"
+    done = folder / "result.json"  # a finished run's values: a re-run of the script keeps them
+    if done.exists():
+        print(f"{name}: kept from {done}", flush=True)
+        return json.loads(done.read_text())
+    shutil.rmtree(folder, ignore_errors=True)  # an unfinished run starts again
     shutil.copytree(warm / step_dir, folder / "checkpoint" / step_dir)
     flags = job_flags(warm, manifest, settings)
     # The warm-start job has no KL reference (its kl_coef is 0): a recipe with one skips loading
@@ -307,9 +312,13 @@ def run_recipe(recipe: str, seed: int, warm: Path, manifest: dict, settings: dic
         return {"seed": seed}
     last = manifest["sft_steps"] + settings["steps"]
     result = evaluate(work / "eval" / recipe / f"seed-{seed}", folder / "checkpoint" / f"step-{last}", flags, settings)
-    failures += eval_failures(name, result, last)
-    return {"seed": seed, "eval": result, "acceptance_length_mean": statistics.fmean(curves["acceptance_length"]),
-            "step_s_median": statistics.median(curves["step_s"]), **curves}
+    bad = eval_failures(name, result, last)
+    failures += bad
+    values = {"seed": seed, "eval": result, "acceptance_length_mean": statistics.fmean(curves["acceptance_length"]),
+              "step_s_median": statistics.median(curves["step_s"]), **curves}
+    if not bad:
+        done.write_text(json.dumps(values) + "\n")
+    return values
 
 
 def summarize(runs: list[dict], before: dict) -> dict:
@@ -400,6 +409,9 @@ def parse_settings(argv: list[str] | None = None) -> tuple[argparse.Namespace, d
     parser.add_argument("--work", type=Path, default=None,
                         help="run folders, cleared first (default outputs/bench_recipes; --quick: <out>/work)")
     parser.add_argument("--replot", action="store_true", help="only redraw the PNG from <out>/bench_recipes.json")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep --work and the runs it finished (same settings only): an interrupted benchmark "
+                             "goes on where it stopped")
     args = parser.parse_args(argv)
     settings = dict(QUICK if args.quick else FULL, data_seed=args.data_seed, vocab_size=512)
     for key in ("steps", "seeds", "sft_steps", "recipes"):
@@ -434,9 +446,18 @@ def report_failures(failures: list[str]) -> bool:
 def measure(args: argparse.Namespace, settings: dict, failures: list[str]) -> dict:
     """The warm start (made, or copied from ``--warm-start``) and its evaluation, then every
     recipe's runs; the JSON's measured parts. Appends what the checks find to ``failures``."""
-    shutil.rmtree(args.work, ignore_errors=True)
+    kept = args.work / "settings.json"
+    if args.resume and kept.exists() and json.loads(kept.read_text()) != settings:
+        raise SystemExit(f"--resume: {args.work} ran other settings ({kept}); run without --resume to start over")
+    if not (args.resume and kept.exists()):
+        shutil.rmtree(args.work, ignore_errors=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    kept.write_text(json.dumps(settings) + "\n")
     warm = args.work / "warm_start"
-    if args.warm_start is not None:
+    if (warm / "warm_start.json").exists():
+        manifest = json.loads((warm / "warm_start.json").read_text())
+    elif args.warm_start is not None:
+        shutil.rmtree(warm, ignore_errors=True)
         shutil.copytree(args.warm_start, warm)
         manifest = json.loads((warm / "warm_start.json").read_text())
     else:

@@ -58,27 +58,29 @@ from compare_cotrain import folder_hash  # noqa: E402
 
 ROOT = bench.ROOT
 SHUFFLED_JOB = ROOT / "scripts" / "shuffled_advantages_job.py"
-RECIPE_LR = 1.5e-4  # train_configs/debug_cpu.toml's [optimizer] lr, which every recipe keeps
+RECIPE_LR = 1.5e-4  # the LR the investigation ran at: train_configs/debug_cpu.toml's [optimizer] lr, which
+# the recipes kept then (they now take a quarter of it, as the investigation found better)
 
-# name -> what the run changes: the recipe, extra job flags, the control job, the untied copy.
+# name -> what the run changes: the recipe, extra job flags, the policy's RL LR (default
+# RECIPE_LR), the control job, the untied copy.
 VARIANTS = {
-    "grpo": dict(recipe="grpo", flags=[], description="GRPO recipe as shipped"),
-    "grpo_lr_half": dict(recipe="grpo", flags=["--optimizer.lr", f"{RECIPE_LR / 2:g}"],
+    "grpo": dict(recipe="grpo", flags=[], description="GRPO recipe at LR 1.5e-4"),
+    "grpo_lr_half": dict(recipe="grpo", flags=[], lr=RECIPE_LR / 2,
                          description="GRPO at half the policy LR"),
-    "grpo_lr_quarter": dict(recipe="grpo", flags=["--optimizer.lr", f"{RECIPE_LR / 4:g}"],
+    "grpo_lr_quarter": dict(recipe="grpo", flags=[], lr=RECIPE_LR / 4,
                             description="GRPO at a quarter of the policy LR"),
-    "grpo_lr4x": dict(recipe="grpo", flags=["--optimizer.lr", f"{4 * RECIPE_LR:g}"],
+    "grpo_lr4x": dict(recipe="grpo", flags=[], lr=4 * RECIPE_LR,
                       description="GRPO at 4x the policy LR"),
     "grpo_no_kl": dict(recipe="grpo", flags=["--rl.kl_coef", "0"], description="GRPO without its KL term"),
     "grpo_no_std": dict(recipe="grpo", flags=["--rl.no-normalize_std"],
                         description="GRPO with advantages not divided by the group's std"),
     "grpo_shuffled": dict(recipe="grpo", flags=[], shuffled=True,
                           description="GRPO, advantages shuffled across groups (control)"),
-    "grpo_lr4x_shuffled": dict(recipe="grpo", flags=["--optimizer.lr", f"{4 * RECIPE_LR:g}"], shuffled=True,
+    "grpo_lr4x_shuffled": dict(recipe="grpo", flags=[], lr=4 * RECIPE_LR, shuffled=True,
                                description="GRPO at 4x LR, advantages shuffled across groups (control)"),
     "grpo_untied": dict(recipe="grpo", flags=[], untied=True,
                         description="GRPO on an untied copy of the warm start"),
-    "grpo_lr4x_untied": dict(recipe="grpo", flags=["--optimizer.lr", f"{4 * RECIPE_LR:g}"], untied=True,
+    "grpo_lr4x_untied": dict(recipe="grpo", flags=[], lr=4 * RECIPE_LR, untied=True,
                              description="GRPO at 4x LR on an untied copy of the warm start"),
 }
 # A run's per-step curves: name in the JSON -> metrics.jsonl key (None where a step lacks it).
@@ -167,7 +169,8 @@ def run_variant(name: str, warm: Path, manifest: dict, settings: dict, work: Pat
         kl_coef = float(variant["flags"][variant["flags"].index("--rl.kl_coef") + 1])
     no_reference = ["--checkpoint.exclude_from_loading", "reference"] if kl_coef > 0 else []
     metrics = launch(folder, [*flags, "--training.steps", str(settings["steps"]), "--debug.seed", "0",
-                              "--checkpoint.interval", str(every), *no_reference, *variant["flags"]],
+                              "--checkpoint.interval", str(every), *no_reference, *variant["flags"],
+                              "--optimizer.lr", f"{variant.get('lr', RECIPE_LR):g}"],
                      variant["recipe"], variant.get("shuffled", False))
     if folder_hash(folder / "checkpoint" / step_dir) != source_hash:
         failures.append(f"{name}: the run changed its copy of the warm start")
@@ -184,7 +187,7 @@ def run_variant(name: str, warm: Path, manifest: dict, settings: dict, work: Pat
                                 flags, settings)
         failures.extend(bench.eval_failures(f"{name} step {step}", result, step))
         evals.append(result | {"rl_step": step - sft})
-    return {"description": variant["description"], "recipe": variant["recipe"], "flags": variant["flags"],
+    return {"description": variant["description"], "recipe": variant["recipe"], "flags": variant["flags"], "lr": variant.get("lr", RECIPE_LR),
             "shuffled_advantages": variant.get("shuffled", False), "untied": variant.get("untied", False),
             "command": command_line(), "commit": code_commit(), "runtime_s": round(time.perf_counter() - start, 1),
             "evals": evals, **curves}

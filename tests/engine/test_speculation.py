@@ -170,6 +170,56 @@ def test_per_call_granularity_picks_one_k_from_the_first_wave():
     assert tuner.choose_call(64) == (K if speeds[K] > 1.05 * plain else 0)
 
 
+def _granular_call(tuner, live, acceptance, rounds=4):
+    """One call of ``[rollout] speculation_granularity = "call"``: ``choose_call`` picks its k
+    (0: plain decoding, the draft not following), then ``rounds`` rounds of ``live`` sequences at
+    the cost model's seconds. Returns the k."""
+    k = tuner.choose_call(live)
+    b, mode = live_bucket(live), 1 + k if k else 0
+    table = RoundTable.empty(b + 1, tuner.k_max)
+    table.rounds[b, mode], table.seconds[b, mode] = rounds, rounds * _round_s(live, k, bool(k))
+    table.tokens[b, mode], table.live[b, mode] = rounds * live * expected_tokens(acceptance, k), rounds * live
+    survive = float(rounds * live)
+    for d in range(k):
+        table.judged[b, d], table.accepted[b, d] = survive, survive * acceptance[d]
+        survive *= acceptance[d]
+    tuner.observe(table, 1.0 if k else 0.5, bool(k))
+    return k
+
+
+def test_per_call_granularity_explores_less_often_while_the_best_k_wins_by_a_wide_margin():
+    """Per-call k: the first call drafts k_max, the second decodes plainly; then a neighbour of
+    the best k every 8th call while the best is within 20% of it, the wait doubling (up to 64)
+    at each exploration that finds the best more than 20% ahead; back to every 8th call when
+    the margin narrows."""
+    tuner = SpeculationTuner(k_max=K, explore_every=8, smoothing=1.0)
+    chosen = [_granular_call(tuner, 4, [0.9, 0.9, 0.9]) for _ in range(200)]
+    other = [i + 1 for i, k in enumerate(chosen) if k != K]
+    # Call 10 explores k = 2 unmeasured (no margin known: 8 calls to the next), then 16, 32, 64.
+    assert other == [2, 10, 18, 34, 66, 130, 194], other
+    assert [chosen[i - 1] for i in other] == [0] + [K - 1] * 6
+    speeds = {k: tuner.speed(live_bucket(4), k) for k in (K - 1, K)}
+    assert speeds[K] > 1.2 * speeds[K - 1] and tuner.interval == 64
+    # A draft that falls behind: k = 3 and k = 2 within 20% of each other, explorations every 8th call.
+    chosen = [_granular_call(tuner, 4, [0.34, 0.0, 0.0]) for _ in range(200)]
+    speeds = {k: tuner.speed(live_bucket(4), k) for k in (K - 1, K)}
+    assert max(speeds.values()) < 1.2 * min(speeds.values()) and tuner.interval == 8
+    last = chosen[100:]
+    usual = max(set(last), key=last.count)
+    assert 12 <= sum(k != usual for k in last) <= 13, last  # one call in 8
+
+
+def test_the_call_explorations_survive_a_checkpoint():
+    tuner = SpeculationTuner(k_max=K, explore_every=8, smoothing=1.0)
+    for _ in range(40):
+        _granular_call(tuner, 4, [0.9, 0.9, 0.9])
+    resumed = SpeculationTuner(k_max=K, explore_every=8, smoothing=1.0)
+    resumed.load_state_dict(tuner.state_dict())
+    assert [_granular_call(resumed, 4, [0.9, 0.9, 0.9]) for _ in range(60)] == [
+        _granular_call(tuner, 4, [0.9, 0.9, 0.9]) for _ in range(60)]
+    assert (resumed.interval, resumed.explorations) == (tuner.interval, tuner.explorations) == (64, 4)
+
+
 def test_no_draft_means_plain_decoding_and_bad_settings_are_refused():
     assert SpeculationTuner(k_max=0).start_call() is False
     assert SpeculationTuner(k_max=0).choose_call(8) == 0

@@ -43,7 +43,10 @@ sequences at ``E_b(k) / c_b(1 + k)`` tokens per second each:
   narrows (a moving policy, a draft falling behind) the checks are frequent again.
 * ``choose_call(batch)``: one ``k`` for a whole call (``[rollout] speculation_granularity =
   "call"``), from the bucket of its first wave: plain decoding against ``E_b(k) / c_b(1 + k)``,
-  with the margins and exploration above counted in calls. Its tail runs at the bulk's ``k``.
+  with the margins above; every ``interval``-th call runs a neighbour of the best ``k`` (one
+  more and one fewer in turn, 0 included), the interval doubling, as ``start_call``'s, at each
+  exploration that finds the best more than ``wide_margin`` faster than the neighbour it ran.
+  Its tail runs at the bulk's ``k``.
 
 Measurements are running averages (``smoothing``), learnt from whole calls (``observe``, a
 ``RoundTable``): within a call the state is frozen, so every rank of a tensor-parallel engine
@@ -101,6 +104,7 @@ class SpeculationTuner:
         self.current_call: dict[int, int] = {}  # bucket -> the k its calls run
         self.follows = True  # whether the draft follows calls (the margin's reference)
         self.calls = 0
+        self.explorations = 0  # of choose_call: which neighbour the next one runs
         self._rounds: dict[int, int] = {}  # bucket -> rounds of the current call
 
     # The estimates.
@@ -226,12 +230,18 @@ class SpeculationTuner:
         best = self._best(drafting, self.current_call.get(bucket))
         if speeds[best] < (1 + self.min_gain) * plain:
             best = 0
-        exploration, due = divmod(self.calls, self.explore_every)
-        if due:
+        if self.calls < self.next_exploration:
             if best:
                 self.current_call[bucket] = best
             return best
-        return self._neighbour(best, exploration)
+        # An exploration: a neighbour of the best, one more and one fewer in turn. While the best
+        # stays more than wide_margin faster than the one explored, the next waits twice as long.
+        other = self._neighbour(best, self.explorations)
+        self.explorations += 1
+        wide = other in speeds and speeds[best] > (1 + self.wide_margin) * speeds[other]
+        self.interval = min(2 * self.interval, self.max_interval) if wide else self.explore_every
+        self.next_exploration = self.calls + self.interval
+        return other
 
     def _neighbour(self, best: int, exploration: int) -> int:
         """One more or one fewer than ``best``, in turn (the one that exists at an end)."""
@@ -274,7 +284,7 @@ class SpeculationTuner:
         not measured (``current``, ``current_call``: int64, -1 where none): ``round_s [B, k_max +
         2]``, ``live, volume [B]``, ``acceptance [B, k_max]``, ``pooled [k_max]``, ``prefill_s [2]``
         (plain, following), ``current, current_call [B]``; ``follows``, ``calls``, ``interval``,
-        ``next_exploration`` scalars."""
+        ``next_exploration``, ``explorations`` scalars."""
         b, k = STATE_BUCKETS, self.k_max
 
         def table(shape, entries, fill=float("nan"), dtype=torch.float64):
@@ -298,6 +308,7 @@ class SpeculationTuner:
             "calls": torch.tensor(self.calls),
             "interval": torch.tensor(self.interval),
             "next_exploration": torch.tensor(self.next_exploration),
+            "explorations": torch.tensor(self.explorations),
         }
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -320,6 +331,7 @@ class SpeculationTuner:
         self.current, self.current_call = measured(state["current"]), measured(state["current_call"])
         self.follows, self.calls = bool(state["follows"]), int(state["calls"])
         self.interval, self.next_exploration = int(state["interval"]), int(state["next_exploration"])
+        self.explorations = int(state["explorations"])
 
     def _average_rates(self, rates: list[float | None], judged, accepted) -> None:
         for d in range(self.k_max):

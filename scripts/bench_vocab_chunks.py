@@ -118,7 +118,7 @@ def draft_whole(hidden, head, teacher, index, mask):
 
 
 def draft_chunked(hidden, head, teacher, index, mask, chunk_tokens):
-    ce_sum, correct, count = chunked_soft_ce(hidden, head, teacher, index, mask, chunk_tokens=chunk_tokens)
+    ce_sum, correct, count, _ = chunked_soft_ce(hidden, head, teacher, index, mask, chunk_tokens=chunk_tokens)
     return ce_sum, dict(correct=correct, count=count)
 
 

@@ -123,7 +123,7 @@ def test_soft_ce_matches_boolean_indexing(chunk_tokens):
     head = _draft_head()
     params = (hidden, *head.parameters())
 
-    ce_sum, correct, count = chunked_soft_ce(hidden, head, teacher, index, mask, chunk_tokens=chunk_tokens)
+    ce_sum, correct, count, overlap = chunked_soft_ce(hidden, head, teacher, index, mask, chunk_tokens=chunk_tokens)
     grads = torch.autograd.grad(0.37 * ce_sum, params)
 
     logits = head(hidden[mask]).float()
@@ -136,6 +136,10 @@ def test_soft_ce_matches_boolean_indexing(chunk_tokens):
     assert count.item() == mask.sum().item()
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, **close)
+    # Sampling's acceptance chance, in float64 from the probabilities: sum_x min(p(x), q(x)).
+    p64, q64 = F.softmax(target.double(), dim=-1), F.softmax(logits.detach().double(), dim=-1)
+    torch.testing.assert_close(overlap.double(), torch.minimum(p64, q64).sum(), rtol=1e-5, atol=1e-5)
+    assert not overlap.requires_grad
 
 
 # Memory: real CPU tensors, every op's output counted live until freed. A chunk of 128
@@ -214,7 +218,7 @@ def test_soft_ce_peak_is_about_one_chunk():
     head = nn.Sequential(RMSNorm(MEM_H, 1e-5), nn.Linear(MEM_H, MEM_V_D, bias=False))
 
     def run():
-        ce_sum, _, _ = chunked_soft_ce(hidden, head, teacher, index, mask, chunk_tokens=MEM_CHUNK)
+        ce_sum, *_ = chunked_soft_ce(hidden, head, teacher, index, mask, chunk_tokens=MEM_CHUNK)
         ce_sum.backward()
 
     chunk = MEM_CHUNK * MEM_V_D * 4

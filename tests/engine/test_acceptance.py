@@ -163,6 +163,61 @@ def test_compiled_engine_acceptance_is_the_ttt_accuracy(fitted_pair, monkeypatch
     check_rounds(engine, target, draft, prompts[:4], out, 4, 2)
 
 
+def unroll_overlap(target: Transformer, draft: Draft, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per sequence, float64 ``[n]``: at anchor ``i``, ``sum_x min(p(x), q(x))`` of the
+    target's distribution for ``x_{i+2}`` (its logits at ``i + 1``) and TTT pass 1's draft
+    distribution at ``i`` (mapped to target ids); 0 where ``x_{i+2}`` is past the end. A
+    brute-force float64 reference, independent of ``chunked_soft_ce``'s."""
+    lengths = [s.numel() for s in sequences]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    tokens = torch.cat(sequences).unsqueeze(0)
+    positions = layout_from_cu_seqlens(cu, 1, cu[-1].item()).positions
+    with torch.no_grad():
+        out = target(tokens, cu_seqlens=cu.tolist(), positions=positions, return_taps=True)
+        select = torch.ones(1, tokens.shape[1], dtype=torch.bool)
+        [draft_logits] = draft(torch.cat(out.taps, -1)[0], out.embeddings[0], tokens[0], positions[0], cu.tolist(),
+                               select)
+    p = out.logits[0].double().softmax(-1)
+    q = torch.zeros_like(p)
+    q[:, torch.arange(draft.args.draft_vocab_size) + draft.d2t] = draft_logits.double().softmax(-1)
+    result = []
+    for start, n in zip(cu[:-1].tolist(), lengths):
+        overlap = torch.zeros(n, dtype=torch.float64)
+        overlap[: n - 2] = torch.minimum(p[start + 1: start + n - 1], q[start: start + n - 2]).sum(-1)
+        result.append(overlap)
+    return result
+
+
+def test_sampled_acceptance_is_the_ttt_acceptance_chance(fitted_pair):
+    """Under speculative sampling (temperature 1, one drafted token a round) the round at anchor
+    ``i`` accepts with probability ``sum_x min(p, q)`` of the same distributions the TTT pass
+    scores at ``i``: over all rounds, the accepted count is that sum's total within 4 standard
+    deviations of the Poisson-binomial law, while the top-1 agreement rate the greedy test
+    reads is a worse prediction here."""
+    target, draft, prompts = fitted_pair
+    engine = _engine(target, draft, dict(block_size=4))
+    params = SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS)
+    out = engine.generate(prompts, params, samples_per_prompt=8, draft_tokens=1,
+                          generator=torch.Generator().manual_seed(0))
+    sequences = [torch.cat([prompts[b // 8], out.tokens[b, : int(out.response_lens[b])]])
+                 for b in range(out.tokens.shape[0])]
+    overlap, correct = unroll_overlap(target, draft, sequences), unroll_correct(target, draft, sequences, 1)
+    accepted = chance = variance = top1 = 0.0
+    rounds = 0
+    for out_row, anchor, taken in engine.rounds:
+        for b, i, a in zip(out_row.tolist(), anchor.tolist(), taken.tolist()):
+            if i + 2 >= sequences[b].numel():  # the drafted token fell past the sequence's end
+                continue
+            rounds, accepted = rounds + 1, accepted + a
+            chance, variance = chance + overlap[b][i].item(), variance + overlap[b][i].item() * (1 - overlap[b][i].item())
+            top1 += float(correct[b][0, i])
+    assert rounds > 500, rounds
+    z = (accepted - chance) / variance ** 0.5
+    assert abs(z) < 4, f"accepted {accepted:.0f} of {rounds} rounds, the TTT acceptance chance predicts {chance:.1f} (z = {z:.2f})"
+    # The control: the greedy predictor misses by more (a sampled token need not be the argmax).
+    assert abs(accepted - top1) > abs(accepted - chance), (accepted, top1, chance)
+
+
 def _tp_acceptance(rank: int, world_size: int, states, prompts) -> None:
     from titan_cotrain.parallel.engine_tp import engine_tp_mesh
 

@@ -30,6 +30,18 @@ def test_tau_at_k_is_the_training_tau_over_the_passes_a_round_drafts():
     assert _rl_step(1.9, k=1)["rollout/acceptance_over_tau"] == pytest.approx(1.0)
 
 
+def test_sampled_rollouts_are_predicted_by_the_acceptance_chance_and_greedy_ones_by_top1():
+    """A sampled round accepts a drafted token with probability sum_x min(p, q) (draft/accept_pass),
+    a greedy one when it is the argmax (draft/acc_pass): each prediction uses its own."""
+    metrics = _rl_step(2.0, k=2) | {"draft/accept_pass1": 0.95, "draft/accept_pass2": 0.9, "draft/accept_pass3": 0.6}
+    assert tau_at(metrics, 2, sampled=True) == pytest.approx(1 + 0.95 + 0.95 * 0.9)
+    assert tau_at(metrics, 2) == pytest.approx(1 + 0.9 + 0.72)
+    sampled = acceptance_over_tau(metrics, sampled=True)
+    assert sampled["rollout/predicted_acceptance"] == pytest.approx(2.805)
+    assert sampled["rollout/acceptance_over_tau"] == pytest.approx(2.0 / 2.805)
+    assert acceptance_over_tau(metrics)["rollout/acceptance_over_tau"] == pytest.approx(2.0 / 2.62)
+
+
 def test_no_ratio_without_drafting_or_a_trained_draft():
     assert "rollout/acceptance_over_tau" not in _rl_step(1.0, k=0)
     assert acceptance_over_tau({"rollout/acceptance_length": 2.5, "rollout/draft_tokens": 3.0}) == {}

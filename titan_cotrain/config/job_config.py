@@ -357,7 +357,9 @@ class Rollout:
     """Warn when speculative rollouts accept less than this fraction of what the draft's
     training metric predicts, for ``acceptance_warning_steps`` RL steps in a row. Both measure
     the same draft on the same rollouts: the update scores the draft on what it drafted,
-    before its own step (``draft/tau`` over the step's ``k`` passes). A lasting gap means the
+    before its own step: ``rollout/predicted_acceptance``, the draft's accuracy over the step's
+    ``k`` passes, top-1 agreement for greedy rollouts (``draft/acc_pass<d>``) and ``sum_x
+    min(teacher, draft)`` for sampled ones (``draft/accept_pass<d>``). A lasting gap means the
     engine feeds the draft other inputs than training does, which no other check sees
     (speculative sampling stays lossless whatever the draft computes). Each RL step logs
     ``rollout/acceptance_over_tau``, measured over predicted; the console line shows the two

@@ -59,7 +59,7 @@ __all__ = [
 class CotrainSums:
     """Detached fp32 sums of an update on this rank, kept on the device (no host sync):
     ``policy/sum``, ``policy/count``, ``metric/<name>`` and, with the draft, the per-pass
-    ``draft/ce_sum``, ``draft/count``, ``draft/correct`` (``[D]`` each)."""
+    ``draft/ce_sum``, ``draft/count``, ``draft/correct``, ``draft/overlap`` (``[D]`` each)."""
 
     def __init__(self) -> None:
         self.sums: dict[str, torch.Tensor] = {}
@@ -88,10 +88,12 @@ def metric_names(policy_metrics: Iterable[str], ttt_steps: int | None, moe_aux: 
     """The keys of an update's metrics, in order: ``loss/policy``, ``loss/moe_aux`` for a
     mixture-of-experts policy (``moe_aux``), the policy loss's own ``policy_metrics`` (its
     ``PolicyLoss.metric_sums`` keys) and, when the draft trained (``ttt_steps`` not None),
-    ``loss/draft``, ``draft/loss_pass<d>`` and ``draft/acc_pass<d>`` per pass, ``draft/tau``."""
+    ``loss/draft``, ``draft/loss_pass<d>``, ``draft/acc_pass<d>`` (top-1 agreement with the
+    teacher: greedy decoding's acceptance) and ``draft/accept_pass<d>`` (``sum_x min(teacher,
+    draft)``: sampling's at temperature 1) per pass, ``draft/tau``."""
     names = ["loss/policy", *(["loss/moe_aux"] if moe_aux else []), *policy_metrics]
     if ttt_steps is not None:
-        passes = (f"draft/{kind}_pass{d + 1}" for d in range(ttt_steps) for kind in ("loss", "acc"))
+        passes = (f"draft/{kind}_pass{d + 1}" for d in range(ttt_steps) for kind in ("loss", "acc", "accept"))
         names += ["loss/draft", *passes, "draft/tau"]
     return names
 
@@ -115,8 +117,9 @@ def scales_and_metrics(sums: dict[str, torch.Tensor], ttt_steps: int, pass_decay
         weighted_count = (weights * counts).sum().clamp(min=1e-12)
         draft_scale = draft_loss_weight / weighted_count
         accuracy = sums["draft/correct"] / counts.clamp(min=1)
+        accept = sums["draft/overlap"] / counts.clamp(min=1)
         values += [draft_loss(TTTStats(ce, counts, sums["draft/correct"]), weights, weighted_count),
-                   *(v for d in range(ttt_steps) for v in (ce[d] / counts[d].clamp(min=1), accuracy[d])),
+                   *(v for d in range(ttt_steps) for v in (ce[d] / counts[d].clamp(min=1), accuracy[d], accept[d])),
                    tau(accuracy)]
     names = metric_names(policy_metrics, ttt_steps if draft_on else None, moe_aux)
     return 1.0 / norm, draft_scale, dict(zip(names, values, strict=True))
@@ -200,6 +203,7 @@ def draft_sums(draft: Draft, mb: Microbatch, taps: torch.Tensor, embeddings: tor
     sums.add("draft/ce_sum", stats.ce_sum)
     sums.add("draft/count", stats.count)
     sums.add("draft/correct", stats.correct)
+    sums.add("draft/overlap", stats.overlap)
     return (pass_weights(ttt_steps, pass_decay, device=stats.ce_sum.device) * stats.ce_sum).sum()
 
 

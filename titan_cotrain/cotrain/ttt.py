@@ -36,11 +36,14 @@ __all__ = ["TTTStats", "draft_loss", "pass_weights", "ttt_masks", "ttt_unroll", 
 @dataclass
 class TTTStats:
     """Per-pass sums over the local tokens (``[D]`` each): ``ce_sum`` (differentiable),
-    ``count`` (masked positions) and ``correct`` (draft top-1 == teacher argmax)."""
+    ``count`` (masked positions), ``correct`` (draft top-1 == teacher argmax) and ``overlap``
+    (``sum_x min(teacher, draft)``: speculative sampling's acceptance chance at temperature 1;
+    ``chunked_soft_ce``)."""
 
     ce_sum: torch.Tensor
     count: torch.Tensor
     correct: torch.Tensor
+    overlap: torch.Tensor | None = None
 
 
 def pass_weights(ttt_steps: int, decay: float, device=None) -> torch.Tensor:
@@ -124,9 +127,9 @@ def ttt_unroll(
 
     # Python ints, so FSDP's moving of the root's tensor inputs to the device leaves them on the host.
     host_cu = tuple(cu_seqlens.tolist()) if cu_seqlens.device.type == "cpu" else cu_seqlens
-    ce_sums, corrects, counts = zip(*draft(taps, embeddings, tokens, positions, host_cu, masks, score=score,
-                                           shift_rows=shift.rows))
-    return TTTStats(torch.stack(ce_sums), torch.stack(counts), torch.stack(corrects))
+    ce_sums, corrects, counts, overlaps = zip(*draft(taps, embeddings, tokens, positions, host_cu, masks, score=score,
+                                                     shift_rows=shift.rows))
+    return TTTStats(torch.stack(ce_sums), torch.stack(counts), torch.stack(corrects), torch.stack(overlaps))
 
 
 def draft_loss(stats: TTTStats, weights: torch.Tensor, denominator: torch.Tensor | float) -> torch.Tensor:

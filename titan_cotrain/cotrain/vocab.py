@@ -218,18 +218,22 @@ def chunked_policy_head(
 
 def _soft_ce_chunk(hidden: torch.Tensor, teacher_index: torch.Tensor, mask: torch.Tensor,
                    head: Callable[[torch.Tensor], torch.Tensor], teacher_logprobs: torch.Tensor):
-    """One chunk's masked ``(ce_sum, correct)``; ``hidden [c, H]``, ``teacher_index, mask [c]``."""
+    """One chunk's masked ``(ce_sum, correct, overlap)``; ``hidden [c, H]``, ``teacher_index, mask [c]``."""
     logits = head(hidden).float()  # [c, V_d]
     teacher = teacher_logprobs[teacher_index]
-    ce = -(teacher.softmax(-1, dtype=torch.float32) * logits.log_softmax(-1)).sum(-1)
+    teacher_probs, draft_logprobs = teacher.softmax(-1, dtype=torch.float32), logits.log_softmax(-1)
+    ce = -(teacher_probs * draft_logprobs).sum(-1)
     ce_sum = torch.where(mask, ce, 0.0).sum()
     # After ce_sum: checkpoint's recompute stops once the last tensor backward needs is
-    # back (early stop, on by default), so the argmaxes are not recomputed.
+    # back (early stop, on by default), so the argmaxes and the overlap are not recomputed.
     # argmax takes NaN for the largest value: two rows of NaN would agree, so a position
     # counts as correct only where both rows are finite (a NaN step reports accuracy 0).
     finite = logits.amax(-1).isfinite() & teacher.amax(-1).isfinite()
-    correct = ((logits.argmax(-1) == teacher.argmax(-1)) & finite & mask).sum()
-    return ce_sum, correct
+    counted = finite & mask
+    correct = ((logits.argmax(-1) == teacher.argmax(-1)) & counted).sum()
+    with torch.no_grad():  # a metric: sum_x min(p(x), q(x)), speculative sampling's acceptance chance
+        overlap = torch.where(counted, torch.minimum(teacher_probs, draft_logprobs.exp()).sum(-1), 0.0).sum()
+    return ce_sum, correct, overlap
 
 
 def chunked_soft_ce(
@@ -240,7 +244,7 @@ def chunked_soft_ce(
     mask: torch.Tensor,
     *,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One TTT pass's soft cross-entropy against the teacher, ``chunk_tokens`` anchors at a time.
 
     ``hidden [T, H]``: the pass output; ``head``: ``[c, H] -> [c, V_d]`` logits (the draft's
@@ -251,18 +255,23 @@ def chunked_soft_ce(
 
     Returns ``ce_sum = sum_t mask_t * CE(softmax(teacher_t), softmax(draft_t))`` (fp32,
     differentiable w.r.t. ``hidden`` and the head's parameters), ``correct = sum_t mask_t *
-    [argmax draft_t == argmax teacher_t]`` (both rows finite) and ``count = mask.sum()`` (int64). Masked-out
+    [argmax draft_t == argmax teacher_t]`` (both rows finite), ``count = mask.sum()`` (int64) and
+    ``overlap = sum_t mask_t * sum_x min(teacher_t(x), draft_t(x))`` (fp32, no gradient): the
+    chance that speculative sampling at temperature 1 accepts a token the draft drafts at
+    ``t``, as ``correct`` is greedy decoding's (an upper bound with a reduced vocabulary: the
+    teacher is renormalised over it). Masked-out
     anchors are computed and dropped by ``where``. Each chunk is checkpointed: its
     ``[c, V_d]`` tensors are rebuilt in backward, none are kept from forward to backward.
     """
-    ce_sums, corrects = [], []
+    ce_sums, corrects, overlaps = [], [], []
     for chunk in zip(hidden.split(chunk_tokens), teacher_index.split(chunk_tokens), mask.split(chunk_tokens)):
         # No RNG state to preserve: the head is deterministic (no dropout in the draft).
-        ce_sum, correct = checkpoint(_soft_ce_chunk, *chunk, head, teacher_logprobs,
-                                     use_reentrant=False, preserve_rng_state=False)
+        ce_sum, correct, overlap = checkpoint(_soft_ce_chunk, *chunk, head, teacher_logprobs,
+                                              use_reentrant=False, preserve_rng_state=False)
         ce_sums.append(ce_sum)
         corrects.append(correct)
-    return torch.stack(ce_sums).sum(), torch.stack(corrects).sum(), mask.sum()
+        overlaps.append(overlap)
+    return torch.stack(ce_sums).sum(), torch.stack(corrects).sum(), mask.sum(), torch.stack(overlaps).sum()
 
 
 @torch.no_grad()

@@ -8,7 +8,6 @@ slower, with no error; the tuner then falls back to plain decoding, and the user
 
 from __future__ import annotations
 
-from titan_cotrain.rl.rollout_metrics import predicted_acceptance
 
 __all__ = ["AcceptanceWatch", "DraftCollapseWatch"]
 
@@ -107,7 +106,8 @@ class AcceptanceWatch:
         return (f"step {step}: for {self.patience} speculative RL steps in a row the rollouts accepted less than "
                 f"{self.fraction:g} x what the draft's training metric predicts on the same rollouts (now "
                 f"{metrics['rollout/acceptance_length']:.2f} tokens per round against "
-                f"{predicted_acceptance(metrics):.2f}, draft/tau over the passes the rounds drafted): the engine's "
+                f"{metrics['rollout/predicted_acceptance']:.2f}, the draft's training accuracy over the passes the "
+                "rounds drafted): the engine's "
                 "draft may read other inputs than training gives it "
                 "(stale KV blocks, a missed weight refresh). rollout/acceptance_over_tau in TensorBoard shows the "
                 "gap; [rollout] acceptance_warning_fraction sets the threshold.")

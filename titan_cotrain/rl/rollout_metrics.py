@@ -131,19 +131,24 @@ def _detail_names(details: list[dict]) -> list[str]:
     return names
 
 
-def tau_at(metrics: dict[str, float], k: int) -> float | None:
-    """What the draft's training metric predicts for rounds of ``k`` drafted tokens:
-    ``draft/tau`` over its first ``k`` passes, ``1 + sum_{j<=k} prod_{d<=j} acc_d`` from the
-    step's ``draft/acc_pass<d>`` (all of them when ``k`` exceeds ``draft.ttt_steps``); None
-    without them (no draft trained this step)."""
-    if "draft/acc_pass1" not in metrics:
+def tau_at(metrics: dict[str, float], k: int, sampled: bool = False) -> float | None:
+    """What the draft's training metric predicts for rounds of ``k`` drafted tokens,
+    ``1 + sum_{j<=k} prod_{d<=j} a_d`` over its first ``k`` passes (all of them when ``k``
+    exceeds ``draft.ttt_steps``): greedy rounds' ``a_d`` is ``draft/acc_pass<d>``, the draft's
+    top-1 agreement with the teacher (``draft/tau`` at ``k = ttt_steps``); ``sampled`` rounds'
+    is ``draft/accept_pass<d>``, ``sum_x min(teacher, draft)``, speculative sampling's
+    acceptance chance (exact at temperature 1, where training's teacher and draft are the
+    engine's two distributions; an approximation at other temperatures or with top-p/top-k).
+    None without them (no draft trained this step)."""
+    kind = "accept" if sampled else "acc"
+    if f"draft/{kind}_pass1" not in metrics:
         return None
-    passes = [f"draft/acc_pass{d}" for d in range(1, k + 1)]
+    passes = [f"draft/{kind}_pass{d}" for d in range(1, k + 1)]
     accuracy = [metrics[key] for key in passes if key in metrics]  # none past draft.ttt_steps
     return float(tau(torch.tensor(accuracy, dtype=torch.float64)))
 
 
-def predicted_acceptance(metrics: dict[str, float]) -> float | None:
+def predicted_acceptance(metrics: dict[str, float], sampled: bool = False) -> float | None:
     """What the draft's training metric predicts for the step's drafting rounds: ``tau_at``
     each ``k`` weighted by the share of rounds that drafted it (``rollout/draft_share_k<k>``;
     a step without them drafted ``rollout/draft_tokens`` every round). None for a step that
@@ -154,20 +159,21 @@ def predicted_acceptance(metrics: dict[str, float]) -> float | None:
     if not shares:
         k = round(metrics.get("rollout/draft_tokens", 0.0))
         shares = {k: 1.0} if k > 0 else {}
-    predicted = {k: tau_at(metrics, k) for k in shares}
+    predicted = {k: tau_at(metrics, k, sampled) for k in shares}
     if not shares or None in predicted.values():
         return None
     return sum(shares[k] * predicted[k] for k in shares) / sum(shares.values())
 
 
-def acceptance_over_tau(metrics: dict[str, float]) -> dict[str, float]:
-    """``{"rollout/acceptance_over_tau": measured / predicted}`` for an RL step's ``metrics``:
-    the rollouts' acceptance length over ``predicted_acceptance`` (``tau_at`` their ``k``). The
-    two measure the same draft on the same sequences (the update scores the draft on the
-    rollouts it drafted, before its own step), so a ratio well below 1 means the engine feeds
-    the draft other inputs than training does. Empty for a step that decoded plainly or
-    trained no draft."""
-    predicted = predicted_acceptance(metrics)
+def acceptance_over_tau(metrics: dict[str, float], sampled: bool = False) -> dict[str, float]:
+    """``rollout/predicted_acceptance`` (``predicted_acceptance``: ``tau_at`` the rounds' ``k``,
+    ``sampled`` when the rollouts sampled, temperature > 0) and ``rollout/acceptance_over_tau``,
+    the rollouts' acceptance length over it, for an RL step's ``metrics``. The two measure the
+    same draft on the same sequences (the update scores the draft on the rollouts it drafted,
+    before its own step), so a ratio well below 1 means the engine feeds the draft other
+    inputs than training does. Empty for a step that decoded plainly or trained no draft."""
+    predicted = predicted_acceptance(metrics, sampled)
     if predicted is None:
         return {}
-    return {"rollout/acceptance_over_tau": metrics["rollout/acceptance_length"] / predicted}
+    return {"rollout/predicted_acceptance": predicted,
+            "rollout/acceptance_over_tau": metrics["rollout/acceptance_length"] / predicted}

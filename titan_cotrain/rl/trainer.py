@@ -304,7 +304,7 @@ class Trainer:
             t1 = time.perf_counter()
             metrics |= self.update.step(batch, self.rl_loss, train_draft=self.train_draft_in_rl, warm_start=False)
             metrics["time/train_s"] = time.perf_counter() - t1
-        metrics |= acceptance_over_tau(metrics)
+        metrics |= acceptance_over_tau(metrics, sampled=self.config.rollout.temperature > 0)
         metrics |= self.collapse_watch.judge(metrics)
         metrics["time/refresh_s"] = t_refresh
         return metrics

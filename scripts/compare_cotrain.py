@@ -31,6 +31,8 @@ with the draft loss on or off, which the tests check bitwise).
     .venv/bin/python scripts/compare_cotrain.py            # 600 SFT + 3 seeds x 2 arms x 100 RL steps
     .venv/bin/python scripts/compare_cotrain.py --quick    # 20 SFT, 3 RL steps, to assets/quick/
     .venv/bin/python scripts/compare_cotrain.py --replot   # redraw the PNG from the JSON
+    .venv/bin/python scripts/compare_cotrain.py --config debug_cpu_longtail.toml \
+        --json assets/compare_cotrain_longtail.json --png assets/acceptance_vs_step_longtail.png
 """
 
 import argparse
@@ -148,6 +150,8 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="debug_cpu.toml",
+                        help="the job under train_configs/ (debug_cpu_longtail.toml: the long-tailed job)")
     parser.add_argument("--sft-steps", type=int, default=600)
     parser.add_argument("--rl-steps", type=int, default=100)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -187,7 +191,7 @@ def main() -> int:
         copy = folder / "checkpoint" / step_dir
         shutil.copytree(warm, copy)
         before = folder_hash(copy)
-        metrics = run(folder, flags)
+        metrics = run(folder, flags, args.config)
         hashes.append({"run": str(folder.relative_to(args.work)), "before": before, "after": folder_hash(copy)})
         return metrics
 
@@ -197,7 +201,7 @@ def main() -> int:
         shutil.copytree(args.warm_start, warm)
     else:
         # The first seed's co-trained arm runs the SFT phase and writes the warm start at its last step.
-        runs[(first, "cotrain")] = run(dump(first, "cotrain"), [*common, *rl, "--debug.seed", str(first)])
+        runs[(first, "cotrain")] = run(dump(first, "cotrain"), [*common, *rl, "--debug.seed", str(first)], args.config)
         warm = dump(first, "cotrain") / "checkpoint" / step_dir
     warm_hash = folder_hash(warm)
     for seed in args.seeds:
@@ -225,7 +229,7 @@ def main() -> int:
     result = {
         "description": __doc__.split("\n\n")[1].replace("\n", " "),
         "config": {"sft_steps": args.sft_steps, "rl_steps": args.rl_steps, "seeds": args.seeds, "quick": args.quick,
-                   "config_file": "train_configs/debug_cpu.toml", "extra_flags": extra, "processes": 2,
+                   "config_file": f"train_configs/{args.config}", "extra_flags": extra, "processes": 2,
                    "hardware": f"{os.cpu_count()}-core CPU, gloo, 2 processes, 1 thread each"},
         "command": command_line(),
         "seeds": args.seeds,

@@ -222,3 +222,34 @@ def test_the_policys_gradients_are_bitwise_those_without_the_drafter():
     assert without.keys() == with_drafter.keys()
     assert all(torch.equal(without[k], with_drafter[k]) for k in without)
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in drafter.parameters())
+
+
+@pytest.mark.parametrize("layout", ["paged", "rows"])
+def test_drafting_from_the_kv_cache_is_the_training_forward_at_the_same_anchor(layout):
+    """Drafting reads what training computes: a block drafted from the cached context (every
+    position of each sequence written, so slots past the anchor hold keys no block may read)
+    equals the training forward's block at that anchor, float64."""
+    drafter, _ = _drafter(block_size=4, n_layers=2)
+    features, embeddings, positions = _packed(drafter.args)
+    cu = CU.tolist()
+    lengths = [e - s for s, e in zip(cu[:-1], cu[1:])]
+    anchors_in_doc = torch.tensor([9, 1, 16])  # sequence 1's context is its first token only
+    anchor_rows = torch.tensor(cu[:-1]) + anchors_in_doc
+    start, _ = document_bounds(CU, "cpu")
+    with torch.no_grad():
+        trained = drafter(features, positions, embeddings[anchor_rows], positions[anchor_rows], start[anchor_rows],
+                          anchor_rows)
+    width = 20  # every sequence's positions, padded
+    padded = torch.zeros(3, width, features.shape[1], dtype=features.dtype)
+    for i, (s, n) in enumerate(zip(cu[:-1], lengths)):
+        padded[i, :n] = features[s:s + n]
+    if layout == "paged":
+        pool = drafter.new_kv_pool(n_blocks=1 + 3 * 5, block_size=4)
+        cache = pool.view(torch.arange(1, 16).view(3, 5).flip(0))  # sequence i in blocks far from i's
+    else:
+        pool = drafter.new_kv_pool(n_blocks=4, block_size=width)
+        cache = pool.rows(1, 3, width)
+    with torch.no_grad():
+        drafter.write_context(padded, torch.arange(width).expand(3, width), cache)
+        drafted = drafter.draft_block(embeddings[anchor_rows], anchors_in_doc, cache)
+    torch.testing.assert_close(drafted, trained, rtol=1e-10, atol=1e-10)

@@ -17,6 +17,13 @@ that feed it):
 * ``norm``, then the policy's ``lm_head``, read detached: the output at ``a + j`` (``j >=
   1``) drafts ``x_{a+j}``, so one forward drafts ``B - 1`` tokens.
 
+Drafting at rollout time reads the same function through a KV pool of ``n_layers`` layers
+(``new_kv_pool``): ``write_context`` stores every layer's context keys and values of the
+positions the target has just run (read through the target's block tables, as the target's
+own pool is), and ``draft_block`` runs a block per sequence at its anchor, its queries
+seeing the cached context before the anchor (the trunk) and the block's own keys (the
+branch), merged by log-sum-exp: what ``forward`` computes in training at that anchor.
+
 The context of position ``p`` exists once the target has run ``x_p``: at drafting time,
 after a verification that accepted up to ``x_{a-1}`` and sampled ``x_a``, the context is
 ``p < a`` and the block starts at ``a``. Training (``cotrain.block_loss``) places blocks at
@@ -35,8 +42,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_cotrain.models.args import ModelArgs, RopeScaling
+from titan_cotrain.models.kv_cache import KVPool, PagedKV, RowsKV
 from titan_cotrain.models.transformer import FeedForward, RMSNorm, apply_rope, init_weights_, rope_cos_sin, rope_inv_freq
 from titan_cotrain.models.taps import validate_tap_layers
+from titan_cotrain.ops.attention import merge_attention
 from titan_cotrain.ops.block_attention import block_attention
 
 __all__ = ["BlockDraftArgs", "BlockDrafter", "block_target_layers"]
@@ -195,9 +204,77 @@ class BlockDrafter(nn.Module):
             x = layer(x, block_rope, context, context_rope, ctx_start, ctx_end)
         return x
 
+    # Drafting with a KV cache.
+
+    def new_kv_pool(self, n_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> KVPool:
+        """The context keys and values of every layer, in blocks read through the target's tables."""
+        a = self.args
+        return KVPool(a.n_layers, n_blocks, block_size, a.n_kv_heads, a.head_dim, dtype or self.fc.weight.dtype,
+                      self.fc.weight.device)
+
+    def write_context(self, features: torch.Tensor, positions: torch.Tensor, cache: PagedKV | RowsKV) -> None:
+        """Store every layer's context key and value of ``positions [Bt, s]`` (each sequence's
+        positions the target has just run), from the target's ``features [Bt, s, n_ctx * H]``
+        there. A slot past a sequence's committed positions may hold a rejected draft's key: no
+        block reads it (``draft_block`` reads the slots before its anchor) before it is rewritten."""
+        context = self.context(features)
+        cos, sin = rope_cos_sin(self.rope_inv_freq, positions, context.dtype)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.kv(context, cos, sin)
+            cache.write(i, positions, k, v)
+
+    def draft_block(self, anchor_embeddings: torch.Tensor, anchor_positions: torch.Tensor,
+                    cache: PagedKV | RowsKV) -> torch.Tensor:
+        """One block per sequence: ``anchor_embeddings [Bt, H]`` (the policy's embeddings of the
+        last committed tokens), ``anchor_positions [Bt]`` (theirs: the context is the cached
+        positions before them). Returns the blocks' final hidden states ``[Bt, B, H]``, as
+        ``forward`` computes them at the same anchors."""
+        bt, b = anchor_positions.shape[0], self.args.block_size
+        x = self.block_inputs(anchor_embeddings.to(self.fc.weight.dtype))
+        positions = anchor_positions.view(bt, 1).to(torch.int64) + torch.arange(b, device=x.device)
+        cos, sin = rope_cos_sin(self.rope_inv_freq, positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.query(h, cos, sin)  # [Bt, B, Hq, Dh]
+            blk_k, blk_v = attn.kv(h, cos, sin)
+            out_ctx, lse_ctx = _context_attention(cache, i, q, anchor_positions)
+            out_blk, lse_blk = _own_block_attention(q, blk_k, blk_v)
+            out, _ = merge_attention(out_ctx, lse_ctx, out_blk, lse_blk)
+            x = x + attn.o_proj(out.flatten(-2))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return x
+
     def logits(self, hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
         """``[..., H] -> [..., V]`` (fp32; fp64 for fp64 inputs) through ``norm`` and the
         policy's head weight, read detached (a plain function of the weight: no module hook,
         no gradient to the policy)."""
         out = F.linear(self.norm(hidden), head_weight.detach().to(hidden.dtype))
         return out.to(torch.promote_types(out.dtype, torch.float32))
+
+
+def _context_attention(cache: PagedKV | RowsKV, layer: int, q: torch.Tensor,
+                       seqused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [Bt, B, Hq, Dh]`` against the cached context slots ``< seqused [Bt]`` of ``layer``,
+    every one of a block's ``B`` queries seeing all of them: the cache's one-query attention
+    with the block folded into the heads (head ``(kv, r, j)`` reads KV head ``kv`` as query
+    head ``(kv, r)`` does). Returns ``out [Bt, B, Hq, Dh]``, ``lse [Bt, B, Hq]``."""
+    bt, b, hq, dh = q.shape
+    hkv = cache.pool.k.shape[3]
+    rep = hq // hkv
+    folded = q.view(bt, b, hkv, rep, dh).permute(0, 2, 3, 1, 4).reshape(bt, 1, hkv * rep * b, dh)
+    out, lse = cache.attend(layer, folded, seqused, return_lse=True)
+    out = out.view(bt, hkv, rep, b, dh).permute(0, 3, 1, 2, 4).reshape(bt, b, hq, dh)
+    lse = lse.view(bt, hkv, rep, b).permute(0, 3, 1, 2).reshape(bt, b, hq)
+    return out, lse
+
+
+def _own_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [Bt, B, Hq, Dh]`` against its block's own ``k, v [Bt, B, Hkv, Dh]``, no mask.
+    Returns ``out`` (q's dtype) and ``lse [Bt, B, Hq]`` (fp32; fp64 for fp64 inputs)."""
+    rep = q.shape[2] // k.shape[2]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.to(acc), k.repeat_interleave(rep, dim=2).to(acc)) * q.shape[-1] ** -0.5
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.exp(scores - lse.unsqueeze(-1)), v.repeat_interleave(rep, dim=2).to(acc))
+    return out.to(q.dtype), lse.transpose(1, 2)

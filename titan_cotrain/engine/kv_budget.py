@@ -81,20 +81,22 @@ class KVBudget:
                 f" = {self.pool_bytes(engine_weights) / GIB:.2f} GiB")
 
 
-def _cache_slots(max_seq_len: int, max_draft_tokens: int) -> tuple[int, int]:
+def _cache_slots(max_seq_len: int, max_draft_tokens: int, draft=None) -> tuple[int, int]:
     """``(positions, chain slots)`` of the engine's caches. A round writes ``k + 1`` positions
     past the last committed one, even for a sequence that is finished and no longer moves;
-    the draft's chain holds passes ``2..k``."""
-    return max_seq_len + max_draft_tokens + 1, max(max_draft_tokens - 1, 0)
+    an EAGLE-3 draft's chain holds passes ``2..k`` (a block drafter has none)."""
+    chain = max(max_draft_tokens - 1, 0) if draft is not None and draft.chain_cache else 0
+    return max_seq_len + max_draft_tokens + 1, chain
 
 
 def kv_bytes_per_position(policy: ModelArgs, draft: DraftArgs | None, dtype: torch.dtype,
                           tensor_parallel: int = 1) -> int:
     """KV bytes of one position of one sequence on one rank: keys and values of every target
-    layer (``1 / tensor_parallel`` of its KV heads, at least one) and, with a draft, of its trunk."""
+    layer (``1 / tensor_parallel`` of its KV heads, at least one) and, with a draft, of its
+    cached layers (an EAGLE-3 draft's trunk; every layer's context of a block drafter)."""
     elements = policy.n_layers * kv_heads_per_rank(policy.n_kv_heads, tensor_parallel) * policy.head_dim
     if draft is not None:
-        elements += draft.n_kv_heads * draft.head_dim
+        elements += draft.cache_layers * draft.n_kv_heads * draft.head_dim
     return 2 * elements * dtype.itemsize
 
 
@@ -103,7 +105,7 @@ def kv_bytes_per_sequence(policy: ModelArgs, draft: DraftArgs | None, max_seq_le
     """KV-cache bytes of one sequence at its longest on one rank of a ``RolloutEngine``:
     ``kv_bytes_per_position`` over ``L = max_seq_len + k + 1`` positions, plus the draft's
     ``k - 1`` chain slots (``k = max_draft_tokens``), in ``dtype``."""
-    positions, chain = _cache_slots(max_seq_len, max_draft_tokens)
+    positions, chain = _cache_slots(max_seq_len, max_draft_tokens, draft)
     chain_bytes = 2 * draft.n_kv_heads * draft.head_dim * chain * dtype.itemsize if draft is not None else 0
     return positions * kv_bytes_per_position(policy, draft, dtype, tensor_parallel) + chain_bytes
 
@@ -138,7 +140,7 @@ class KVPoolLayout:
         longest."""
         if max_batch_size < 1 or block_size < 1:
             raise ValueError(f"max_batch_size ({max_batch_size}) and block_size ({block_size}) must be >= 1")
-        positions, chain = _cache_slots(max_seq_len, max_draft_tokens)
+        positions, chain = _cache_slots(max_seq_len, max_draft_tokens, draft)
         per_sequence = kv_bytes_per_sequence(policy, draft, max_seq_len, max_draft_tokens, dtype, tensor_parallel)
         per_position = kv_bytes_per_position(policy, draft, dtype, tensor_parallel)
         budget = _pool_bytes(kv_cache_gib, engine_weights, per_sequence)

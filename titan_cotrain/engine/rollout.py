@@ -232,6 +232,7 @@ class RolloutEngine:
         self.draft_pool = self.chain_k = self.chain_v = None
         if draft is not None:
             self.draft_pool = draft.new_kv_pool(layout.n_blocks, layout.block_size, dtype)
+        if draft is not None and draft.args.chain_cache:
             chain_shape = (layout.max_batch_size, layout.chain_slots, draft.args.n_kv_heads, draft.args.head_dim)
             self.chain_k = torch.zeros(chain_shape, dtype=dtype, device=self.device)
             self.chain_v = torch.zeros(chain_shape, dtype=dtype, device=self.device)
@@ -251,8 +252,9 @@ class RolloutEngine:
             return self.compiled_steps[-1]
 
         self._target_step = step(policy.forward_cached, "policy.forward_cached (decode, verify)")
-        self._draft_chain_step = step(draft.chain_step, "draft.chain_step") if draft is not None else None
-        self._draft_extend = step(draft.extend, "draft.extend") if draft is not None else None
+        eagle = isinstance(draft, Draft)
+        self._draft_chain_step = step(draft.chain_step, "draft.chain_step") if eagle else None
+        self._draft_extend = step(draft.extend, "draft.extend") if eagle else None
 
     # The pool's layout, read through the engine (``KVPoolLayout``).
     max_batch_size = property(lambda self: self.layout.max_batch_size, doc="Rows of the running batch.")
@@ -428,8 +430,7 @@ class RolloutEngine:
         scheduler = Scheduler(BlockAllocator(self.target_pool.n_blocks, scratch=self.paged), self.block_size,
                               self.max_batch_size, prompt_lens.tolist(), samples, params.max_new_tokens, k,
                               waves=not self.paged)
-        draft_to_target = self.draft.d2t + torch.arange(self.draft.args.draft_vocab_size, device=self.device) \
-            if k else None
+        draft_to_target = self._draft_to_target() if k else None
         counters = StepCounters(synchronize=torch.get_device_module(self.device).synchronize,
                                 k_max=self.max_draft_tokens, buckets=live_bucket(self.max_batch_size) + 1,
                                 width=min(self.max_batch_size, total))
@@ -536,10 +537,18 @@ class RolloutEngine:
         target, trunk = views
         if not drafting:
             return target, None
+        return target, self._draft_cache(trunk, rows)
+
+    def _draft_to_target(self) -> torch.Tensor:
+        """``int64 [V_d]``: the target id of each draft id."""
+        return self.draft.d2t + torch.arange(self.draft.args.draft_vocab_size, device=self.device)
+
+    def _draft_cache(self, trunk: PagedKV | RowsKV, rows: int) -> DraftKVCache:
+        """What a round's draft reads, over the first ``rows`` rows: the trunk's view and the chains."""
         # A round over every row (a compiled one) gets the chains themselves: a view of them
         # would be a tensor of its own, without their static-address mark.
         chains = [chain if rows == len(chain) else chain[:rows] for chain in (self.chain_k, self.chain_v)]
-        return target, DraftKVCache(trunk, *chains)
+        return DraftKVCache(trunk, *chains)
 
     def _prefill(self, call: Generation, admitted: Admitted) -> None:
         """Bring the ``admitted`` groups into their rows: one target forward over their
@@ -580,11 +589,22 @@ class RolloutEngine:
         rows = torch.tensor(slots, device=device)
         seqs.admit(rows, torch.tensor(scheduler.output_rows(slots), device=device), lens[group])
         self._commit(seqs, *seqs.new_tokens(rows, token, logprob.squeeze(-1)), params.max_new_tokens, call.stops)
-        if not drafting:
-            return
-        taps = torch.cat(out.taps, -1)
+        if drafting:
+            self._prefill_draft(call, tokens, torch.cat(out.taps, -1), last, group, token, trunk_view, src, dst,
+                                slots, rows)
+
+    def _prefill_draft(self, call: Generation, tokens: torch.Tensor, taps: torch.Tensor, last: torch.Tensor,
+                       group: torch.Tensor, token: torch.Tensor, trunk_view: PagedKV | RowsKV, src: torch.Tensor,
+                       dst: torch.Tensor, slots: list[int], rows: torch.Tensor) -> None:
+        """The draft's part of a prefill (``_prefill``): ``tokens [n, width]`` the admitted
+        prompts (their last positions ``last [n]``), ``taps`` the target's there, ``token``
+        the samples' first tokens (sample ``i`` of prompt ``group[i]``, in row ``rows[i]``,
+        slot ``slots[i]``), ``trunk_view`` the draft pool over the prompts' blocks, ``src ->
+        dst`` the copy-on-write of their last blocks."""
+        seqs, scheduler, device = call.seqs, call.scheduler, self.device
+        n = tokens.shape[0]
         chain = (self.chain_k[:n], self.chain_v[:n])
-        self.draft.extend(taps, self._draft_embed(torch.roll(tokens, -1, dims=1)), torch.zeros_like(lens),
+        self.draft.extend(taps, self._draft_embed(torch.roll(tokens, -1, dims=1)), torch.zeros_like(last),
                           DraftKVCache(trunk_view, *chain))
         if src.numel():
             self.draft_pool.copy_blocks(src, dst)
@@ -630,9 +650,17 @@ class RolloutEngine:
         rows = torch.tensor([r.slot for r in resumed], device=device)
         seqs.resume(rows, out_rows, lengths, lengths - starts, tokens.gather(1, (lengths - 1).unsqueeze(1))[:, 0])
         if drafting:
-            cache = DraftKVCache(self.draft_pool.view(table), self.chain_k[:m], self.chain_v[:m])
-            hidden = self.draft.extend(torch.cat(out.taps, -1), self._draft_embed(tokens[:, 1:]), zeros, cache)
-            seqs.draft_hidden[rows] = hidden[torch.arange(m, device=device), lengths - 2]
+            self._recompute_draft(call, tokens, torch.cat(out.taps, -1), table, rows, lengths)
+
+    def _recompute_draft(self, call: Generation, tokens: torch.Tensor, taps: torch.Tensor, table: torch.Tensor,
+                         rows: torch.Tensor, lengths: torch.Tensor) -> None:
+        """The draft's part of ``_recompute``: the resumed sequences' committed ``tokens [m,
+        width]`` (``lengths [m]`` of them), the target's ``taps`` at positions ``0 .. width - 2``,
+        their block ``table``, their ``rows``."""
+        m = len(rows)
+        cache = DraftKVCache(self.draft_pool.view(table), self.chain_k[:m], self.chain_v[:m])
+        hidden = self.draft.extend(taps, self._draft_embed(tokens[:, 1:]), torch.zeros_like(lengths), cache)
+        call.seqs.draft_hidden[rows] = hidden[torch.arange(m, device=self.device), lengths - 2]
 
     def _decode_one_token(self, seqs: Sequences, call: Generation, target_cache: PagedKV | RowsKV) -> None:
         """Plain decoding of ``call``'s rows ``seqs``: feed ``x_{n-1}`` to the target and sample ``x_n``."""
@@ -650,23 +678,11 @@ class RolloutEngine:
         draft catches up over). Returns ``a [B]``, the drafted tokens each row accepted (before
         a stop token or the length limit cut them)."""
         k, params, generator, counters = round_.k, call.params, call.generator, call.counters
-        target_cache, draft_cache, draft_to_target = round_.target_cache, round_.draft_cache, call.draft_to_target
+        target_cache, draft_to_target = round_.target_cache, call.draft_to_target
         b = seqs.length.shape[0]
         rows = torch.arange(b, device=seqs.length.device)
-        anchor = seqs.length - 2
         with counters.timed("draft"):
-            hidden, drafted, draft_probs = seqs.draft_hidden, [], []
-            for depth in range(1, k + 1):
-                if depth > 1:
-                    embeds = self._draft_embed(draft_to_target[drafted[-1]])
-                    hidden = self._draft_chain_step(embeds, hidden, anchor, depth, draft_cache)
-                logits = processed_logits(self.draft.logits(hidden), params)
-                if params.greedy:
-                    drafted.append(logits.argmax(-1))
-                else:
-                    draft_probs.append(logits.softmax(-1))
-                    drafted.append(sample(draft_probs[-1], generator))
-            drafted = torch.stack(drafted, 1) if k else seqs.last_token.new_zeros(b, 0)  # [B, k] draft ids
+            drafted, draft_probs = self._draft(seqs, call, round_)
         with counters.timed("verify"):
             verify_tokens = torch.cat([seqs.last_token.unsqueeze(1), draft_to_target[drafted]], dim=1)
             start = seqs.length - 1
@@ -678,7 +694,7 @@ class RolloutEngine:
                 n_accepted, next_token = greedy_accept(verify_tokens[:, 1:], logits)
             else:
                 n_accepted, next_token = speculative_accept(
-                    drafted, torch.stack(draft_probs, 1), draft_to_target, logits.softmax(-1), generator
+                    drafted, draft_probs, draft_to_target, logits.softmax(-1), generator
                 )
             # Candidate j is the token at position n + j: drafted ones, then the drawn one at a.
             candidates = torch.cat([verify_tokens[:, 1:], verify_tokens.new_zeros(b, 1)], dim=1)
@@ -687,9 +703,38 @@ class RolloutEngine:
             counters.record(n_accepted, seqs.active, seqs.response_len)
             self._commit(seqs, candidates, logprobs, n_accepted + 1, params.max_new_tokens, call.stops)
         with counters.timed("draft"):
-            hidden = self._draft_extend(torch.cat(out.taps, -1), self._draft_embed(candidates), start, draft_cache)
-            seqs.draft_hidden = hidden[rows, n_accepted]
+            self._catch_up(seqs, round_, torch.cat(out.taps, -1), candidates, start, n_accepted)
         return n_accepted
+
+    def _draft(self, seqs: Sequences, call: Generation, round_: Round) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A round's ``k`` drafted tokens: ``drafted [B, k]`` draft ids and, when sampling, the
+        distributions they were drawn from, ``[B, k, V_d]`` (None when greedy). EAGLE-3: the
+        draft's step from ``h1``, then ``Draft.chain_step`` for each further token."""
+        k, params, generator = round_.k, call.params, call.generator
+        b = seqs.length.shape[0]
+        anchor = seqs.length - 2
+        hidden, drafted, draft_probs = seqs.draft_hidden, [], []
+        for depth in range(1, k + 1):
+            if depth > 1:
+                embeds = self._draft_embed(call.draft_to_target[drafted[-1]])
+                hidden = self._draft_chain_step(embeds, hidden, anchor, depth, round_.draft_cache)
+            logits = processed_logits(self.draft.logits(hidden), params)
+            if params.greedy:
+                drafted.append(logits.argmax(-1))
+            else:
+                draft_probs.append(logits.softmax(-1))
+                drafted.append(sample(draft_probs[-1], generator))
+        drafted = torch.stack(drafted, 1) if k else seqs.last_token.new_zeros(b, 0)
+        return drafted, torch.stack(draft_probs, 1) if draft_probs else None
+
+    def _catch_up(self, seqs: Sequences, round_: Round, taps: torch.Tensor, candidates: torch.Tensor,
+                  start: torch.Tensor, n_accepted: torch.Tensor) -> None:
+        """After the verify: the draft reads the ``k + 1`` verified positions from ``start``
+        (``taps`` there, the committed ``candidates`` after them); EAGLE-3's TTT pass 1 over
+        them, its output at the last accepted one the next round's ``h1``."""
+        rows = torch.arange(seqs.length.shape[0], device=seqs.length.device)
+        hidden = self._draft_extend(taps, self._draft_embed(candidates), start, round_.draft_cache)
+        seqs.draft_hidden = hidden[rows, n_accepted]
 
     def _draft_embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The draft's input embeddings of target ids: the current policy's table."""

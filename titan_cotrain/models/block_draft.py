@@ -92,6 +92,18 @@ class BlockDraftArgs:
     def n_ctx(self) -> int:
         return len(self.target_layer_ids)
 
+    @property
+    def target_dim(self) -> int:
+        """The target's hidden size: the drafter's own (it reads the policy's embeddings and head)."""
+        return self.dim
+
+    @property
+    def cache_layers(self) -> int:
+        """Layers a rollout engine caches per position (``engine.kv_budget``): every layer's context."""
+        return self.n_layers
+
+    chain_cache = False  # no per-row chain: a block drafts in one forward
+
     @classmethod
     def from_target(cls, target: ModelArgs, n_layers: int = 1, block_size: int = 16,
                     target_layer_ids: tuple[int, ...] | None = None, ffn_dim: int = 0) -> "BlockDraftArgs":

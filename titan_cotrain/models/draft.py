@@ -82,6 +82,11 @@ class DraftArgs:
     def replace(self, **changes) -> "DraftArgs":
         return dataclasses.replace(self, **changes)
 
+    # What a rollout engine caches per position (``engine.kv_budget``): the trunk's one layer,
+    # and a chain of the passes 2..k per row.
+    cache_layers = 1
+    chain_cache = True
+
 
 class DraftAttention(nn.Module):
     def __init__(self, args: DraftArgs) -> None:

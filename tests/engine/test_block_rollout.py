@@ -73,19 +73,21 @@ class TracingBlockEngine(BlockDraftEngine):
     """Records every drafting round: ``(output row, anchor, accepted)`` of each active row."""
 
     def generate(self, *args, **kwargs):
-        self.rounds = []
+        self.rounds, self.ks = [], []
         return super().generate(*args, **kwargs)
 
-    def _speculative_round(self, seqs, *args, **kwargs):
+    def _speculative_round(self, seqs, call, round_):
         active = seqs.active.clone()
         out_row, anchor = seqs.out_row[active].clone(), (seqs.length - 1)[active].clone()
-        accepted = super()._speculative_round(seqs, *args, **kwargs)
+        accepted = super()._speculative_round(seqs, call, round_)
         self.rounds.append((out_row, anchor, accepted[active].clone()))
+        self.ks.append(round_.k)
         return accepted
 
 
 CASES = {
     "paged, G=4": (dict(block_size=4), 4),
+    "paged, k per round": (dict(block_size=4), 4),
     "static, G=4": (dict(paged=False), 4),
     "continuous batching": (dict(block_size=4, max_batch_size=6), 4),
     "preemption": (dict(block_size=4, max_batch_size=12, kv_blocks_for=3), 4),
@@ -109,7 +111,10 @@ def test_greedy_block_speculation_equals_greedy_plain_and_accepts_what_training_
     k = BLOCK - 1
     engine, plain, samples = _engines(target, drafter, case, k)
     params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS)
-    out = engine.generate(prompts, params, samples_per_prompt=samples)
+    # A per-round choice (as the speculation tuner makes): k, 0, 1, .., k - 1 in turn.
+    turn = iter(range(10**6))
+    per_round = (lambda live: [k, *range(k)][next(turn) % (k + 1)]) if case == "paged, k per round" else None
+    out = engine.generate(prompts, params, samples_per_prompt=samples, draft_tokens=per_round)
     reference = plain.generate(prompts, params, samples_per_prompt=samples)
     assert torch.equal(out.response_lens, reference.response_lens)
     for b in range(out.tokens.shape[0]):
@@ -125,7 +130,7 @@ def test_greedy_block_speculation_equals_greedy_plain_and_accepts_what_training_
         cu, positions, features, embeddings, _, weight = _packed_features(target, sequences)
     starts = cu[:-1].long()
     rounds, mismatches, accepted_sum = 0, [], 0
-    for out_row, anchor, accepted in engine.rounds:
+    for (out_row, anchor, accepted), k in zip(engine.rounds, engine.ks):
         rows = starts[out_row] + anchor
         with torch.no_grad():
             hidden = drafter(features, positions, embeddings[rows], positions[rows], starts[out_row], rows)

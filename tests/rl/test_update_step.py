@@ -28,7 +28,7 @@ class _Recorded(UpdateStep):
                          lambda values: {key: float(value) for key, value in values.items()})
         self.minibatches: list[list[int]] = []
 
-    def gradients(self, minibatch, loss_fn, train_draft):
+    def gradients(self, minibatch, loss_fn, train_draft, seed=0):
         self.minibatches.append(minibatch.tokens[:, 0].tolist())
         return {"loss/policy": torch.tensor(float(len(self.minibatches) - 1))}
 

@@ -117,6 +117,25 @@ class Draft:
     """Co-train the EAGLE-3 draft. False gives plain RL: plain decoding whatever
     ``[rollout] speculative`` says, nothing exported but the policy."""
 
+    kind: Literal["eagle3", "dflash"] = "eagle3"
+    """The draft family: ``eagle3`` drafts ``k`` tokens in ``k`` passes; ``dflash``, a block
+    drafter, drafts up to ``block_size - 1`` in one forward (docs/DESIGN.md section 16). For
+    now ``dflash`` trains on one process or under FSDP (no context or pipeline parallelism),
+    over the target's whole vocabulary, from a fresh drafter, and its engine is neither
+    compiled nor tensor-parallel; ``ttt_steps``, ``hidden_size``, ``num_heads`` and
+    ``num_kv_heads`` are EAGLE-3's and do not apply (``pass_decay`` weighs its block positions)."""
+
+    block_size: int = 16
+    """``dflash``: the block, the anchor and ``block_size - 1`` drafted positions
+    (``[rollout] draft_tokens`` at most ``block_size - 1``)."""
+
+    block_layers: int = 1
+    """``dflash``: the drafter's decoder layers."""
+
+    blocks_per_doc: int = 8
+    """``dflash``: training blocks drawn per sequence at each update (random anchors among
+    the positions whose next token is in the loss region)."""
+
     ttt_steps: int = 7
     """D: number of training-time-test passes per anchor."""
 
@@ -149,7 +168,8 @@ class Draft:
 
     tap_layers: list[int] = field(default_factory=list)
     """Decoder layers (0-based, output of the layer) fused by the draft's ``fc``.
-    Empty means EAGLE-3's ``[1, L//2 - 1, L - 4]``."""
+    Empty means EAGLE-3's ``[1, L//2 - 1, L - 4]``; for ``dflash``, ``block_layers`` layers
+    spread from layer 1 to ``L - 3`` (``models.block_draft.block_target_layers``)."""
 
     hidden_size: int = 0
     """Draft hidden size. 0 means the target's."""

@@ -193,6 +193,8 @@ def _draft_errors(config) -> list[str]:
     if d.freeze_after_sft and not d.enable:
         errors.append("draft.freeze_after_sft freezes the draft, but draft.enable is false: there is none "
                       "(drop --draft.freeze_after_sft or enable the draft)")
+    if d.enable and d.kind == "dflash":
+        errors += _block_drafter_errors(config)
     if d.vocab_generations:
         missing = [need for need, ok in (
             ("draft.enable", d.enable), ("a reduced draft.vocab_size (> 0)", d.vocab_size),
@@ -201,6 +203,30 @@ def _draft_errors(config) -> list[str]:
         if missing:
             errors.append("draft.vocab_generations counts the policy's responses for a reduced draft vocabulary; "
                           f"it needs {', '.join(missing)}: set it to 0 otherwise")
+    return errors
+
+
+def _block_drafter_errors(config) -> list[str]:
+    """What ``[draft] kind = "dflash"`` does not do yet, and its own keys' ranges."""
+    d, p, ro, errors = config.draft, config.parallelism, config.rollout, []
+    if d.block_size < 2 or d.block_layers < 1 or d.blocks_per_doc < 1:
+        errors.append(f"draft.block_size ({d.block_size}) must be >= 2, draft.block_layers ({d.block_layers}) and "
+                      f"draft.blocks_per_doc ({d.blocks_per_doc}) >= 1")
+    if ro.speculative and ro.draft_tokens > d.block_size - 1:
+        errors.append(f"rollout.draft_tokens ({ro.draft_tokens}) must be at most draft.block_size - 1 "
+                      f"({d.block_size - 1}): a block drafts that many")
+    unsupported = [(f"context_parallel_degree = {p.context_parallel_degree}", p.context_parallel_degree > 1),
+                   (f"pipeline_parallel_degree = {p.pipeline_parallel_degree}", p.pipeline_parallel_degree > 1),
+                   (f"draft.vocab_size = {d.vocab_size} (the drafter reads the target's head: 0)", d.vocab_size),
+                   ("draft.init_path", d.init_path),
+                   ("draft.hidden_size / num_heads / num_kv_heads (the drafter has the target's)",
+                    d.hidden_size or d.num_heads or d.num_kv_heads),
+                   (f"rollout.tensor_parallel_degree = {ro.tensor_parallel_degree}", ro.tensor_parallel_degree > 1),
+                   ("rollout.compile", ro.compile),
+                   ('compile.components with "draft"', config.compile.enable and "draft" in config.compile.components)]
+    if names := [name for name, on in unsupported if on]:
+        errors.append(f'draft.kind = "dflash" is not built yet with {", ".join(names)}: use draft.kind = "eagle3" '
+                      "there (docs/DESIGN.md section 16)")
     return errors
 
 

@@ -32,10 +32,12 @@ import torch.distributed as dist
 
 from titan_cotrain.components import titan
 from titan_cotrain.components.shards import local_shard
+from titan_cotrain.cotrain.block_loss import block_draft_sums, block_weights, sample_anchors
 from titan_cotrain.cotrain.ttt import TTTStats, draft_loss, pass_weights, tau, ttt_unroll
 from titan_cotrain.cotrain.vocab import chunked_policy_head
 from titan_cotrain.data.batch import Microbatch, PackedBatch, PolicyLossFn, PrepareMicrobatch, labels_of
 from titan_cotrain.data.packing import DocumentShift, layout_from_document_ids
+from titan_cotrain.models.block_draft import BlockDrafter
 from titan_cotrain.models.draft import Draft
 from titan_cotrain.models.transformer import Transformer
 
@@ -153,15 +155,21 @@ def prepare_microbatch(batch: PackedBatch, device, *, ttt_steps: int, draft_loss
                       layout.cu_seqlens, DocumentShift(layout.cu_seqlens, ttt_steps + 1, device))
 
 
-def policy_head(mb: Microbatch, policy_loss_fn: PolicyLossFn, draft: Draft | None, chunk_tokens: int):
+def policy_head(mb: Microbatch, policy_loss_fn: PolicyLossFn, draft: Draft | None, chunk_tokens: int,
+                keep: dict | None = None):
     """The ``head(hidden, weight)`` a policy forward runs in place of its ``lm_head``: the
-    chunked policy loss of ``mb`` and, with a draft, its teacher (``HeadOutput``)."""
+    chunked policy loss of ``mb`` and, with an EAGLE-3 draft, its teacher (``HeadOutput``).
+    ``keep`` (a block drafter's): gets the head's input, detached, and a copy of its weight
+    (the gathered weight is freed after the forward; the drafter's teacher and logits need it
+    through the backward)."""
     draft_ids = t2d = None
     if draft is not None:
         draft_ids = torch.arange(draft.args.draft_vocab_size, device=draft.d2t.device) + draft.d2t
         t2d = draft.t2d
 
     def head(hidden: torch.Tensor, weight: torch.Tensor):
+        if keep is not None:
+            keep["hidden"], keep["weight"] = hidden.detach(), weight.detach().clone()
         # The teacher in the compute dtype: bf16 under mixed precision, exact fp32 / fp64 otherwise.
         return chunked_policy_head(hidden, weight, mb.labels, policy_loss_fn, chunk_tokens=chunk_tokens,
                                    draft_ids=draft_ids, t2d=t2d, teacher_dtype=hidden.dtype)
@@ -209,7 +217,7 @@ def draft_sums(draft: Draft, mb: Microbatch, taps: torch.Tensor, embeddings: tor
 
 def microbatch_sums(
     policy: Transformer,
-    draft: Draft | None,
+    draft: Draft | BlockDrafter | None,
     mb: Microbatch,
     policy_loss_fn: PolicyLossFn,
     sums: CotrainSums,
@@ -218,13 +226,18 @@ def microbatch_sums(
     pass_decay: float,
     chunk_tokens: int = 2048,
     moe_aux_loss_weight: float = 0.0,
+    blocks_per_doc: int = 8,
+    anchor_seed: int = 0,
 ) -> torch.Tensor:
-    """Forward one prepared microbatch through the policy (and the draft's TTT), add its
-    detached sums to ``sums`` and return the loss *sum* to backpropagate
+    """Forward one prepared microbatch through the policy (and the draft's TTT, or a block
+    drafter's blocks at ``blocks_per_doc`` anchors per sequence drawn from ``anchor_seed``),
+    add its detached sums to ``sums`` and return the loss *sum* to backpropagate
     (``policy_sum [+ moe_aux_loss_weight x n_policy x aux] + sum_d w_d ce_sum_d``; scaled
     after the update, see the module docstring)."""
-    out = policy(mb.tokens, return_taps=draft is not None, head=policy_head(mb, policy_loss_fn, draft, chunk_tokens),
-                 **mb.packing())
+    block = isinstance(draft, BlockDrafter)
+    keep = {} if block else None
+    head = policy_head(mb, policy_loss_fn, None if block else draft, chunk_tokens, keep)
+    out = policy(mb.tokens, return_taps=draft is not None, head=head, **mb.packing())
     loss = add_policy_sums(sums, out.head)
     aux = policy.moe_aux_loss()
     if aux is not None:
@@ -233,10 +246,31 @@ def microbatch_sums(
             loss = loss + moe_aux_loss_weight * weighted
     if draft is not None:
         b, s = mb.tokens.shape
-        loss = loss + draft_sums(draft, mb, torch.cat(out.taps, dim=-1).reshape(b * s, -1),
-                                 out.embeddings.reshape(b * s, -1), out.head, sums, ttt_steps=ttt_steps,
-                                 pass_decay=pass_decay, chunk_tokens=chunk_tokens)
+        taps, embeddings = torch.cat(out.taps, dim=-1).reshape(b * s, -1), out.embeddings.reshape(b * s, -1)
+        if block:
+            loss = loss + block_sums(draft, mb, taps, embeddings, keep, sums, pass_decay=pass_decay,
+                                     blocks_per_doc=blocks_per_doc, seed=anchor_seed, chunk_tokens=chunk_tokens)
+        else:
+            loss = loss + draft_sums(draft, mb, taps, embeddings, out.head, sums, ttt_steps=ttt_steps,
+                                     pass_decay=pass_decay, chunk_tokens=chunk_tokens)
     return loss
+
+
+def block_sums(drafter: BlockDrafter, mb: Microbatch, features: torch.Tensor, embeddings: torch.Tensor, keep: dict,
+               sums: CotrainSums, *, pass_decay: float, blocks_per_doc: int, seed: int,
+               chunk_tokens: int) -> torch.Tensor:
+    """A block drafter's sums over microbatch ``mb`` (``cotrain.block_loss``), recorded under the
+    draft's names (block position ``j`` in pass ``j``'s place); returns ``sum_j w_j ce_sum_j``.
+    ``keep``: the policy head's input and weight (``policy_head``)."""
+    region = mb.region.reshape(-1)
+    generator = torch.Generator(device=region.device).manual_seed(seed)
+    anchors = sample_anchors(mb.cu_seqlens, region, blocks_per_doc, generator)
+    stats = block_draft_sums(drafter, features, embeddings, mb.positions.reshape(-1), mb.cu_seqlens, region,
+                             keep["hidden"], keep["weight"], anchors, chunk_rows=chunk_tokens)
+    for name, value in (("ce_sum", stats.ce_sum), ("count", stats.count), ("correct", stats.correct),
+                        ("overlap", stats.overlap)):
+        sums.add(f"draft/{name}", value)
+    return (block_weights(drafter.args.block_size, pass_decay, device=stats.ce_sum.device) * stats.ce_sum).sum()
 
 
 def microbatches(batch: PackedBatch, rows: int) -> list[PackedBatch]:
@@ -263,6 +297,8 @@ def forward_backward(
     max_microbatches: int | None = None,
     chunk_tokens: int = 2048,
     moe_aux_loss_weight: float = 0.0,
+    blocks_per_doc: int = 8,
+    anchor_seed: int = 0,
 ) -> dict[str, torch.Tensor]:
     """The gradient of one update over ``batch`` (host rows), in microbatches of
     ``microbatch_rows`` rows (0: all at once); returns detached metrics (device tensors).
@@ -279,10 +315,11 @@ def forward_backward(
     """
     sums = CotrainSums()
     device = device or policy.embed_tokens.weight.device
-    for rows in microbatches(batch, microbatch_rows)[:max_microbatches]:
+    for index, rows in enumerate(microbatches(batch, microbatch_rows)[:max_microbatches]):
         mb = prepare(rows, device, ttt_steps=ttt_steps, draft_loss_on=draft_loss_on)
         loss = microbatch_sums(policy, draft, mb, policy_loss_fn, sums, ttt_steps=ttt_steps, pass_decay=pass_decay,
-                               chunk_tokens=chunk_tokens, moe_aux_loss_weight=moe_aux_loss_weight)
+                               chunk_tokens=chunk_tokens, moe_aux_loss_weight=moe_aux_loss_weight,
+                               blocks_per_doc=blocks_per_doc, anchor_seed=anchor_seed * 4096 + index)
         loss.backward()
     policy_scale, draft_scale, metrics = scales_and_metrics(sums.all_reduce(group), ttt_steps, pass_decay,
                                                             draft_loss_weight)

@@ -20,8 +20,10 @@ from titan_cotrain.engine.kv_budget import (
     optimizer_state_bytes,
     transient_bytes,
 )
+from titan_cotrain.engine.block_rollout import BlockDraftEngine
 from titan_cotrain.engine.rollout import RolloutEngine
 from titan_cotrain.models.args import ModelArgs
+from titan_cotrain.models.block_draft import BlockDrafter
 from titan_cotrain.parallel.parallelize import ParallelModels
 
 __all__ = ["Run", "build_rollout_engine", "kv_cache_setting"]
@@ -62,7 +64,8 @@ def build_rollout_engine(config, models: ParallelModels, device: torch.device, r
     if tp_mesh is not None and isinstance(kv_cache, KVBudget):
         # One schedule per engine group: the pool its fullest rank can hold.
         kv_cache = run.agreed_kv_budget(kv_cache, tp_mesh.get_group(), device)
-    engine = RolloutEngine.from_models(
+    engine_class = BlockDraftEngine if isinstance(models.engine_draft, BlockDrafter) else RolloutEngine
+    engine = engine_class.from_models(
         models.engine_policy, models.engine_draft, device=device, max_batch_size=rows, max_seq_len=max_seq_len,
         max_draft_tokens=draft_tokens, kv_cache_gib=kv_cache, block_size=ro.kv_block_size, paged=ro.paged,
         load=models.engine_loadable, tp_mesh=tp_mesh, compile=ro.compile)

@@ -181,9 +181,10 @@ class BlockDrafter(nn.Module):
             "rope_inv_freq", rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling), persistent=False
         )
 
-    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
-        """Normal(0, std) linears and mask embedding, unit norms (``init_weights_``)."""
-        init_weights_(self, std, generator)
+    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None, fill=None) -> None:
+        """Normal(0, std) linears and mask embedding, unit norms (``init_weights_``; ``fill``
+        keeps a sharded parameter's slice of each whole draw)."""
+        init_weights_(self, std, generator, *([fill] if fill is not None else []))
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
         """``c = hidden_norm(fc(features))``: ``features [..., n_ctx * H]`` (the target layers'

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from titan_cotrain.models.args import ARCHITECTURES, ModelArgs, model_args_for
+from titan_cotrain.models.block_draft import BlockDraftArgs, BlockDrafter, block_target_layers
 from titan_cotrain.models.draft import Draft, DraftArgs
 from titan_cotrain.models.draft_vocab import draft_vocab_from_counts
 from titan_cotrain.models.taps import default_tap_layers, validate_tap_layers
@@ -54,6 +55,8 @@ def resolve_tap_layers(config, n_layers: int) -> tuple[int, ...]:
     try:
         if config.draft.tap_layers:
             return validate_tap_layers(config.draft.tap_layers, n_layers)
+        if config.draft.kind == "dflash":
+            return block_target_layers(n_layers, config.draft.block_layers)
         return default_tap_layers(n_layers)
     except ValueError as e:
         raise ValueError(f"draft.tap_layers: {e}") from None
@@ -121,6 +124,14 @@ def build_draft(config, target: Transformer, token_counts: torch.Tensor | None =
     d = config.draft
     if not d.enable:
         return None
+    if d.kind == "dflash":
+        args = BlockDraftArgs.from_target(target.args, n_layers=d.block_layers, block_size=d.block_size,
+                                          target_layer_ids=target.tap_layers, ffn_dim=d.intermediate_size)
+        with torch.device(device):
+            drafter = BlockDrafter(args)
+        if str(device) != "meta":
+            init_draft_(drafter, config, target)
+        return drafter
     if d.init_path:
         draft = _load_init_draft(config, target)
         if str(device) == "meta":

@@ -23,5 +23,8 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, draft: nn.Module
         raise ValueError(f"activation checkpointing mode {mode!r} is not supported; use 'full' or 'none'")
     for layer in model.layers:
         layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
-    if draft is not None:
+    if draft is not None and hasattr(draft, "forward_pass"):  # EAGLE-3: each TTT pass
         draft.forward_pass = functools.partial(checkpoint, draft.forward_pass, use_reentrant=False)
+    elif draft is not None:  # a block drafter: each layer
+        for layer in draft.layers:
+            layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)

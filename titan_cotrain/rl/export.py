@@ -11,6 +11,8 @@ from collections.abc import Callable
 import torch
 
 from titan_cotrain.models.draft import Draft
+from titan_cotrain.models.block_draft import BlockDrafter
+from titan_cotrain.models.dflash import save_dflash
 from titan_cotrain.models.eagle3 import ENGINE_N_TAPS, save_eagle3
 from titan_cotrain.models.hf_stream import save_hf_streamed
 from titan_cotrain.models.transformer import Transformer
@@ -38,6 +40,9 @@ def write_export(folder: str, policy: Transformer, read_policy: Callable[[str], 
             shutil.copy(os.path.join(tokenizer_folder, name), os.path.join(folder, "policy", name))
     if draft is None:
         return "the policy"
+    if isinstance(draft, BlockDrafter):
+        save_dflash(draft, os.path.join(folder, "draft"), n_target_layers=policy.args.n_layers)
+        return "the policy and the block drafter"
     if len(policy.tap_layers) != ENGINE_N_TAPS:
         print(f"the draft fuses {len(policy.tap_layers)} tap layers; vLLM and SGLang load EAGLE-3 drafts "
               f"of exactly {ENGINE_N_TAPS}, so it is not exported", flush=True)

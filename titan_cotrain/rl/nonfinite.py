@@ -78,11 +78,16 @@ def forward_is_finite(policy: nn.Module, draft: nn.Module | None, tokens: torch.
     s = tokens.shape[1]
     out = policy(tokens, return_taps=draft is not None)
     ok = torch.isfinite(out if draft is None else out.logits).all()
-    if draft is not None:
+    if draft is not None and hasattr(draft, "forward_pass"):  # EAGLE-3
         positions = torch.arange(s, device=tokens.device)
         select = torch.ones(1, s, dtype=torch.bool, device=tokens.device)
         (logits,) = draft(torch.cat(out.taps, -1)[0], out.embeddings[0], tokens[0], positions, [0, s], select)
         ok &= torch.isfinite(logits).all()
+    elif draft is not None:  # a block drafter: the block at the last position
+        positions = torch.arange(s, device=tokens.device)
+        last = positions[-1:]
+        hidden = draft(torch.cat(out.taps, -1)[0], positions, out.embeddings[0, -1:], last, last.new_zeros(1), last)
+        ok &= torch.isfinite(draft.logits(hidden, policy.lm_head.weight)).all()
     return _on_every_rank(ok.float(), collective)
 
 

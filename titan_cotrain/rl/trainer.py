@@ -225,6 +225,11 @@ class Trainer:
         return describe_role(self.parallel_dims, self.pipeline.plan if self.pipeline is not None else None)
 
     # ---------------------------------------------------------------- steps
+    def draft_seed(self, step: int) -> int:
+        """The seed of a block drafter's random anchors at ``step`` on this rank: a function of
+        the job's seed, the step and the rank, so a resumed step draws what it drew before."""
+        return (self.seed * 1_000_003 + step) * 1024 + self.rank
+
     def sft_step(self, step: int) -> dict[str, float]:
         """Warm start: next-token training of the policy on demonstrations (this rank's part of
         the prompt stream's next block), draft co-trained."""
@@ -234,7 +239,8 @@ class Trainer:
             samples.append(Sample(prompt, response, [0.0] * len(response), 0.0))
         batch = pack_rank_batch(samples, self.config, self.sync, step)
         batch.advantages = batch.old_logprobs = batch.inv_lens = None
-        return self.update.step(batch, next_token_loss, train_draft=self.cotrain, warm_start=True)
+        return self.update.step(batch, next_token_loss, train_draft=self.cotrain, warm_start=True,
+                                seed=self.draft_seed(step))
 
     def prefit_step(self, step: int) -> dict[str, float]:
         """A draft-only step of the prefit (``rl.prefit``), its phases named for the run mode
@@ -262,7 +268,7 @@ class Trainer:
             batch.advantages = batch.old_logprobs = batch.inv_lens = None
         with phase("prefit update"):
             metrics |= self.update.step(batch, frozen_policy_loss, train_draft=True, warm_start=True,
-                                        train_policy=False)
+                                        train_policy=False, seed=self.draft_seed(step))
         return metrics
 
     def rl_step(self, step: int) -> dict[str, float]:
@@ -302,7 +308,8 @@ class Trainer:
             batch = self.pack(samples, step)
         with phase("update"):
             t1 = time.perf_counter()
-            metrics |= self.update.step(batch, self.rl_loss, train_draft=self.train_draft_in_rl, warm_start=False)
+            metrics |= self.update.step(batch, self.rl_loss, train_draft=self.train_draft_in_rl, warm_start=False,
+                                        seed=self.draft_seed(step))
             metrics["time/train_s"] = time.perf_counter() - t1
         metrics |= acceptance_over_tau(metrics, sampled=self.config.rollout.temperature > 0)
         metrics |= self.collapse_watch.judge(metrics)

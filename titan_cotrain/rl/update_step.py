@@ -60,12 +60,16 @@ class UpdateSettings:
     """The policy's gradient-norm clip (``[training] max_norm``)."""
     draft_max_norm: float
     """The draft's gradient-norm clip (``[draft] grad_clip``)."""
+    blocks_per_doc: int = 8
+    """A block drafter's training blocks per sequence (``[draft] blocks_per_doc``)."""
 
     @classmethod
     def from_config(cls, config) -> "UpdateSettings":
         d = config.draft
+        # A block drafter's positions 1 .. B - 1 take the TTT passes' place in the sums and metrics.
+        ttt_steps = d.block_size - 1 if d.kind == "dflash" else d.ttt_steps
         return cls(updates_per_step=config.rl.updates_per_step, microbatch_rows=config.training.local_batch_size,
-                   ttt_steps=d.ttt_steps, pass_decay=d.pass_decay, draft_loss_weight=d.loss_weight,
+                   ttt_steps=ttt_steps, pass_decay=d.pass_decay, blocks_per_doc=d.blocks_per_doc, draft_loss_weight=d.loss_weight,
                    draft_loss_on=d.loss_on, moe_aux_loss_weight=config.model.moe_aux_loss_weight,
                    policy_max_norm=config.training.max_norm, draft_max_norm=d.grad_clip)
 
@@ -81,22 +85,26 @@ class UpdateStep:
         self.settings, self.policy_opt, self.draft_opt, self.device = settings, policy_opt, draft_opt, device
         self.host_values, self.max_updates = host_values, max_updates
 
-    def gradients(self, minibatch: PackedBatch, loss_fn: PolicyLossFn, train_draft: bool) -> dict[str, torch.Tensor]:
+    def gradients(self, minibatch: PackedBatch, loss_fn: PolicyLossFn, train_draft: bool,
+                  seed: int = 0) -> dict[str, torch.Tensor]:
         """One update's final (normalised, clipped) gradients over ``minibatch``; its metrics,
-        device tensors (``loss/*``, the loss's own, ``draft/*``, ``grad_norm/*``)."""
+        device tensors (``loss/*``, the loss's own, ``draft/*``, ``grad_norm/*``). ``seed``: of
+        a block drafter's random anchors."""
         raise NotImplementedError
 
     def step(self, batch: PackedBatch, loss_fn: PolicyLossFn, *, train_draft: bool,
-             warm_start: bool, train_policy: bool = True) -> dict[str, float]:
+             warm_start: bool, train_policy: bool = True, seed: int = 0) -> dict[str, float]:
         """``batch``'s updates: one for the warm start (and the draft's prefit), ``updates_per_step``
         for an RL batch. ``train_policy`` False (the prefit): the policy's optimizer does not step
-        (its gradients are zeroed), so its weights and optimizer state stay what they were."""
+        (its gradients are zeroed), so its weights and optimizer state stay what they were.
+        ``seed``: a block drafter's anchors (``Trainer.draft_seed``: the job's seed, the step and
+        the rank), so a resumed step draws the uninterrupted one's."""
         n = 1 if warm_start else self.settings.updates_per_step
         rows = batch.tokens.shape[0]
         metrics: dict[str, float] = {}
         for chunk in range(n)[:self.max_updates]:
             part = slice(chunk * rows // n, (chunk + 1) * rows // n)
-            out = self.gradients(batch.map(lambda t, part=part: t[part]), loss_fn, train_draft)
+            out = self.gradients(batch.map(lambda t, part=part: t[part]), loss_fn, train_draft, seed * 64 + chunk)
             host = self.host_values(out | nonfinite_flags(out, self.device))
             step_optimizers(self.policy_opt, self.draft_opt if train_draft else None,
                             step_policy=train_policy and not host["nonfinite/policy"],
@@ -119,7 +127,8 @@ class SingleStageUpdate(UpdateStep):
         self.policy, self.draft, self.prepare, self.max_microbatches = policy, draft, prepare, max_microbatches
         self.forward_scope = forward_scope
 
-    def gradients(self, minibatch: PackedBatch, loss_fn: PolicyLossFn, train_draft: bool) -> dict[str, torch.Tensor]:
+    def gradients(self, minibatch: PackedBatch, loss_fn: PolicyLossFn, train_draft: bool,
+                  seed: int = 0) -> dict[str, torch.Tensor]:
         s = self.settings
         draft = self.draft if train_draft else None
         with self.forward_scope():
@@ -127,7 +136,8 @@ class SingleStageUpdate(UpdateStep):
                                    pass_decay=s.pass_decay, draft_loss_weight=s.draft_loss_weight,
                                    draft_loss_on=s.draft_loss_on, prepare=self.prepare, device=self.device,
                                    microbatch_rows=s.microbatch_rows, max_microbatches=self.max_microbatches,
-                                   moe_aux_loss_weight=s.moe_aux_loss_weight)
+                                   moe_aux_loss_weight=s.moe_aux_loss_weight, blocks_per_doc=s.blocks_per_doc,
+                                   anchor_seed=seed)
         return out | clip_grad_norms(self.policy.parameters(), draft.parameters() if draft is not None else None,
                                      s.policy_max_norm, s.draft_max_norm)
 
@@ -143,7 +153,8 @@ class PipelineUpdate(UpdateStep):
         super().__init__(settings, policy_opt, draft_opt, device, host_values, max_updates)
         self.pipeline, self.max_schedule_steps = pipeline, max_schedule_steps
 
-    def gradients(self, minibatch: PackedBatch, loss_fn: PolicyLossFn, train_draft: bool) -> dict[str, torch.Tensor]:
+    def gradients(self, minibatch: PackedBatch, loss_fn: PolicyLossFn, train_draft: bool,
+                  seed: int = 0) -> dict[str, torch.Tensor]:
         p, s = self.pipeline, self.settings
         per_step = p.n_microbatches * p.microbatch_size
         extra = -minibatch.tokens.shape[0] % per_step

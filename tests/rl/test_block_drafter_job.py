@@ -1,0 +1,70 @@
+"""``[draft] kind = "dflash"``: a job co-trains a block drafter inside the policy step and
+speculates with it. The warm start and RL train it (its per-position accuracies logged under
+the draft's names), the rollouts draft blocks and report the acceptance the training accuracy
+predicts, the export writes a DFlash folder that loads back, a resumed job repeats the
+uninterrupted one, and what is not built yet is refused naming the keys."""
+
+import shutil
+
+import pytest
+import torch
+
+from tests.test_train import REPO, SHORT, _assert_repeated_exactly, _metrics, _run
+from titan_cotrain.config import ConfigError, load_job_config
+
+CONFIG = ("--job.config_file", str(REPO / "train_configs" / "debug_cpu.toml"))
+BLOCK = ("--draft.kind", "dflash", "--draft.block_size", "4", "--draft.block_layers", "2",
+         "--draft.blocks_per_doc", "4", "--rollout.draft_tokens", "3", "--rollout.no-adaptive_speculation")
+
+
+def test_a_job_co_trains_a_block_drafter_and_speculates_with_it(tmp_path):
+    from titan_cotrain.models.block_draft import BlockDrafter
+    from titan_cotrain.models.dflash import load_dflash
+    from titan_cotrain.rl.trainer import Trainer
+
+    config = load_job_config([*CONFIG, *SHORT, *BLOCK, "--job.dump_folder", str(tmp_path), "--checkpoint.no-enable",
+                              "--metrics.no-enable_tensorboard"], world_size=1)
+    trainer = Trainer(config, world_size=1, rank=0)
+    assert isinstance(trainer.draft, BlockDrafter) and trainer.policy.tap_layers == trainer.draft.args.target_layer_ids
+    before = {k: v.clone() for k, v in trainer.draft.state_dict().items()}
+    trainer.run()
+    metrics = _metrics(tmp_path)
+    rl = [m for m in metrics if m["phase"] == "rl"]
+    assert [m["phase"] for m in metrics].count("sft") == 2 and len(rl) == 2
+    for m in metrics:
+        assert all(f"draft/{kind}_pass{j}" in m for kind in ("loss", "acc", "accept") for j in (1, 2, 3)), m.keys()
+        assert "draft/acc_pass4" not in m
+    for m in rl:
+        assert m["rollout/draft_tokens"] == 3.0 and m["rollout/acceptance_length"] >= 1.0
+        assert "rollout/acceptance_over_tau" in m
+    after = trainer.draft.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before), "the drafter did not train"
+    loaded = load_dflash(tmp_path / "export" / "draft")
+    assert loaded.args == trainer.draft.args
+    assert all(torch.equal(loaded.state_dict()[k], after[k].float()) for k in after)
+
+
+def test_a_resumed_block_drafter_job_repeats_the_uninterrupted_one(tmp_path):
+    """The anchors are drawn from the job's seed, the step and the rank: a job resumed from the
+    uninterrupted one's checkpoint of its last warm-start step repeats its RL steps exactly."""
+    common = [*CONFIG, *SHORT, *BLOCK, "--metrics.no-enable_tensorboard"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    result = _run(*common, "--job.dump_folder", str(whole), nproc=None)
+    assert result.returncode == 0, result.stderr[-3000:]
+    shutil.copytree(whole / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
+    result = _run(*common, "--job.dump_folder", str(resumed), nproc=None)
+    assert result.returncode == 0, result.stderr[-3000:]
+    again = _metrics(resumed)
+    assert [m["step"] for m in again] == [3, 4]
+    _assert_repeated_exactly([m for m in _metrics(whole) if m["step"] > 2], again)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--parallelism.context_parallel_degree", "2"), "context_parallel_degree = 2"),
+    (("--draft.vocab_size", "100"), "draft.vocab_size = 100"),
+    (("--rollout.draft_tokens", "4"), "at most draft.block_size - 1 (3)"),
+    (("--draft.block_size", "1"), "draft.block_size (1) must be >= 2"),
+])
+def test_what_the_block_drafter_does_not_do_yet_is_refused_with_the_key(flags, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_job_config([*CONFIG, *BLOCK, *flags], world_size=2)

@@ -68,3 +68,17 @@ def test_a_resumed_block_drafter_job_repeats_the_uninterrupted_one(tmp_path):
 def test_what_the_block_drafter_does_not_do_yet_is_refused_with_the_key(flags, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_job_config([*CONFIG, *BLOCK, *flags], world_size=2)
+
+
+def test_a_block_drafter_job_runs_under_fsdp_on_two_processes(tmp_path):
+    """FSDP 2: the drafter sharded beside the policy, its loss inside the policy step (the head's
+    weight copied from the gathered one), the engine refreshed from the shards; the export
+    loads back."""
+    from titan_cotrain.models.dflash import load_dflash
+
+    result = _run(*CONFIG, *SHORT, *BLOCK, "--metrics.no-enable_tensorboard", "--checkpoint.no-enable",
+                  "--job.dump_folder", str(tmp_path), nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rl = [m for m in _metrics(tmp_path) if m["phase"] == "rl"]
+    assert len(rl) == 2 and all(m["rollout/draft_tokens"] == 3.0 and "draft/acc_pass3" in m for m in rl)
+    assert load_dflash(tmp_path / "export" / "draft").args.block_size == 4

@@ -85,11 +85,12 @@ def sample_anchors(cu_seqlens: torch.Tensor, loss_region: torch.Tensor, blocks_p
 
 
 def _block_chunk(hidden: torch.Tensor, teacher_rows: torch.Tensor, mask: torch.Tensor, slot: torch.Tensor,
-                 drafter: BlockDrafter, policy_hidden: torch.Tensor, head_weight: torch.Tensor, slots: int):
+                 norm: torch.nn.Module, policy_hidden: torch.Tensor, head_weight: torch.Tensor, slots: int):
     """One chunk's per-slot ``(ce_sum, correct, overlap)`` (``[slots]`` each); ``hidden [c, H]``
-    the drafter's outputs, ``teacher_rows, mask, slot [c]``."""
+    the drafter's outputs before its ``norm``, ``teacher_rows, mask, slot [c]``."""
     weight = head_weight.detach()
-    logits = drafter.logits(hidden, weight)  # [c, V]
+    logits = F.linear(norm(hidden), weight.to(hidden.dtype))
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # [c, V], as BlockDrafter.logits
     with torch.no_grad():
         teacher = F.linear(policy_hidden[teacher_rows].detach().to(weight.dtype), weight)
         teacher = teacher.to(logits.dtype).log_softmax(-1)
@@ -132,18 +133,21 @@ def block_draft_sums(
         zero = sum(p.sum() for p in drafter.parameters()) * 0.0
         return BlockStats(zero.expand(b - 1), *(torch.zeros(b - 1, device=features.device) for _ in range(3)))
     start, end = document_bounds(cu_seqlens, features.device)
-    hidden = drafter(features, positions, embeddings[anchors], positions[anchors], start[anchors], anchors)
     targets = anchors[:, None] + torch.arange(1, b, device=anchors.device)  # [N, B - 1]
     inside = targets < end[anchors][:, None]
     targets = torch.where(inside, targets, anchors[:, None])  # any row in range where masked
     mask = (inside & loss_region[targets]).reshape(-1)
     teacher_rows = (targets - 1).reshape(-1)
     slot = torch.arange(b - 1, device=anchors.device).repeat(anchors.shape[0])
-    rows = hidden[:, 1:].reshape(-1, hidden.shape[-1])
-    sums = [checkpoint(_block_chunk, *chunk, drafter, policy_hidden, head_weight, b - 1,
-                       use_reentrant=False, preserve_rng_state=False)
-            for chunk in zip(rows.split(chunk_rows), teacher_rows.split(chunk_rows), mask.split(chunk_rows),
-                             slot.split(chunk_rows))]
+
+    def score(hidden: torch.Tensor, norm: torch.nn.Module):
+        rows = hidden[:, 1:].reshape(-1, hidden.shape[-1])
+        return [checkpoint(_block_chunk, *chunk, norm, policy_hidden, head_weight, b - 1,
+                           use_reentrant=False, preserve_rng_state=False)
+                for chunk in zip(rows.split(chunk_rows), teacher_rows.split(chunk_rows), mask.split(chunk_rows),
+                                 slot.split(chunk_rows))]
+
+    sums = drafter(features, positions, embeddings[anchors], positions[anchors], start[anchors], anchors, score=score)
     ce_sum, correct, overlap = (torch.stack(parts).sum(0) for parts in zip(*sums))
     count = torch.zeros(b - 1, dtype=torch.int64, device=mask.device).index_add(0, slot, mask.long())
     return BlockStats(ce_sum, count, correct, overlap)

@@ -35,7 +35,9 @@ the DFlash checkpoint layout (``fc``, ``hidden_norm``, ``layers.<i>.self_attn.q_
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -198,8 +200,11 @@ class BlockDrafter(nn.Module):
         return torch.cat([anchor_embeddings[:, None], masks], dim=1)
 
     def forward(self, features: torch.Tensor, positions: torch.Tensor, anchor_embeddings: torch.Tensor,
-                anchor_positions: torch.Tensor, ctx_start: torch.Tensor, ctx_end: torch.Tensor) -> torch.Tensor:
-        """The blocks' final hidden states ``[N, B, H]`` (before ``norm``).
+                anchor_positions: torch.Tensor, ctx_start: torch.Tensor, ctx_end: torch.Tensor,
+                score: Callable[[torch.Tensor, nn.Module], Any] | None = None):
+        """The blocks' final hidden states ``[N, B, H]`` (before ``norm``), or with ``score``
+        what ``score(hidden, norm)`` returns: run inside this forward, where FSDP has the
+        drafter's parameters gathered (the training sums, ``cotrain.block_loss``).
 
         ``features [T, n_ctx * H]``: the target's tapped outputs at every packed position
         (detached here: no gradient reaches the policy); ``positions [T]`` their RoPE
@@ -215,7 +220,7 @@ class BlockDrafter(nn.Module):
         x = self.block_inputs(anchor_embeddings.detach().to(dtype))
         for layer in self.layers:
             x = layer(x, block_rope, context, context_rope, ctx_start, ctx_end)
-        return x
+        return x if score is None else score(x, self.norm)
 
     # Drafting with a KV cache.
 

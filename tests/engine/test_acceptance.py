@@ -50,16 +50,23 @@ class TracingEngine(RolloutEngine):
         return accepted
 
 
-def unroll_correct(target: Transformer, draft: Draft, sequences: list[torch.Tensor], depth: int) -> list[torch.Tensor]:
-    """Per sequence, ``bool [depth, n]``: TTT pass ``d`` at anchor ``i`` predicts ``x_{i+d+1}``
-    (False where that token is past the end), from one packed forward of the target and the
-    draft's unroll over all the sequences, as the trainer runs them."""
+def _packed_target_forward(target: Transformer, sequences: list[torch.Tensor]):
+    """``(cu_seqlens, tokens [1, T], positions, the target's TargetOutput)``: one packed forward
+    over ``sequences`` with the taps, as the trainer runs it."""
     lengths = [s.numel() for s in sequences]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     tokens = torch.cat(sequences).unsqueeze(0)
     positions = layout_from_cu_seqlens(cu, 1, cu[-1].item()).positions
     with torch.no_grad():
-        out = target(tokens, cu_seqlens=cu.tolist(), positions=positions, return_taps=True)
+        return cu, tokens, positions, target(tokens, cu_seqlens=cu.tolist(), positions=positions, return_taps=True)
+
+
+def unroll_correct(target: Transformer, draft: Draft, sequences: list[torch.Tensor], depth: int) -> list[torch.Tensor]:
+    """Per sequence, ``bool [depth, n]``: TTT pass ``d`` at anchor ``i`` predicts ``x_{i+d+1}``
+    (False where that token is past the end), from one packed forward of the target and the
+    draft's unroll over all the sequences, as the trainer runs them."""
+    cu, tokens, positions, out = _packed_target_forward(target, sequences)
+    with torch.no_grad():
         taps = torch.cat(out.taps, -1)[0]
         select = torch.ones(depth, tokens.shape[1], dtype=torch.bool)
         logits = draft(taps, out.embeddings[0], tokens[0], positions[0], cu.tolist(), select)
@@ -168,12 +175,8 @@ def unroll_overlap(target: Transformer, draft: Draft, sequences: list[torch.Tens
     target's distribution for ``x_{i+2}`` (its logits at ``i + 1``) and TTT pass 1's draft
     distribution at ``i`` (mapped to target ids); 0 where ``x_{i+2}`` is past the end. A
     brute-force float64 reference, independent of ``chunked_soft_ce``'s."""
-    lengths = [s.numel() for s in sequences]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    tokens = torch.cat(sequences).unsqueeze(0)
-    positions = layout_from_cu_seqlens(cu, 1, cu[-1].item()).positions
+    cu, tokens, positions, out = _packed_target_forward(target, sequences)
     with torch.no_grad():
-        out = target(tokens, cu_seqlens=cu.tolist(), positions=positions, return_taps=True)
         select = torch.ones(1, tokens.shape[1], dtype=torch.bool)
         [draft_logits] = draft(torch.cat(out.taps, -1)[0], out.embeddings[0], tokens[0], positions[0], cu.tolist(),
                                select)
@@ -181,7 +184,7 @@ def unroll_overlap(target: Transformer, draft: Draft, sequences: list[torch.Tens
     q = torch.zeros_like(p)
     q[:, torch.arange(draft.args.draft_vocab_size) + draft.d2t] = draft_logits.double().softmax(-1)
     result = []
-    for start, n in zip(cu[:-1].tolist(), lengths):
+    for start, n in zip(cu[:-1].tolist(), (len(seq) for seq in sequences)):
         overlap = torch.zeros(n, dtype=torch.float64)
         overlap[: n - 2] = torch.minimum(p[start + 1: start + n - 1], q[start: start + n - 2]).sum(-1)
         result.append(overlap)

@@ -345,7 +345,8 @@ def prefit_rows(result: dict, command: str) -> list[Row]:
                    f"{rec['acceptance_over_tau_rl_step1']:.2f}); rollout seconds over the first {n} RL steps",
             f"{rec['acceptance_rl_step1']:.2f}; {rec[f'rollout_s_first{n}']:.1f} s",
             f"no prefit {base['acceptance_rl_step1']:.2f}; {base[f'rollout_s_first{n}']:.1f} s",
-            f"saved {saved:.1f} s for {rec['prefit_s']:.1f} s of prefit", "-", "-", s["hardware"], command))
+            f"saved {saved:.1f} s for {rec['prefit_s']:.1f} s of prefit", "measured / tau in [0.9, 1.1]",
+            "yes" if 0.9 <= rec["acceptance_over_tau_rl_step1"] <= 1.1 else "**no**", s["hardware"], command))
     return rows
 
 

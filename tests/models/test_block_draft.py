@@ -17,7 +17,7 @@ T = int(CU[-1])
 
 
 def test_target_layers_are_spread_from_layer_1_to_L_minus_3():
-    assert block_target_layers(36, 5) == (1, 9, 17, 25, 33)  # the published Qwen3-8B drafter's
+    assert block_target_layers(36, 5) == (1, 9, 17, 25, 33)  # SGLang's default rule for these depths
     assert block_target_layers(28, 1) == (14,)
     assert block_target_layers(8, 3) == (1, 3, 5)
     with pytest.raises(ValueError, match="at least 4 layers"):

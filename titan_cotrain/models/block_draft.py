@@ -55,7 +55,7 @@ __all__ = ["BlockDraftArgs", "BlockDrafter", "block_target_layers"]
 
 def block_target_layers(n_target_layers: int, n_layers: int) -> tuple[int, ...]:
     """The target layers whose outputs feed a drafter of ``n_layers`` layers, one per drafter
-    layer, spread evenly from layer 1 to layer ``L - 3`` (the DFlash checkpoints' choice; the
+    layer, spread evenly from layer 1 to layer ``L - 3`` (SGLang's default when a DFlash config names none; the
     middle layer for a one-layer drafter)."""
     if n_layers == 1:
         return (n_target_layers // 2,)

@@ -45,7 +45,14 @@ from torch import nn
 
 from titan_cotrain.models.args import ModelArgs, RopeScaling
 from titan_cotrain.models.kv_cache import KVPool, PagedKV, RowsKV
-from titan_cotrain.models.transformer import FeedForward, RMSNorm, apply_rope, init_weights_, rope_cos_sin, rope_inv_freq
+from titan_cotrain.models.transformer import (
+    FeedForward,
+    RMSNorm,
+    apply_rope,
+    init_weights_,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 from titan_cotrain.models.taps import validate_tap_layers
 from titan_cotrain.ops.attention import merge_attention
 from titan_cotrain.ops.block_attention import block_attention
@@ -84,7 +91,8 @@ class BlockDraftArgs:
 
     def __post_init__(self) -> None:
         if self.block_size < 2:
-            raise ValueError(f"block_size must be >= 2 (the anchor and at least one drafted token), got {self.block_size}")
+            raise ValueError(f"block_size must be >= 2 (the anchor and at least one drafted token), "
+                             f"got {self.block_size}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if not self.target_layer_ids:
@@ -294,5 +302,6 @@ def _own_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> t
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     scores = torch.einsum("bqhd,bkhd->bhqk", q.to(acc), k.repeat_interleave(rep, dim=2).to(acc)) * q.shape[-1] ** -0.5
     lse = torch.logsumexp(scores, dim=-1)
-    out = torch.einsum("bhqk,bkhd->bqhd", torch.exp(scores - lse.unsqueeze(-1)), v.repeat_interleave(rep, dim=2).to(acc))
+    values = v.repeat_interleave(rep, dim=2).to(acc)
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.exp(scores - lse.unsqueeze(-1)), values)
     return out.to(q.dtype), lse.transpose(1, 2)

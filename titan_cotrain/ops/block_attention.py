@@ -73,7 +73,8 @@ def block_attention_exact(
         s_ctx = s_ctx.masked_fill(~keep[:, None, None, :], float("-inf"))
         s_blk = torch.einsum("cqhd,ckhd->chqk", qc, kb) * scale
         p = torch.cat([s_ctx, s_blk], dim=-1).softmax(-1)  # the block's own keys: never an empty row
-        out = torch.einsum("chql,lhd->cqhd", p[..., : hi - lo], vc) + torch.einsum("chqk,ckhd->cqhd", p[..., hi - lo:], vb)
+        out = (torch.einsum("chql,lhd->cqhd", p[..., : hi - lo], vc)
+               + torch.einsum("chqk,ckhd->cqhd", p[..., hi - lo:], vb))
         outs.append(out.to(q.dtype))
         first = last
     return torch.cat(outs)

@@ -69,14 +69,14 @@ def save_dflash(drafter: BlockDrafter, path: PathLike, n_target_layers: int, mas
     if any(not 0 <= layer < n_target_layers for layer in args.target_layer_ids):
         raise ValueError(f"target_layer_ids {list(args.target_layer_ids)} do not fit a {n_target_layers}-layer target")
     dtype = dtype or drafter.fc.weight.dtype
-    config = dflash_config(args, n_target_layers, mask_token_id)
-    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    hf_config = dflash_config(args, n_target_layers, mask_token_id)
+    hf_config["torch_dtype"] = str(dtype).removeprefix("torch.")
     tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in drafter.state_dict().items()}
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     for stale in (folder / INDEX_NAME, *folder.glob("model-*-of-*.safetensors")):
         stale.unlink(missing_ok=True)
-    (folder / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (folder / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
     save_file(tensors, folder / WEIGHTS_NAME, metadata={"format": "pt"})
 
 
@@ -86,7 +86,7 @@ def dflash_config(args: BlockDraftArgs, n_target_layers: int, mask_token_id: int
              "num_target_layers": n_target_layers}
     if mask_token_id is not None:
         block["mask_token_id"] = int(mask_token_id)
-    config = {
+    hf_config = {
         "architectures": [ARCHITECTURE], "model_type": "qwen3", "hidden_size": args.dim,
         "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
         "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim, "intermediate_size": args.ffn_dim,
@@ -96,10 +96,10 @@ def dflash_config(args: BlockDraftArgs, n_target_layers: int, mask_token_id: int
     }
     if args.rope_scaling is not None:
         s = args.rope_scaling
-        config["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+        hf_config["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
                                   "high_freq_factor": s.high_freq_factor,
                                   "original_max_position_embeddings": s.original_max_position_embeddings}
-    return config
+    return hf_config
 
 
 def load_dflash(path: PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -112,9 +112,9 @@ def load_dflash(path: PathLike, dtype: torch.dtype = torch.float32, device: str 
     if not folder.is_dir():
         raise HFCheckpointError(f"{folder}: no such directory")
     config_path = folder / CONFIG_NAME
-    config = _read_json(config_path)
+    hf_config = _read_json(config_path)
     try:
-        args, mask_token_id = _args(config)
+        args, mask_token_id = _args(hf_config)
     except HFCheckpointError as e:
         raise HFCheckpointError(f"{config_path}: {e}") from None
     files = _weight_files(folder)
@@ -149,34 +149,34 @@ def load_dflash(path: PathLike, dtype: torch.dtype = torch.float32, device: str 
     return drafter
 
 
-def _args(config: Mapping[str, Any]) -> tuple[BlockDraftArgs, int | None]:
+def _args(hf_config: Mapping[str, Any]) -> tuple[BlockDraftArgs, int | None]:
     """The drafter's args and mask token id from a DFlash ``config.json``."""
-    if ARCHITECTURE not in (config.get("architectures") or []):
-        raise HFCheckpointError(f"architectures must include {ARCHITECTURE!r}, got {config.get('architectures')!r}")
-    if config.get("hidden_act", "silu") != "silu" or config.get("attention_bias", False):
+    if ARCHITECTURE not in (hf_config.get("architectures") or []):
+        raise HFCheckpointError(f"architectures must include {ARCHITECTURE!r}, got {hf_config.get('architectures')!r}")
+    if hf_config.get("hidden_act", "silu") != "silu" or hf_config.get("attention_bias", False):
         raise HFCheckpointError("only hidden_act 'silu' without attention bias is supported")
-    block = config.get("dflash_config") or {}
+    block = hf_config.get("dflash_config") or {}
     if not isinstance(block, Mapping):
         raise HFCheckpointError(f"dflash_config must be an object, got {block!r}")
-    layer_ids = block.get("target_layer_ids", config.get("target_layer_ids"))
+    layer_ids = block.get("target_layer_ids", hf_config.get("target_layer_ids"))
     if not isinstance(layer_ids, list) or not layer_ids or not all(isinstance(x, int) for x in layer_ids):
         raise HFCheckpointError(f"dflash_config.target_layer_ids must be a non-empty list of ints, got {layer_ids!r}")
-    block_size = _positive({"block_size": block.get("block_size", config.get("block_size"))}, "block_size", int)
-    mask_token_id = block.get("mask_token_id", config.get("mask_token_id"))
+    block_size = _positive({"block_size": block.get("block_size", hf_config.get("block_size"))}, "block_size", int)
+    mask_token_id = block.get("mask_token_id", hf_config.get("mask_token_id"))
     if mask_token_id is not None and (isinstance(mask_token_id, bool) or not isinstance(mask_token_id, int)):
         raise HFCheckpointError(f"mask_token_id must be an int, got {mask_token_id!r}")
-    hidden = _positive(config, "hidden_size", int)
-    heads = _positive(config, "num_attention_heads", int)
-    max_positions = _positive(config, "max_position_embeddings", int, default=32768)
-    theta, scaling = _rope(config, max_positions)
+    hidden = _positive(hf_config, "hidden_size", int)
+    heads = _positive(hf_config, "num_attention_heads", int)
+    max_positions = _positive(hf_config, "max_position_embeddings", int, default=32768)
+    theta, scaling = _rope(hf_config, max_positions)
     try:
         args = BlockDraftArgs(
-            dim=hidden, n_layers=_positive(config, "num_hidden_layers", int), n_heads=heads,
-            n_kv_heads=_positive(config, "num_key_value_heads", int, default=heads),
-            head_dim=_positive(config, "head_dim", int, default=hidden // heads),
-            ffn_dim=_positive(config, "intermediate_size", int), vocab_size=_positive(config, "vocab_size", int),
+            dim=hidden, n_layers=_positive(hf_config, "num_hidden_layers", int), n_heads=heads,
+            n_kv_heads=_positive(hf_config, "num_key_value_heads", int, default=heads),
+            head_dim=_positive(hf_config, "head_dim", int, default=hidden // heads),
+            ffn_dim=_positive(hf_config, "intermediate_size", int), vocab_size=_positive(hf_config, "vocab_size", int),
             block_size=block_size, target_layer_ids=tuple(layer_ids),
-            norm_eps=_positive(config, "rms_norm_eps", float, default=1e-6), rope_theta=theta, rope_scaling=scaling,
+            norm_eps=_positive(hf_config, "rms_norm_eps", float, default=1e-6), rope_theta=theta, rope_scaling=scaling,
             max_seq_len=max_positions)
     except ValueError as e:
         raise HFCheckpointError(str(e)) from None

@@ -45,7 +45,10 @@ fi
 
 # Inside the allocation.
 if command -v scontrol > /dev/null; then
-    head_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+    # The whole list, then its first line: "| head -n 1" would close the pipe early, and under
+    # pipefail a SIGPIPE'd scontrol could end the script before it launches anything.
+    hosts="$(scontrol show hostnames "$SLURM_JOB_NODELIST")"
+    head_node="${hosts%%$'\n'*}"
 elif [ "$dry" = 1 ]; then
     head_node="<first node of $SLURM_JOB_NODELIST>"
 else

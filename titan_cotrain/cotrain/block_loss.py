@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from titan_cotrain.models.block_draft import BlockDrafter
+from titan_cotrain.models.block_draft import BlockDrafter, head_logits
 
 __all__ = ["BlockStats", "block_draft_sums", "block_weights", "document_bounds", "sample_anchors"]
 
@@ -89,8 +89,7 @@ def _block_chunk(hidden: torch.Tensor, teacher_rows: torch.Tensor, mask: torch.T
     """One chunk's per-slot ``(ce_sum, correct, overlap)`` (``[slots]`` each); ``hidden [c, H]``
     the drafter's outputs before its ``norm``, ``teacher_rows, mask, slot [c]``."""
     weight = head_weight.detach()
-    logits = F.linear(norm(hidden), weight.to(hidden.dtype))
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # [c, V], as BlockDrafter.logits
+    logits = head_logits(norm, hidden, weight)  # [c, V]
     with torch.no_grad():
         teacher = F.linear(policy_hidden[teacher_rows].detach().to(weight.dtype), weight)
         teacher = teacher.to(logits.dtype).log_softmax(-1)

@@ -31,10 +31,8 @@ compiled steps (refused).
 from __future__ import annotations
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from titan_cotrain.engine.engine_copy import empty_copy
 from titan_cotrain.engine.generation import Generation, Round, Sequences
 from titan_cotrain.engine.kv_budget import KVBudget
 from titan_cotrain.engine.rollout import RolloutEngine
@@ -54,6 +52,8 @@ class BlockDraftEngine(RolloutEngine):
     def __init__(self, policy: Transformer, drafter: BlockDrafter, *, max_batch_size: int, max_seq_len: int,
                  max_draft_tokens: int = 0, kv_cache_gib: float | KVBudget = 0.0, block_size: int = 16,
                  paged: bool = True, compile: bool = False) -> None:
+        if drafter is None:
+            raise ValueError("a block-drafting engine needs its drafter")
         if compile:
             raise NotImplementedError("compiled block drafting is not built yet: use compile = false with a block "
                                       "drafter")
@@ -69,28 +69,11 @@ class BlockDraftEngine(RolloutEngine):
         super().__init__(policy, drafter, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                          max_draft_tokens=k, kv_cache_gib=kv_cache_gib, block_size=block_size, paged=paged)
 
-    @classmethod
-    def from_models(cls, policy: Transformer, draft: BlockDrafter | None = None, *, device: torch.device | str,
-                    dtype: torch.dtype | None = None, max_batch_size: int, max_seq_len: int,
-                    max_draft_tokens: int = 0, kv_cache_gib: float | KVBudget = 0.0, block_size: int = 16,
-                    paged: bool = True, compile: bool = False, load: bool = True,
-                    tp_mesh: DeviceMesh | None = None) -> BlockDraftEngine:
-        """An engine with its own copies of ``policy`` and the block drafter ``draft`` on
-        ``device`` (``RolloutEngine.from_models``'s meaning)."""
-        if draft is None:
-            raise ValueError("a block-drafting engine needs its drafter")
-        if tp_mesh is not None:
-            raise NotImplementedError("a tensor-parallel engine with a block drafter is not built yet")
-        device = torch.device(device)
-        dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
-        own_policy = empty_copy(lambda: Transformer(policy.args, policy.tap_layers), device, dtype)
-        own_drafter = empty_copy(lambda: BlockDrafter(draft.args), device, dtype)
-        engine = cls(own_policy, own_drafter, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                     max_draft_tokens=max_draft_tokens, kv_cache_gib=kv_cache_gib, block_size=block_size,
-                     paged=paged, compile=compile)
-        if load:
-            engine.load_weights(policy.state_dict(), draft.state_dict())
-        return engine
+    @staticmethod
+    def _draft_shell(draft: BlockDrafter) -> BlockDrafter:
+        """An uninitialised drafter of ``draft``'s shapes (``RolloutEngine.from_models`` fills
+        it; a ``tp_mesh`` there is refused here, its policy copy being tensor-parallel)."""
+        return BlockDrafter(draft.args)
 
     def _draft_to_target(self) -> torch.Tensor:
         """The drafter drafts over the policy's whole vocabulary: the identity map."""

@@ -309,17 +309,19 @@ class RolloutEngine:
         device = torch.device(device)
         dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
         own_policy = empty_copy(lambda: Transformer(policy.args, policy.tap_layers), device, dtype, tp_mesh)
-        own_draft = None
-        if draft is not None:
-            d2t, t2d = draft.d2t, draft.t2d
-            own_draft = empty_copy(lambda: Draft(draft.args, torch.empty(d2t.shape, dtype=d2t.dtype),
-                                                  torch.empty(t2d.shape, dtype=t2d.dtype)), device, dtype)
+        own_draft = empty_copy(lambda: cls._draft_shell(draft), device, dtype) if draft is not None else None
         engine = cls(own_policy, own_draft, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                      max_draft_tokens=max_draft_tokens, kv_cache_gib=kv_cache_gib, block_size=block_size, paged=paged,
                      compile=compile)
         if load:
             engine.load_weights(policy.state_dict(), draft.state_dict() if draft is not None else None)
         return engine
+
+    @staticmethod
+    def _draft_shell(draft: Draft) -> Draft:
+        """An uninitialised draft of ``draft``'s shapes (``from_models`` fills it)."""
+        d2t, t2d = draft.d2t, draft.t2d
+        return Draft(draft.args, torch.empty(d2t.shape, dtype=d2t.dtype), torch.empty(t2d.shape, dtype=t2d.dtype))
 
     @property
     def device(self) -> torch.device:

@@ -57,7 +57,7 @@ from titan_cotrain.models.taps import validate_tap_layers
 from titan_cotrain.ops.attention import merge_attention
 from titan_cotrain.ops.block_attention import block_attention
 
-__all__ = ["BlockDraftArgs", "BlockDrafter", "block_target_layers"]
+__all__ = ["BlockDraftArgs", "BlockDrafter", "block_target_layers", "head_logits"]
 
 
 def block_target_layers(n_target_layers: int, n_layers: int) -> tuple[int, ...]:
@@ -272,11 +272,17 @@ class BlockDrafter(nn.Module):
         return x
 
     def logits(self, hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
-        """``[..., H] -> [..., V]`` (fp32; fp64 for fp64 inputs) through ``norm`` and the
-        policy's head weight, read detached (a plain function of the weight: no module hook,
-        no gradient to the policy)."""
-        out = F.linear(self.norm(hidden), head_weight.detach().to(hidden.dtype))
-        return out.to(torch.promote_types(out.dtype, torch.float32))
+        """``[..., H] -> [..., V]`` through ``norm`` and the policy's head (``head_logits``)."""
+        return head_logits(self.norm, hidden, head_weight)
+
+
+def head_logits(norm: nn.Module, hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
+    """The drafter's logits ``[..., V]`` (fp32; fp64 for fp64 inputs): ``norm(hidden)`` through
+    the policy's head weight, read detached (a plain function of the weight: no module hook,
+    no gradient to the policy). ``norm`` is passed so the training sums can run it inside the
+    drafter's forward, where FSDP has it gathered."""
+    out = F.linear(norm(hidden), head_weight.detach().to(hidden.dtype))
+    return out.to(torch.promote_types(out.dtype, torch.float32))
 
 
 def _context_attention(cache: PagedKV | RowsKV, layer: int, q: torch.Tensor,

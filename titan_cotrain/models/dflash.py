@@ -29,19 +29,15 @@ Whatever is wrong with a folder surfaces as one ``HFCheckpointError`` naming the
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from titan_cotrain.models.block_draft import BlockDraftArgs, BlockDrafter
 from titan_cotrain.models.hf import (
     CONFIG_NAME,
-    INDEX_NAME,
-    WEIGHTS_NAME,
     HFCheckpointError,
     PathLike,
     _check_tensors,
@@ -49,7 +45,9 @@ from titan_cotrain.models.hf import (
     _positive,
     _read_json,
     _rope,
+    _stored_shapes,
     _weight_files,
+    write_single_file_folder,
 )
 from titan_cotrain.models.transformer import rope_inv_freq
 
@@ -72,12 +70,7 @@ def save_dflash(drafter: BlockDrafter, path: PathLike, n_target_layers: int, mas
     hf_config = dflash_config(args, n_target_layers, mask_token_id)
     hf_config["torch_dtype"] = str(dtype).removeprefix("torch.")
     tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in drafter.state_dict().items()}
-    folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
-    for stale in (folder / INDEX_NAME, *folder.glob("model-*-of-*.safetensors")):
-        stale.unlink(missing_ok=True)
-    (folder / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
-    save_file(tensors, folder / WEIGHTS_NAME, metadata={"format": "pt"})
+    write_single_file_folder(path, hf_config, tensors)
 
 
 def dflash_config(args: BlockDraftArgs, n_target_layers: int, mask_token_id: int | None) -> dict[str, Any]:
@@ -118,10 +111,7 @@ def load_dflash(path: PathLike, dtype: torch.dtype = torch.float32, device: str 
     except HFCheckpointError as e:
         raise HFCheckpointError(f"{config_path}: {e}") from None
     files = _weight_files(folder)
-    shapes = {}
-    for file in files:
-        with _open(file) as f:
-            shapes |= {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    shapes = {name: shape for name, (_, shape) in _stored_shapes(files).items()}
     with torch.device("meta"):
         drafter = BlockDrafter(args)
     expected = {name: tuple(t.shape) for name, t in drafter.state_dict().items()}

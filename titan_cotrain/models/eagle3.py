@@ -34,21 +34,17 @@ Whatever is wrong with a folder surfaces as one ``HFCheckpointError`` naming the
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from titan_cotrain.models.args import ModelArgs
 from titan_cotrain.models.draft import Draft, DraftArgs
 from titan_cotrain.models.draft_vocab import checked_vocab_maps, vocab_map_problem
 from titan_cotrain.models.hf import (
     CONFIG_NAME,
-    INDEX_NAME,
-    WEIGHTS_NAME,
     HFCheckpointError,
     PathLike,
     _check_tensors,
@@ -57,6 +53,7 @@ from titan_cotrain.models.hf import (
     _weight_files,
     hf_config_from_model_args,
     model_args_from_hf_config,
+    write_single_file_folder,
 )
 from titan_cotrain.models.taps import vllm_aux_layer_ids
 from titan_cotrain.models.transformer import rope_inv_freq
@@ -107,13 +104,7 @@ def save_eagle3(
         for name, t in draft.state_dict().items()
     }
 
-    folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
-    # A stale index would shadow the new weights for any HF-style loader.
-    for stale in (folder / INDEX_NAME, *folder.glob("model-*-of-*.safetensors")):
-        stale.unlink(missing_ok=True)
-    (folder / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_file(tensors, folder / WEIGHTS_NAME, metadata={"format": "pt"})
+    write_single_file_folder(path, config, tensors)
 
 
 def load_eagle3(

@@ -417,6 +417,18 @@ def _read_json(path: Path) -> dict[str, Any]:
     return value
 
 
+def write_single_file_folder(path: PathLike, hf_config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> None:
+    """A draft folder: ``config.json`` and every tensor in one ``model.safetensors``. The
+    index and shards of an earlier save are removed first: a stale index would shadow the new
+    weights for any Hugging Face style loader."""
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in (folder / INDEX_NAME, *folder.glob("model-*-of-*.safetensors")):
+        stale.unlink(missing_ok=True)
+    (folder / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    save_file(dict(tensors), folder / WEIGHTS_NAME, metadata={"format": "pt"})
+
+
 def _weight_files(folder: Path) -> list[Path]:
     """The safetensors files holding the weights: the index's shards, else the single file."""
     index_path = folder / INDEX_NAME

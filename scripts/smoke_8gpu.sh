@@ -53,7 +53,8 @@ stages_begin smoke_8gpu _smoke_8gpu "import torch, sys; sys.exit(torch.cuda.devi
     "fewer than 8 CUDA devices visible" "$@"
 
 COMMON=(--model.hf_assets_path assets/tokenizer --task.name arithmetic --draft.vocab_size 0 --task.sft_steps 1
-        --task.sft_batch_size 8 --training.steps 2 --checkpoint.no-enable --metrics.no-enable_tensorboard)
+        --task.sft_batch_size 8 --training.steps 2 --checkpoint.no-enable --metrics.no-enable_tensorboard
+        --draft.prefit_steps 2 --draft.prefit_warmup_steps 1)  # the configs' 50-step prefit, cut to 2
 FOUR_LAYERS=(--model.n_layers 4 --draft.tap_layers 0 1 2)  # EAGLE-3's default taps need 7 layers
 P=--parallelism
 if [ "$CPU" = 1 ]; then

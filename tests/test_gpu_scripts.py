@@ -77,7 +77,7 @@ def test_gpu_check_runs_on_cpu_and_reports_every_stage(tmp_path):
     assert overhead["with_draft_s"] > 0 and overhead["policy_only_s"] > 0 and overhead["overhead"] > -1
     assert stages["bench_compile"]["numbers"]["cotrain_step"]["ratio"] > 0
     memory = stages["branch_memory"]["numbers"]
-    assert memory["checks_passed"] and set(memory["points"]["packed"]["branch"]) == {"1024", "2048", "4096"}
+    assert memory["checks_passed"] and set(memory["points"]["packed"]["branch"]) == {"1024", "2048", "4096", "8192"}
     # Everything else is in the archive: the logs, the benchmarks' outputs, the job's metrics.
     with tarfile.open(tmp_path / "cpu.tar.gz") as archive:
         names = set(archive.getnames())
@@ -97,8 +97,9 @@ def test_smoke_8gpu_runs_on_cpu_and_reports_every_stage(tmp_path):
         ("ring", "fsdp_cp", "pp_cp_dp", "tp_engine"), "ok")
     for name in ("fsdp_cp", "pp_cp_dp", "tp_engine"):
         job = stages[name]["numbers"]
-        assert job["steps"] == {"sft": 1, "rl": 2}, name
+        assert job["steps"] == {"sft": 1, "prefit": 2, "rl": 2}, name  # the configs' prefit, cut to 2 steps
         assert job["last"]["sft"]["grad_norm/policy"] > 0, name
+        assert job["last"]["prefit"]["grad_norm/draft"] > 0, name
     assert "--simulate.check_at_start" in stages["fsdp_cp"]["command"]
     assert stages["fsdp_cp"]["numbers"]["scale_check"]["peak_gib"]
     assert "--rollout.tensor_parallel_degree 2" in stages["tp_engine"]["command"]

@@ -198,16 +198,18 @@ def e2e_rows(result: dict, command: str) -> list[Row]:
     frozen draft on the long-tailed job."""
     claim = "End to end: RL step with speculative rollouts"
     cfg, summary = result["config"], result["summary"]
+    legacy = {"command": command} | {k: cfg.get(k) for k in ("sft_steps", "rounds")}
     labels = {"per_call": "k per call", "per_round": "k per round", "fixed_k3": "k = 3 every round"}
     by = {(r["config"], r["arm"]): r for r in result["records"]}
     rows = []
     for config in cfg["jobs"]:
         plain = by[config, "plain"]
+        run = plain.get("settings", legacy)  # the settings and command that made this job's records
         rows.append(Row(
             claim, f"{config}: plain decoding, median of {plain['steps']} RL steps: the rollout's share of the step, "
                    "and the share of the rollout's wall time with at most 25% of the rows live",
             f"rollout {summary[config]['plain_rollout_share_of_step']:.2f} of the step",
-            f"tail share {plain['tail_share']:.2f}", "-", "-", "-", cfg["jobs"][config], command))
+            f"tail share {plain['tail_share']:.2f}", "-", "-", "-", cfg["jobs"][config], run["command"]))
         for arm, label in labels.items():
             r = by[config, arm]
             goal = summary[config]["goal"] if arm == "per_round" else None
@@ -215,15 +217,16 @@ def e2e_rows(result: dict, command: str) -> list[Row]:
             if goal:
                 goal_text = f"step <= {goal['step']}x" + (f", rollout <= {goal['rollout']:.2f}x" if "rollout" in goal else "")
             rows.append(Row(
-                claim, f"{config}: median of {r['steps']} RL steps ({cfg['rounds']} runs per arm, orders alternated) "
-                       f"after a {cfg['sft_steps']}-step warm start, {label} (mean k {r['mean_k']:.2f})",
+                claim, f"{config}: median of {r['steps']} RL steps ({run['rounds']} runs per arm, "
+                       f"{_seeds_text(run)}, orders alternated) after a {run['sft_steps']}-step warm start, "
+                       f"{label} (mean k {r['mean_k']:.2f}{_explorations_text(r)})",
                 f"{r['step_s_median']:.3f} s/step, rollout {r['rollout_s_median']:.3f} s (tail share "
                 f"{r['tail_share']:.2f}, accept {r['acceptance_length']:.2f})",
                 f"plain {plain['step_s_median']:.3f} s/step, rollout {plain['rollout_s_median']:.3f} s "
                 f"(tail share {plain['tail_share']:.2f})",
                 f"step {r['step_over_plain']:.2f}x (noise {r['noise_band'][0]:.2f}-{r['noise_band'][1]:.2f}), "
-                f"rollout {r['rollout_over_plain']:.2f}x",
-                goal_text, _met(summary[config]["goal_met"]) if goal else "-", cfg["jobs"][config], command))
+                f"rollout {r['rollout_over_plain']:.2f}x{_paired_text(r)}",
+                goal_text, _met(summary[config]["goal_met"]) if goal else "-", cfg["jobs"][config], run["command"]))
     seeds = summary.get("cotrained_vs_frozen")
     if seeds:
         co, fr = by["longtail", "per_round_cotrained"], by["longtail", "per_round_frozen"]
@@ -235,8 +238,26 @@ def e2e_rows(result: dict, command: str) -> list[Row]:
                    f"{co['steps']} kept steps of all seeds; per seed, acceptance co-trained / frozen: {accepts}",
             f"co-trained {co['step_s_median']:.3f} s/step, accept {co['acceptance_length']:.2f}",
             f"frozen {fr['step_s_median']:.3f} s/step, accept {fr['acceptance_length']:.2f}",
-            f"frozen / co-trained step per seed: {ratios}", "-", "-", cfg["jobs"]["longtail"], command))
+            f"frozen / co-trained step per seed: {ratios}", "-", "-", cfg["jobs"]["longtail"],
+            co.get("settings", legacy)["command"]))
     return rows
+
+
+def _seeds_text(run: dict) -> str:
+    seeds = run.get("seeds") or []
+    return f"RL seeds {', '.join(map(str, seeds))}" if len(set(seeds)) > 1 else "one RL seed"
+
+
+def _explorations_text(record: dict) -> str:
+    n = record.get("plain_explorations")
+    return f"; {n} of its steps the tuner's plain-decoding measurements" if n else ""
+
+
+def _paired_text(record: dict) -> str:
+    if "paired_step_ratio_median" not in record:
+        return ""
+    return (f"; paired medians: step {record['paired_step_ratio_median']:.2f}x, "
+            f"rollout {record['paired_rollout_ratio_median']:.2f}x")
 
 
 def pp_rows(result: dict, command: str) -> list[Row]:

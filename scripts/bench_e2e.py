@@ -11,24 +11,31 @@ per-round choice is never slower than plain decoding: step ratio at most
 ``GOALS["default"]["step"]``.
 
 Method. Per config, the warm start runs once (or ``--warm-start-<config>`` gives a step-<sft>
-folder) and every run resumes a copy of it with the same ``--debug.seed`` (so the same prompts
-at every step), for ``--rl-steps`` RL steps, the first ``--skip`` left out (the adaptive
-arms' first calls measure by design: every ``k``, then plain decoding). The arms:
+folder) and every run resumes a copy of it for ``--rl-steps`` RL steps, the first ``--skip``
+left out (the adaptive arms' first calls measure by design: every ``k``, then plain decoding).
+Each arm runs ``--rounds`` times, round ``r`` with RL seed ``--seed + r`` (its own prompts and
+samples), the same seed in every arm of a round, so step ``i`` of round ``r`` is the same
+batch of prompts in every arm. The arms:
 
 * ``plain``: ``--rollout.no-speculative`` (the draft is still co-trained, decoding ignores it);
 * ``per_call``: ``k`` chosen once per rollout phase from its first wave's size;
 * ``per_round``: ``k`` chosen every decoding round from the live rows (the default);
 * ``fixed_k3``: ``k = 3`` every round.
 
-Each arm runs ``--rounds`` times, the arms' order reversed every other round so that the
-machine's drift does not fall on one arm; medians are over every run's kept steps. The noise
-band of a ratio is the 5th-95th percentile of the ratio of medians over bootstrap resamples of
-the paired kept steps (the same step of the same round in both arms: the same prompts). Per step, from ``metrics.jsonl``: ``time/step_s``, ``time/rollout_s``,
+The arms' order is reversed every other round so that the machine's drift does not fall on
+one arm; medians are over every run's kept steps. The noise band of a ratio is the 5th-95th
+percentile of the ratio of medians over bootstrap resamples of the paired kept steps (the same
+step of the same round in both arms: the same prompts); ``paired_*_ratio_median`` is the
+median over those pairs of one arm's step (or rollout) time over plain's, and
+``plain_explorations`` counts the kept steps of an adaptive arm whose rollout drafted nothing
+(the tuner measuring plain decoding). Per step, from ``metrics.jsonl``: ``time/step_s``, ``time/rollout_s``,
 ``rollout/tail_share`` (wall time with at most a quarter of the rows live, over the
 rollout's), ``rollout/acceptance_length`` (over the rounds that drafted) and
-``rollout/draft_tokens`` (mean k). Then, on the long-tailed job, the co-trained draft against
-one frozen after the warm start (``--draft.freeze_after_sft``), both ``per_round``, over
-``--seeds`` RL seeds: the step ratio and acceptance, whatever they show.
+``rollout/draft_tokens`` (mean k). Then, on the long-tailed job, the co-trained draft (the
+``per_round`` runs) against one frozen after the warm start (``--draft.freeze_after_sft``,
+also ``per_round``), one frozen run per round's seed: the step ratio and acceptance, whatever
+they show. ``--configs`` naming one job keeps the other job's results from an existing
+``--json`` (each job's records carry the settings and command that made them).
 
 Checked first, exit 1 on failure: every run's copy of its warm start is unchanged (sha256),
 every run ran all its steps, and the fixed-k arm's drafts are accepted (acceptance length > 1:
@@ -37,7 +44,7 @@ speculation was really on). Whether the goals are met is in the JSON (``summary`
 acceptance_length, noise_band}``; the README's table is generated from it.
 
     .venv/bin/python scripts/bench_e2e.py      # 2 warm starts (~10 + ~20 min) and the runs below
-    .venv/bin/python scripts/bench_e2e.py --warm-start-default W1 --warm-start-longtail W2   # runs only: ~23 min
+    .venv/bin/python scripts/bench_e2e.py --configs longtail --warm-start-longtail W   # ~50 min
     .venv/bin/python scripts/bench_e2e.py --quick   # 20 SFT, 4 RL steps, 1 seed, to assets/quick/
 """
 
@@ -95,13 +102,29 @@ def record(config: str, arm: str, seeds: list[int], s: dict) -> dict:
     return {"config": config, "arm": arm, "seeds": seeds, "steps": len(s["step_s"]),
             "step_s_median": s["median_step_s"], "rollout_s_median": s["median_rollout_s"],
             "tail_share": s["median_tail_share"], "acceptance_length": s["median_acceptance_length"],
-            "mean_k": statistics.fmean(s["draft_tokens"])}
+            "mean_k": statistics.fmean(s["draft_tokens"]),
+            "plain_explorations": sum(k == 0 for k in s["draft_tokens"])}
+
+
+def previous_settings(previous: dict) -> dict:
+    """The settings of an earlier JSON's records (one written before records carried them: its
+    ``config`` and ``command``)."""
+    cfg = previous["config"]
+    return {"sft_steps": cfg["sft_steps"], "rl_steps": cfg["rl_steps"], "skip": cfg["skip"],
+            "rounds": cfg["rounds"], "seeds": [cfg["seed"]] * cfg["rounds"], "command": previous["command"]}
+
+
+def paired_ratio_median(mine: list[float], theirs: list[float]) -> float:
+    """Median over the paired steps (the same step of the same round) of ``mine / theirs``."""
+    if len(mine) != len(theirs):
+        raise ValueError(f"paired steps: {len(mine)} against {len(theirs)}")
+    return statistics.median(a / b for a, b in zip(mine, theirs))
 
 
 def noise_band(mine: list[float], theirs: list[float], seed: int, resamples: int = 2000) -> list[float]:
     """5th and 95th percentile of median(mine) / median(theirs) over bootstrap resamples of the
     paired steps: step ``i`` of both lists is the same RL step of the same round (the same
-    prompts: every run has the same seed), so a step whose batch holds a long response is
+    prompts: both runs have that round's seed), so a step whose batch holds a long response is
     slow in every arm and a resample takes it, or not, for both."""
     if len(mine) != len(theirs):
         raise ValueError(f"paired steps: {len(mine)} against {len(theirs)}")
@@ -156,11 +179,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--sft-steps", type=int, default=600)
-    parser.add_argument("--rl-steps", type=int, default=9)
+    parser.add_argument("--rl-steps", type=int, default=33)
     parser.add_argument("--skip", type=int, default=3, help="first RL steps of each run left out of the medians")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="runs per arm, the arms' order reversed every other round (the machine drifts)")
-    parser.add_argument("--seeds", type=int, default=3, help="RL seeds of the co-trained vs frozen comparison")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="runs per arm, round r with RL seed --seed + r, the arms' order reversed every "
+                             "other round (the machine drifts)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="20 SFT and 4 RL steps into assets/quick/ (a smoke run)")
     for config in CONFIGS:
@@ -173,7 +196,7 @@ def main() -> int:
     args = parser.parse_args()
     assets = ROOT / "assets" / ("quick" if args.quick else "")
     if args.quick:
-        args.sft_steps, args.rl_steps, args.skip, args.rounds, args.seeds = 20, 4, 1, 1, 1
+        args.sft_steps, args.rl_steps, args.skip, args.rounds = 20, 4, 1, 1
     elif args.rounds * (args.rl_steps - args.skip) < 10:
         parser.error("the medians need at least 10 timed steps per arm: --rounds x (--rl-steps - --skip) >= 10")
     args.work = args.work or ROOT / "outputs" / ("bench_e2e_quick" if args.quick else "bench_e2e")
@@ -184,6 +207,8 @@ def main() -> int:
     for path in warm_given.values():
         if path is not None and path.resolve().is_relative_to(args.work.resolve()):
             parser.error("--warm-start-* must lie outside --work, which is cleared first")
+    previous = json.loads(args.json.read_text()) if args.json.exists() else None
+    kept_jobs = [c for c in CONFIGS if c not in args.configs and previous and c in previous.get("summary", {})]
     shutil.rmtree(args.work, ignore_errors=True)
     common = ["--task.sft_steps", str(args.sft_steps), "--checkpoint.interval", str(args.sft_steps),
               "--checkpoint.keep_latest_k", "0", "--metrics.no-enable_tensorboard"]
@@ -199,36 +224,39 @@ def main() -> int:
             run(args.work / config / "warm_start", [*common, "--debug.seed", str(args.seed), "--training.steps", "1"],
                 CONFIGS[config])
         runs = {arm: [] for arm in ARMS}
+        # The long-tailed job's frozen draft runs in each round beside the others (per_round is its co-trained arm).
+        arms = {**ARMS, **({"per_round_frozen": [*ARMS["per_round"], *FROZEN]} if config == "longtail" else {})}
         for round_ in range(args.rounds):
-            for arm in (list(ARMS) if round_ % 2 == 0 else list(ARMS)[::-1]):
-                runs[arm].append(resume(args.work / config / arm / f"round-{round_}", warm, step_dir, CONFIGS[config],
-                                        [*common, "--debug.seed", str(args.seed), *steps, *ARMS[arm]], failures,
-                                        f"{config} {arm}, round {round_}"))
+            for arm in (list(arms) if round_ % 2 == 0 else list(arms)[::-1]):
+                metrics = resume(args.work / config / arm / f"round-{round_}", warm, step_dir, CONFIGS[config],
+                                 [*common, "--debug.seed", str(args.seed + round_), *steps, *arms[arm]], failures,
+                                 f"{config} {arm}, round {round_}")
+                if arm in ARMS:
+                    runs[arm].append(metrics)
+                seeded = {"per_round": "per_round_cotrained", "per_round_frozen": "per_round_frozen"}.get(arm)
+                if seeded and config == "longtail":
+                    kept_by.setdefault(f"{config}/seeds", {}).setdefault(seeded, {})[args.seed + round_] = \
+                        kept_steps([metrics], args.skip)
         if statistics.fmean(m.get("rollout/acceptance_length", 1.0) for m in kept_steps(runs["fixed_k3"], 0)) <= 1.0:
             failures.append(f"{config} fixed_k3: no drafted token was accepted, speculation was not on")
         kept_by[config] = {arm: kept_steps(arm_runs, args.skip) for arm, arm_runs in runs.items()}
-        if config == "longtail":
-            # The co-trained draft against a frozen one, over the RL seeds (per_round both).
-            for seed in range(args.seed, args.seed + args.seeds):
-                for arm, flags in (("per_round_cotrained", []), ("per_round_frozen", FROZEN)):
-                    metrics = resume(args.work / config / arm / f"seed-{seed}", warm, step_dir, CONFIGS[config],
-                                     [*common, "--debug.seed", str(seed), *steps, *ARMS["per_round"], *flags],
-                                     failures, f"{config} {arm}, seed {seed}")
-                    kept_by.setdefault(f"{config}/seeds", {}).setdefault(arm, {})[seed] = kept_steps([metrics], args.skip)
     if failures:
         for failure in failures:
             print(f"FAIL: {failure}", file=sys.stderr)
         return 1
 
     summary = {}
+    seeds_run = list(range(args.seed, args.seed + args.rounds))
     for config in args.configs:
         arms = result["configs"][config] = {arm: arm_summary(steps_) for arm, steps_ in kept_by[config].items()}
         plain = arms["plain"]
         for arm, s in arms.items():
             band = noise_band(s["step_s"], plain["step_s"], args.seed) if arm != "plain" else None
-            records.append(record(config, arm, [args.seed], s) | {
+            records.append(record(config, arm, seeds_run, s) | {
                             "step_over_plain": s["median_step_s"] / plain["median_step_s"],
                             "rollout_over_plain": s["median_rollout_s"] / plain["median_rollout_s"],
+                            "paired_step_ratio_median": paired_ratio_median(s["step_s"], plain["step_s"]),
+                            "paired_rollout_ratio_median": paired_ratio_median(s["rollout_s"], plain["rollout_s"]),
                             "noise_band": band,
                             "rollout_noise_band": noise_band(s["rollout_s"], plain["rollout_s"], args.seed + 1)
                             if arm != "plain" else None})
@@ -256,12 +284,22 @@ def main() -> int:
             s = arm_summary([m for steps_ in seeds[arm].values() for m in steps_])
             records.append(record("longtail", arm, sorted(seeds[arm]), s) | {"noise_band": None})
         summary["cotrained_vs_frozen"] = per_seed
+    settings = {"sft_steps": args.sft_steps, "rl_steps": args.rl_steps, "skip": args.skip,
+                "rounds": args.rounds, "seeds": seeds_run, "command": command_line(),
+                "runtime_s": time.perf_counter() - start}
+    for r in records:
+        r["settings"] = settings
+    for config in kept_jobs:  # results of the job this run left out, as the earlier run wrote them
+        records += [{"settings": previous_settings(previous)} | r for r in previous["records"] if r["config"] == config]
+        summary[config] = previous["summary"][config]
+        result["configs"][config] = previous["configs"][config]
+        if config == "longtail" and "cotrained_vs_frozen" in previous["summary"]:
+            summary["cotrained_vs_frozen"] = previous["summary"]["cotrained_vs_frozen"]
     result["records"] = records
-    result["config"] = {"sft_steps": args.sft_steps, "rl_steps": args.rl_steps, "skip": args.skip,
-                        "rounds": args.rounds, "seed": args.seed, "seeds": args.seeds,
-                        "jobs": {c: f"train_configs/{CONFIGS[c]}, 2 CPU processes (gloo)" for c in args.configs},
+    result["config"] = {"jobs": {c: f"train_configs/{CONFIGS[c]}, 2 CPU processes (gloo)"
+                                 for c in CONFIGS if c in summary},
                         "arms": ARMS, "frozen": FROZEN}
-    result["summary"] = summary | {"runtime_s": time.perf_counter() - start}
+    result["summary"] = summary
     result["command"] = command_line()
     for r in records:
         ratio = f", x{r['step_over_plain']:.3f} plain" if "step_over_plain" in r else ""

@@ -62,26 +62,70 @@ def document_bounds(cu_seqlens: torch.Tensor, device) -> tuple[torch.Tensor, tor
     return cu[:-1].repeat_interleave(lengths), cu[1:].repeat_interleave(lengths)
 
 
-def sample_anchors(cu_seqlens: torch.Tensor, loss_region: torch.Tensor, blocks_per_doc: int,
-                   generator: torch.Generator | None = None) -> torch.Tensor:
+_MIX = (0x5851F42D4C957F2D, 0x14057B7EF767814F)  # odd 63-bit multipliers
+_KEY_BITS = (1 << 62) - 1
+_NO_KEY = torch.iinfo(torch.int64).max
+
+
+def _logical_shift(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """``x >> bits`` of the 64-bit pattern (torch's ``>>`` keeps the sign of an int64)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def anchor_keys(global_rows: torch.Tensor, seed: int) -> torch.Tensor:
+    """int64 ``[T]`` in ``[0, 2^62)``: a hash of ``(seed, row)`` for every row's index in the
+    unsharded batch (``b * S + t``), the same number on whichever rank or device holds the
+    row (multiply-xorshift rounds, wrapping int64 arithmetic)."""
+    offset = (seed * _MIX[1]) % (1 << 63)  # the seed's share, a non-negative int64
+    x = global_rows.to(torch.int64) + offset
+    for mix, bits in ((_MIX[0], 29), (_MIX[1], 32), (_MIX[0], 29)):
+        x = x * mix
+        x = x ^ _logical_shift(x, bits)
+    return x & _KEY_BITS
+
+
+def sample_anchors(cu_seqlens: torch.Tensor, loss_region: torch.Tensor, blocks_per_doc: int, seed: int = 0,
+                   *, shift=None) -> torch.Tensor:
     """``int64 [N]``, increasing: up to ``blocks_per_doc`` anchor rows per document, drawn
     uniformly without replacement among the rows ``a`` whose next row ``a + 1`` is in the
-    document and in ``loss_region [T]``. Vectorised (one sort), on ``loss_region``'s device;
-    ``generator`` a generator of that device."""
-    t = loss_region.shape[0]
+    document and in ``loss_region [T]``: per document, the valid rows with the smallest
+    ``anchor_keys`` of ``seed``. Vectorised (one sort, no loop over documents), on
+    ``loss_region``'s device.
+
+    ``shift`` (the microbatch's ``DocumentShift`` or, under context parallelism, its
+    ``TTTHalo``; default: this batch's own) says where each row's successor and global index
+    are; under CP the ranks of the group exchange their documents' smallest keys (one
+    ``all_gather`` of ``[documents, blocks_per_doc]``), so together they draw the anchors one
+    device draws from the whole batch, each rank keeping its own rows."""
+    import torch.distributed as dist
+
+    from titan_cotrain.data.packing import DocumentShift
+
     device = loss_region.device
-    start, end = document_bounds(cu_seqlens, device)
+    t = loss_region.shape[0]
+    shift = shift if shift is not None else DocumentShift(cu_seqlens, 1, device)
+    (region,) = shift.extend(loss_region)
+    next_row = shift.rows[0].to(device)
+    valid = (next_row >= 0) & region[next_row.clamp(min=0)]
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    n_docs = cu.numel() - 1
     rows = torch.arange(t, device=device)
-    next_in_region = torch.cat([loss_region[1:], loss_region.new_zeros(1)])
-    valid = (rows + 1 < end) & next_in_region
-    # Sorted by document, then valid rows first in a random order: a document's first
-    # blocks_per_doc sorted rows are its draw.
-    doc = torch.searchsorted(cu_seqlens.to(device=device, dtype=torch.int64)[1:], rows, right=True)
-    noise = torch.rand(t, generator=generator, device=device, dtype=torch.float64)
-    order = torch.argsort(doc.double() * 4 + torch.where(valid, noise, torch.full_like(noise, 2.0)), stable=True)
-    rank = rows - start[order]
-    chosen = order[(rank < blocks_per_doc) & valid[order]]
-    return chosen.sort().values
+    doc = torch.searchsorted(cu[1:], rows, right=True)
+    key = torch.where(valid, anchor_keys(shift.global_rows.to(device), seed), _NO_KEY)
+    # Per document its blocks_per_doc smallest keys here ([documents, blocks_per_doc], _NO_KEY
+    # where it has fewer valid rows), then over the CP group.
+    order = torch.argsort(key, stable=True)
+    order = order[torch.argsort(doc[order], stable=True)]
+    rank = rows - cu[:-1][doc[order]]
+    take = rank < blocks_per_doc
+    smallest = torch.full((n_docs, blocks_per_doc), _NO_KEY, dtype=torch.int64, device=device)
+    smallest[doc[order][take], rank[take]] = key[order][take]
+    if shift.group is not None:
+        every = [torch.empty_like(smallest) for _ in range(dist.get_world_size(shift.group))]
+        dist.all_gather(every, smallest, group=shift.group)
+        smallest = torch.cat(every, dim=1).sort(dim=1).values[:, :blocks_per_doc]
+    chosen = valid & (key <= smallest[:, -1][doc])
+    return chosen.nonzero().squeeze(1)
 
 
 def _block_chunk(hidden: torch.Tensor, teacher_rows: torch.Tensor, mask: torch.Tensor, slot: torch.Tensor,
@@ -117,6 +161,7 @@ def block_draft_sums(
     anchors: torch.Tensor,
     *,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    shift=None,
 ) -> BlockStats:
     """The drafter's sums over one packed microbatch (module docstring).
 
@@ -126,27 +171,50 @@ def block_draft_sums(
     policy's head read (its final norm's output); ``head_weight [V, H]``; ``anchors [N]``
     (``sample_anchors``). Every policy tensor is read detached. The draft logits of
     ``chunk_rows`` block rows at a time, each chunk checkpointed: no ``[N B, V]`` tensor is
-    kept from forward to backward."""
+    kept from forward to backward.
+
+    ``shift``: where each row's successors live (the microbatch's ``DocumentShift``, default
+    this batch's own, or under context parallelism its ``TTTHalo``, at least ``B - 1`` wide):
+    a block's teacher rows and targets past the end of this rank's chunk come from its halo,
+    and its context from every rank of the group (``ops.block_attention.BlockContextRing``)."""
+    from titan_cotrain.data.packing import DocumentShift
+    from titan_cotrain.ops.block_attention import BlockContextRing
+
     b = drafter.args.block_size
-    if anchors.numel() == 0:  # nothing to train on: zero sums, still reaching every parameter
+    if anchors.numel() == 0 and (shift is None or shift.group is None):
+        # Nothing to train on: zero sums, still reaching every parameter. (Under CP the rank
+        # goes on: the group's other blocks read its context.)
         zero = sum(p.sum() for p in drafter.parameters()) * 0.0
         return BlockStats(zero.expand(b - 1), *(torch.zeros(b - 1, device=features.device) for _ in range(3)))
-    start, end = document_bounds(cu_seqlens, features.device)
-    targets = anchors[:, None] + torch.arange(1, b, device=anchors.device)  # [N, B - 1]
-    inside = targets < end[anchors][:, None]
-    targets = torch.where(inside, targets, anchors[:, None])  # any row in range where masked
-    mask = (inside & loss_region[targets]).reshape(-1)
-    teacher_rows = (targets - 1).reshape(-1)
+    device = features.device
+    shift = shift if shift is not None else DocumentShift(cu_seqlens, b - 1, device)
+    if shift.width < b - 1:
+        raise ValueError(f"a block of {b} reads {b - 1} successors of its anchor; the shift holds {shift.width}")
+    # Row of x_{a+j} (j = 1 .. B - 1) in the extended tensors, -1 past the document's end.
+    targets = shift.rows[: b - 1, anchors].to(device).T  # [N, B - 1]
+    inside = targets >= 0
+    teacher_hidden, region = shift.extend(policy_hidden, loss_region)
+    mask = (inside & region[targets.clamp(min=0)]).reshape(-1)
+    # The teacher of x_{a+j} reads row a + j - 1: the anchor, then the targets before j.
+    teacher_rows = torch.cat([anchors[:, None], targets[:, :-1]], dim=1)
+    teacher_rows = torch.where(teacher_rows >= 0, teacher_rows, anchors[:, None]).reshape(-1)  # masked there
     slot = torch.arange(b - 1, device=anchors.device).repeat(anchors.shape[0])
+    if shift.group is not None:
+        doc = torch.searchsorted(cu_seqlens.to(device=device, dtype=torch.int64)[1:],
+                                 torch.arange(features.shape[0], device=device), right=True)
+        ring, start = BlockContextRing(shift.group, doc, positions.to(device), anchors), None
+    else:
+        ring, (start, _) = None, document_bounds(cu_seqlens, device)
 
     def score(hidden: torch.Tensor, norm: torch.nn.Module):
         rows = hidden[:, 1:].reshape(-1, hidden.shape[-1])
-        return [checkpoint(_block_chunk, *chunk, norm, policy_hidden, head_weight, b - 1,
+        return [checkpoint(_block_chunk, *chunk, norm, teacher_hidden, head_weight, b - 1,
                            use_reentrant=False, preserve_rng_state=False)
                 for chunk in zip(rows.split(chunk_rows), teacher_rows.split(chunk_rows), mask.split(chunk_rows),
                                  slot.split(chunk_rows))]
 
-    sums = drafter(features, positions, embeddings[anchors], positions[anchors], start[anchors], anchors, score=score)
+    ctx = (anchors, anchors) if ring is not None else (start[anchors], anchors)  # the ring plans them under CP
+    sums = drafter(features, positions, embeddings[anchors], positions[anchors], *ctx, score=score, ring=ring)
     ce_sum, correct, overlap = (torch.stack(parts).sum(0) for parts in zip(*sums))
     count = torch.zeros(b - 1, dtype=torch.int64, device=mask.device).index_add(0, slot, mask.long())
     return BlockStats(ce_sum, count, correct, overlap)

@@ -137,6 +137,10 @@ class DocumentShift:
         total = int(cu[-1])
         self.width = width
         self.rows = torch.stack([successor_rows(cu, d, total) for d in range(1, width + 1)]).to(device)
+        # Each row's index in the whole batch (here: itself), and no group to exchange with:
+        # a CP shard's TTTHalo has both.
+        self.global_rows = torch.arange(total, device=device)
+        self.group = None
 
     def extend(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The tensors ``rows`` index: the local ones, detached (the shifted inputs carry no gradient back)."""

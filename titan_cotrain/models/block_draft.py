@@ -55,7 +55,7 @@ from titan_cotrain.models.transformer import (
 )
 from titan_cotrain.models.taps import validate_tap_layers
 from titan_cotrain.ops.attention import merge_attention
-from titan_cotrain.ops.block_attention import block_attention
+from titan_cotrain.ops.block_attention import BlockContextRing, block_attention
 
 __all__ = ["BlockDraftArgs", "BlockDrafter", "block_target_layers", "head_logits"]
 
@@ -162,15 +162,20 @@ class BlockDraftLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, block_rope: tuple[torch.Tensor, torch.Tensor], context: torch.Tensor,
                 context_rope: tuple[torch.Tensor, torch.Tensor], ctx_start: torch.Tensor,
-                ctx_end: torch.Tensor) -> torch.Tensor:
+                ctx_end: torch.Tensor, ring: BlockContextRing | None = None) -> torch.Tensor:
         """``x [N, B, H]`` the blocks' stream; ``context [T, H]`` the context features of every
-        packed position; block ``n`` reads context rows ``ctx_start[n] .. ctx_end[n] - 1``."""
+        packed position; block ``n`` reads context rows ``ctx_start[n] .. ctx_end[n] - 1``, or
+        under context parallelism what ``ring`` plans (the rows then this rank's shard)."""
         attn = self.self_attn
         h = self.input_layernorm(x)
         q = attn.query(h, *block_rope)
         blk_k, blk_v = attn.kv(h, *block_rope)
         ctx_k, ctx_v = attn.kv(context, *context_rope)
-        out = block_attention(q, ctx_k, ctx_v, blk_k, blk_v, ctx_start, ctx_end, attn.head_dim ** -0.5)
+        scale = attn.head_dim ** -0.5
+        if ring is not None:
+            out = ring.attend(q, ctx_k, ctx_v, blk_k, blk_v, scale)
+        else:
+            out = block_attention(q, ctx_k, ctx_v, blk_k, blk_v, ctx_start, ctx_end, scale)
         x = x + attn.o_proj(out.flatten(-2))
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -209,7 +214,7 @@ class BlockDrafter(nn.Module):
 
     def forward(self, features: torch.Tensor, positions: torch.Tensor, anchor_embeddings: torch.Tensor,
                 anchor_positions: torch.Tensor, ctx_start: torch.Tensor, ctx_end: torch.Tensor,
-                score: Callable[[torch.Tensor, nn.Module], Any] | None = None):
+                score: Callable[[torch.Tensor, nn.Module], Any] | None = None, ring: BlockContextRing | None = None):
         """The blocks' final hidden states ``[N, B, H]`` (before ``norm``), or with ``score``
         what ``score(hidden, norm)`` returns: run inside this forward, where FSDP has the
         drafter's parameters gathered (the training sums, ``cotrain.block_loss``).
@@ -219,7 +224,8 @@ class BlockDrafter(nn.Module):
         positions; ``anchor_embeddings [N, H]`` the policy's embeddings of the anchors' tokens
         (detached); ``anchor_positions [N]`` the anchors' RoPE positions; block ``n`` reads the
         context rows ``ctx_start[n] <= t < ctx_end[n]`` (its document's positions before its
-        anchor)."""
+        anchor). Under context parallelism the rows are this rank's shard and ``ring``
+        (``ops.block_attention.BlockContextRing``) replaces ``ctx_start, ctx_end``."""
         context = self.context(features.detach())
         dtype = context.dtype
         block_positions = anchor_positions[:, None] + torch.arange(self.args.block_size, device=anchor_positions.device)
@@ -227,7 +233,7 @@ class BlockDrafter(nn.Module):
         context_rope = rope_cos_sin(self.rope_inv_freq, positions, dtype)
         x = self.block_inputs(anchor_embeddings.detach().to(dtype))
         for layer in self.layers:
-            x = layer(x, block_rope, context, context_rope, ctx_start, ctx_end)
+            x = layer(x, block_rope, context, context_rope, ctx_start, ctx_end, ring)
         return x if score is None else score(x, self.norm)
 
     # Drafting with a KV cache.

@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["block_attention", "block_attention_exact", "block_attention_flex"]
+from titan_cotrain.ops.attention import merge_attention
+
+__all__ = ["block_attention", "block_attention_exact", "block_attention_flex", "context_partial_exact",
+           "merge_partials", "own_block_partial", "BlockContextRing"]
 
 # The exact path's chunk: about this many score elements per head (block rows x context rows).
 EXACT_CHUNK_SCORES = 1 << 22
@@ -42,42 +45,92 @@ def _check(q, ctx_k, ctx_v, blk_k, blk_v, ctx_start, ctx_end) -> None:
         raise ValueError(f"ctx_start / ctx_end must be [{n}], got {tuple(ctx_start.shape)} / {tuple(ctx_end.shape)}")
 
 
-def block_attention_exact(
-    q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, blk_k: torch.Tensor, blk_v: torch.Tensor,
-    ctx_start: torch.Tensor, ctx_end: torch.Tensor, scale: float, chunk_scores: int = EXACT_CHUNK_SCORES,
-) -> torch.Tensor:
-    """``out [N, B, Hq, Dh]`` (q's dtype), the blocks taken in chunks whose scores stay near
-    ``chunk_scores`` elements per head. Reads the chunks' context spans on the host (one
-    sync per chunk): the CPU and test path."""
-    _check(q, ctx_k, ctx_v, blk_k, blk_v, ctx_start, ctx_end)
-    n, b, hq, d = q.shape
-    rep = hq // ctx_k.shape[1]
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    starts, ends = ctx_start.tolist(), ctx_end.tolist()
-    outs, first = [], 0
+def _scores_lse(s: torch.Tensor, keep: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(p, lse, empty)`` of scores ``s [c, H, B, L]`` over their last dimension, ``keep [c, L]``
+    the visible keys (None: all). A block with no visible key gets ``p = 0`` and ``lse = -inf``,
+    with finite gradients (its scores are replaced before the softmax, not after)."""
+    if keep is None:
+        lse = torch.logsumexp(s, -1)
+        return (s - lse[..., None]).exp(), lse, None
+    empty = ~keep.any(-1)  # [c]
+    s = s.masked_fill(~keep[:, None, None, :], float("-inf")).masked_fill(empty[:, None, None, None], 0.0)
+    lse = torch.logsumexp(s, -1)
+    p = (s - lse[..., None]).exp().masked_fill(empty[:, None, None, None], 0.0)
+    return p, lse.masked_fill(empty[:, None, None], float("-inf")), empty
+
+
+def _chunks(starts: list[int], ends: list[int], b: int, chunk_scores: int):
+    """Consecutive block ranges ``[first, last)`` and the context rows ``[lo, hi)`` they span,
+    each chunk's scores near ``chunk_scores`` elements per head."""
+    n, first = len(starts), 0
     while first < n:
-        # Grow the chunk while its blocks' context span keeps the scores within budget.
         last, lo, hi = first + 1, starts[first], ends[first]
         while last < n and (last + 1 - first) * b * (max(hi, ends[last]) - min(lo, starts[last]) + b) <= chunk_scores:
             lo, hi = min(lo, starts[last]), max(hi, ends[last])
             last += 1
-        hi = max(hi, lo)
+        yield first, last, lo, max(hi, lo)
+        first = last
+
+
+def context_partial_exact(
+    q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, ctx_start: torch.Tensor, ctx_end: torch.Tensor,
+    scale: float, chunk_scores: int = EXACT_CHUNK_SCORES,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks' attention over their context rows alone: ``(out [N, B, Hq, Dh], lse [N, B,
+    Hq])`` in the log-sum-exp dtype (fp32, fp64 for fp64 inputs); a block with no context row
+    gets ``out = 0``, ``lse = -inf``. Differentiable by autograd; reads the chunks' spans on
+    the host (one sync per call)."""
+    n, b, hq, d = q.shape
+    rep = hq // ctx_k.shape[1]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    outs, lses = [], []
+    for first, last, lo, hi in _chunks(ctx_start.tolist(), ctx_end.tolist(), b, chunk_scores):
         qc = q[first:last].to(acc)
         kc = ctx_k[lo:hi].to(acc).repeat_interleave(rep, dim=1)  # [L, Hq, Dh]
         vc = ctx_v[lo:hi].to(acc).repeat_interleave(rep, dim=1)
-        kb = blk_k[first:last].to(acc).repeat_interleave(rep, dim=2)  # [c, B, Hq, Dh]
-        vb = blk_v[first:last].to(acc).repeat_interleave(rep, dim=2)
         rows = torch.arange(lo, hi, device=q.device)
         keep = (rows >= ctx_start[first:last, None]) & (rows < ctx_end[first:last, None])  # [c, L]
-        s_ctx = torch.einsum("cqhd,lhd->chql", qc, kc) * scale
-        s_ctx = s_ctx.masked_fill(~keep[:, None, None, :], float("-inf"))
-        s_blk = torch.einsum("cqhd,ckhd->chqk", qc, kb) * scale
-        p = torch.cat([s_ctx, s_blk], dim=-1).softmax(-1)  # the block's own keys: never an empty row
-        out = (torch.einsum("chql,lhd->cqhd", p[..., : hi - lo], vc)
-               + torch.einsum("chqk,ckhd->cqhd", p[..., hi - lo:], vb))
-        outs.append(out.to(q.dtype))
-        first = last
-    return torch.cat(outs)
+        p, lse, _ = _scores_lse(torch.einsum("cqhd,lhd->chql", qc, kc) * scale, keep)
+        outs.append(torch.einsum("chql,lhd->cqhd", p, vc))
+        lses.append(lse.transpose(1, 2))  # [c, B, Hq]
+    if not outs:
+        return q.new_zeros(q.shape, dtype=acc), q.new_full(q.shape[:3], float("-inf"), dtype=acc)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def own_block_partial(q: torch.Tensor, blk_k: torch.Tensor, blk_v: torch.Tensor,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each block's attention over its own ``B`` rows (no mask): ``(out, lse)`` as
+    ``context_partial_exact``'s."""
+    rep = q.shape[2] // blk_k.shape[2]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    kb = blk_k.to(acc).repeat_interleave(rep, dim=2)  # [N, B, Hq, Dh]
+    vb = blk_v.to(acc).repeat_interleave(rep, dim=2)
+    p, lse, _ = _scores_lse(torch.einsum("nqhd,nkhd->nhqk", q.to(acc), kb) * scale, None)
+    return torch.einsum("nhqk,nkhd->nqhd", p, vb), lse.transpose(1, 2)
+
+
+def merge_partials(own: tuple[torch.Tensor, torch.Tensor], parts: list[tuple[torch.Tensor, torch.Tensor]]
+                   ) -> torch.Tensor:
+    """The attention over the union of the keys from each part's ``(out, lse)``, folded into the
+    block's own part (``ops.attention.merge_attention``): its ``lse`` is finite, so a part
+    with ``lse = -inf`` (no key) weighs 0 with a zero gradient."""
+    out, lse = own
+    for part in parts:
+        out, lse = merge_attention(out, lse, *part)
+    return out
+
+
+def block_attention_exact(
+    q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, blk_k: torch.Tensor, blk_v: torch.Tensor,
+    ctx_start: torch.Tensor, ctx_end: torch.Tensor, scale: float, chunk_scores: int = EXACT_CHUNK_SCORES,
+) -> torch.Tensor:
+    """``out [N, B, Hq, Dh]`` (q's dtype): the context part (``context_partial_exact``, blocks
+    in chunks whose scores stay near ``chunk_scores`` elements per head) merged with the
+    block's own part by log-sum-exp. The CPU and test path."""
+    _check(q, ctx_k, ctx_v, blk_k, blk_v, ctx_start, ctx_end)
+    context = context_partial_exact(q, ctx_k, ctx_v, ctx_start, ctx_end, scale, chunk_scores)
+    return merge_partials(own_block_partial(q, blk_k, blk_v, scale), [context]).to(q.dtype)
 
 
 _compiled_flex = None
@@ -126,3 +179,66 @@ def block_attention(
     if q.device.type == "cpu":
         return block_attention_exact(q, ctx_k, ctx_v, blk_k, blk_v, ctx_start, ctx_end, scale)
     return block_attention_flex(q, ctx_k, ctx_v, blk_k, blk_v, ctx_start, ctx_end, scale)
+
+
+class BlockContextRing:
+    """The block attention of one microbatch under context parallelism: a block's context (its
+    document's positions before its anchor) is spread over the CP ranks' zigzag shards, while
+    the block itself (its queries, keys and values) lives on the rank that holds its anchor.
+
+    The queries travel instead of the context: every rank's blocks' queries are gathered (``N
+    B`` rows, few next to the ``T`` context rows), each rank attends all of them to its own
+    context rows (``context_partial_exact``: the part of each block's softmax over this rank's
+    keys, with its log-sum-exp), the parts go back to the blocks' ranks in one
+    ``all_to_all``, and there they merge by log-sum-exp with the block's own part
+    (``merge_partials``), as a ring merges its steps. Both collectives are torch's
+    differentiable functional ones, so the gradients of the queries and of every rank's context
+    keys and values are those of the one-device attention. The plan (which context rows of
+    this rank each gathered block reads) is built once per microbatch.
+
+    ``row_doc [T]``, ``row_pos [T]``: each local row's document (the same index on every rank)
+    and global in-document position, rows of a document in increasing position (the zigzag
+    shard's order); ``anchors [N]``: this rank's blocks' local anchor rows.
+    """
+
+    def __init__(self, group, row_doc: torch.Tensor, row_pos: torch.Tensor, anchors: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        self.group = group
+        self.world = dist.get_world_size(group)
+        device = row_doc.device
+        self.n = anchors.numel()
+        counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.world)]
+        dist.all_gather(counts, torch.tensor([self.n], dtype=torch.int64, device=device), group=group)
+        self.n_max = max(int(c) for c in counts)
+        # (document, anchor position) of every rank's blocks, padded with document -1.
+        mine = torch.full((self.n_max, 2), -1, dtype=torch.int64, device=device)
+        mine[: self.n, 0], mine[: self.n, 1] = row_doc[anchors], row_pos[anchors]
+        every = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(every, mine, group=group)
+        doc, pos = torch.cat(every).unbind(1)
+        # The context rows of block (doc, pos) here: this rank's rows of doc before pos, a
+        # run of local rows (a document's rows are consecutive, in increasing position).
+        key = row_doc * (1 << 32) + row_pos
+        start = torch.searchsorted(key, doc * (1 << 32))
+        end = torch.searchsorted(key, doc * (1 << 32) + pos)
+        real = doc >= 0
+        self.ctx_start, self.ctx_end = torch.where(real, start, 0), torch.where(real, end, 0)
+
+    def attend(self, q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, blk_k: torch.Tensor,
+               blk_v: torch.Tensor, scale: float) -> torch.Tensor:
+        """``out [N, B, Hq, Dh]`` for this rank's blocks (``block_attention``'s function over
+        the whole, unsharded batch); ``ctx_k, ctx_v`` this rank's context rows."""
+        from torch.distributed._functional_collectives import all_gather_tensor_autograd, all_to_all_single_autograd
+
+        if q.shape[0] != self.n:
+            raise ValueError(f"the plan holds {self.n} blocks on this rank, got queries of {q.shape[0]}")
+        n, b, hq, d = q.shape
+        padded = torch.cat([q, q.new_zeros(self.n_max - n, b, hq, d)]) if self.n_max > n else q
+        every = all_gather_tensor_autograd(padded.contiguous(), 0, self.group)  # [W n_max, B, Hq, Dh]
+        out, lse = context_partial_exact(every, ctx_k, ctx_v, self.ctx_start, self.ctx_end, scale)
+        parts = torch.cat([out.flatten(2), lse], dim=-1).contiguous()  # [W n_max, B, Hq Dh + Hq]
+        back = all_to_all_single_autograd(parts, None, None, self.group)
+        back = back.view(self.world, self.n_max, b, -1)[:, :n]
+        merged = [(part[..., : hq * d].unflatten(-1, (hq, d)), part[..., hq * d:]) for part in back.unbind(0)]
+        return merge_partials(own_block_partial(q, blk_k, blk_v, scale), merged).to(q.dtype)

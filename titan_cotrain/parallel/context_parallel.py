@@ -352,6 +352,10 @@ class TTTHalo:
             index = torch.where(offset + d < chunk_len, torch.arange(n_local) + d, halo_base + offset + d - chunk_len)
             rows.append(torch.where(d < room, index, -1))
         self.rows = torch.stack(rows).to(device)
+        # Each local row's index in the unsharded batch (-1 on padding), and the group the
+        # block drafter's anchors and context are exchanged over (None at W = 1).
+        self.global_rows = s._source(s.rank).to(device)
+        self.group = s.group if s.world > 1 else None
 
     def _requests(self, rank: int):
         """``rank``'s halo rows (document, slot, 0..width-1): owner rank, row on the owner,

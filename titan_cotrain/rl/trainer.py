@@ -227,8 +227,9 @@ class Trainer:
     # ---------------------------------------------------------------- steps
     def draft_seed(self, step: int) -> int:
         """The seed of a block drafter's random anchors at ``step`` on this rank: a function of
-        the job's seed, the step and the rank, so a resumed step draws what it drew before."""
-        return (self.seed * 1_000_003 + step) * 1024 + self.rank
+        the job's seed, the step and the data-parallel rank (the ranks of a CP group share a
+        batch and draw its anchors together), so a resumed step draws what it drew before."""
+        return (self.seed * 1_000_003 + step) * 1024 + self.dp_rank
 
     def sft_step(self, step: int) -> dict[str, float]:
         """Warm start: next-token training of the policy on demonstrations (this rank's part of

@@ -61,7 +61,7 @@ def fitted():
     drafter.train()
     optimizer = torch.optim.Adam(drafter.parameters(), lr=1e-2)
     for step in range(150):
-        anchors = sample_anchors(cu, region, 8, step)
+        anchors = sample_anchors(cu, region, 8, step, positions=positions, tokens=torch.cat(sequences))
         stats = block_draft_sums(drafter, features, embeddings, positions, cu, region, hidden, weight, anchors)
         optimizer.zero_grad()
         (stats.ce_sum.sum() / stats.count.sum()).backward()

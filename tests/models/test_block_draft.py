@@ -14,6 +14,13 @@ from titan_cotrain.ops.block_attention import block_attention_exact, block_atten
 
 CU = torch.tensor([0, 13, 20, 37], dtype=torch.int32)  # three documents, 37 packed rows
 T = int(CU[-1])
+TOKENS = torch.randint(0, 64, (T,), generator=torch.Generator().manual_seed(9))
+
+
+def _anchors(region, per_doc, seed=0):
+    """``sample_anchors`` over ``CU`` with in-document positions and the fixed ``TOKENS``."""
+    start, _ = document_bounds(CU, "cpu")
+    return sample_anchors(CU, region, per_doc, seed, positions=torch.arange(T) - start, tokens=TOKENS)
 
 
 def test_target_layers_are_spread_from_layer_1_to_L_minus_3():
@@ -80,16 +87,16 @@ def test_anchors_are_drawn_among_rows_whose_next_token_is_trained():
     region = torch.zeros(T, dtype=torch.bool)
     region[4:13] = True  # document 0's response
     region[22:37] = True  # document 2's; document 1 has none
-    draws = [sample_anchors(CU, region, 3, s) for s in range(40)]
+    draws = [_anchors(region, 3, s) for s in range(40)]
     for anchors in draws:
         assert torch.equal(anchors, anchors.sort().values)
         assert ((anchors >= 3) & (anchors <= 11) | (anchors >= 21) & (anchors <= 35)).all(), anchors
         assert ((anchors < 13).sum(), (anchors >= 20).sum()) == (3, 3)
     # Every valid anchor is drawn sometimes; the draw repeats under the same generator.
     assert set(torch.cat(draws).tolist()) == set(range(3, 12)) | set(range(21, 36))
-    assert torch.equal(sample_anchors(CU, region, 3, 7), draws[7])
+    assert torch.equal(_anchors(region, 3, 7), draws[7])
     # More blocks than valid anchors: all of them, once each.
-    assert sample_anchors(CU, region, 100).tolist() == [*range(3, 12), *range(21, 36)]
+    assert _anchors(region, 100).tolist() == [*range(3, 12), *range(21, 36)]
 
 
 def _drafter(block_size=4, n_layers=2, dtype=torch.float64):
@@ -163,7 +170,7 @@ def test_the_training_sums_are_the_direct_ones(chunk_rows):
     head_weight = torch.randn(target.vocab_size, drafter.args.dim, generator=g, dtype=torch.float64)
     region = torch.ones(T, dtype=torch.bool)
     region[:4] = False
-    anchors = sample_anchors(CU, region, 2, 0)
+    anchors = _anchors(region, 2, 0)
     params = list(drafter.parameters())
     stats = block_draft_sums(drafter, features, embeddings, positions, CU, region, policy_hidden, head_weight,
                              anchors, chunk_rows=chunk_rows)
@@ -200,7 +207,7 @@ def test_the_policys_gradients_are_bitwise_those_without_the_drafter():
     policy.init_weights(generator=torch.Generator().manual_seed(0))
     tokens = torch.randint(0, 64, (1, T), generator=torch.Generator().manual_seed(2))
     region = torch.ones(T, dtype=torch.bool)
-    anchors = sample_anchors(CU, region, 2, 1)
+    anchors = _anchors(region, 2, 1)
     start, _ = document_bounds(CU, "cpu")
     positions = torch.arange(T) - start
 

@@ -47,7 +47,8 @@ def _inputs(drafter, vocab: int) -> dict:
             "embeddings": torch.randn(t, args.dim, generator=g, dtype=torch.float64),
             "positions": torch.arange(t) - start, "cu": cu, "region": region,
             "hidden": torch.randn(t, args.dim, generator=g, dtype=torch.float64),
-            "head": torch.randn(vocab, args.dim, generator=g, dtype=torch.float64)}
+            "head": torch.randn(vocab, args.dim, generator=g, dtype=torch.float64),
+            "tokens": torch.randint(0, vocab, (t,), generator=g)}
 
 
 def _sums_and_grads(drafter, x: dict, anchors: torch.Tensor, **where) -> tuple[list[torch.Tensor], list]:
@@ -61,7 +62,8 @@ def _sums_and_grads(drafter, x: dict, anchors: torch.Tensor, **where) -> tuple[l
 def _check_group(group) -> None:
     drafter, target = _drafter(block_size=BLOCK)
     whole = _inputs(drafter, target.vocab_size)
-    want_anchors = sample_anchors(whole["cu"], whole["region"], PER_DOC, SEED)
+    want_anchors = sample_anchors(whole["cu"], whole["region"], PER_DOC, SEED, positions=whole["positions"],
+                                  tokens=whole["tokens"])
     want_sums, want_grads = _sums_and_grads(drafter, whole, want_anchors)
 
     shard = shard_packed_rows(_document_ids(), group)
@@ -72,8 +74,9 @@ def _check_group(group) -> None:
 
     mine = {"features": local(whole["features"]), "embeddings": local(whole["embeddings"]),
             "positions": shard.positions.reshape(-1), "cu": shard.cu_seqlens, "region": local(whole["region"], False),
-            "hidden": local(whole["hidden"]), "head": whole["head"]}
-    anchors = sample_anchors(mine["cu"], mine["region"], PER_DOC, SEED, shift=halo)
+            "hidden": local(whole["hidden"]), "head": whole["head"], "tokens": local(whole["tokens"])}
+    anchors = sample_anchors(mine["cu"], mine["region"], PER_DOC, SEED, positions=mine["positions"],
+                             tokens=mine["tokens"], shift=halo)
     drawn = [None] * dist.get_world_size(group)
     dist.all_gather_object(drawn, halo.global_rows[anchors].tolist(), group=group)
     assert sorted(sum(drawn, [])) == want_anchors.tolist(), (drawn, want_anchors.tolist())

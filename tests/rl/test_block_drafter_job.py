@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from tests.test_train import REPO, SHORT, _assert_repeated_exactly, _metrics, _run
+from tests.test_train import LEADER_GENERATES, REPO, SHORT, _assert_repeated_exactly, _metrics, _run
 from titan_cotrain.config import ConfigError, load_job_config
 
 CONFIG = ("--job.config_file", str(REPO / "train_configs" / "debug_cpu.toml"))
@@ -60,7 +60,7 @@ def test_a_resumed_block_drafter_job_repeats_the_uninterrupted_one(tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (("--parallelism.context_parallel_degree", "2"), "context_parallel_degree = 2"),
+    (("--parallelism.pipeline_parallel_degree", "2"), "pipeline_parallel_degree = 2"),
     (("--draft.vocab_size", "100"), "draft.vocab_size = 100"),
     (("--rollout.draft_tokens", "4"), "at most draft.block_size - 1 (3)"),
     (("--draft.block_size", "1"), "draft.block_size (1) must be >= 2"),
@@ -82,3 +82,21 @@ def test_a_block_drafter_job_runs_under_fsdp_on_two_processes(tmp_path):
     rl = [m for m in _metrics(tmp_path) if m["phase"] == "rl"]
     assert len(rl) == 2 and all(m["rollout/draft_tokens"] == 3.0 and "draft/acc_pass3" in m for m in rl)
     assert load_dflash(tmp_path / "export" / "draft").args.block_size == 4
+
+
+@pytest.mark.slow
+def test_a_block_drafter_job_under_context_parallelism_matches_one_process(tmp_path):
+    """CP 2: the two ranks train zigzag shards of the one-process job's rows; the drafter's
+    anchors, context (every rank's, ``BlockContextRing``) and halo rows make its loss, gradient
+    norm and per-position accuracies the one-process run's."""
+    args = (*CONFIG, *SHORT, *BLOCK, "--training.steps", "1", "--checkpoint.no-enable", "--metrics.no-enable_tensorboard",
+            *LEADER_GENERATES)
+    single = _run(*args, "--job.dump_folder", str(tmp_path / "single"), nproc=None)
+    assert single.returncode == 0, single.stderr[-3000:]
+    cp = _run(*args, "--parallelism.context_parallel_degree", "2", "--job.dump_folder", str(tmp_path / "cp"))
+    assert cp.returncode == 0, cp.stdout[-3000:] + cp.stderr[-3000:]
+    keys = ("loss/policy", "loss/draft", "grad_norm/policy", "grad_norm/draft",
+            *(f"draft/{kind}_pass{j}" for kind in ("acc", "accept") for j in (1, 2, 3)))
+    for a, b in zip(_metrics(tmp_path / "single"), _metrics(tmp_path / "cp"), strict=True):
+        for key in keys:
+            assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(a[key])), (a["step"], key, a[key], b[key])

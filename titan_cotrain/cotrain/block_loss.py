@@ -72,31 +72,38 @@ def _logical_shift(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def anchor_keys(global_rows: torch.Tensor, seed: int) -> torch.Tensor:
-    """int64 ``[T]`` in ``[0, 2^62)``: a hash of ``(seed, row)`` for every row's index in the
-    unsharded batch (``b * S + t``), the same number on whichever rank or device holds the
-    row (multiply-xorshift rounds, wrapping int64 arithmetic)."""
-    offset = (seed * _MIX[1]) % (1 << 63)  # the seed's share, a non-negative int64
-    x = global_rows.to(torch.int64) + offset
-    for mix, bits in ((_MIX[0], 29), (_MIX[1], 32), (_MIX[0], 29)):
-        x = x * mix
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    for multiplier, bits in ((_MIX[0], 29), (_MIX[1], 32), (_MIX[0], 29)):
+        x = x * multiplier
         x = x ^ _logical_shift(x, bits)
-    return x & _KEY_BITS
+    return x
+
+
+def anchor_keys(positions: torch.Tensor, tokens: torch.Tensor, next_tokens: torch.Tensor, seed: int) -> torch.Tensor:
+    """int64 ``[T]`` in ``[0, 2^62)``: a hash of ``(seed, position in the document, token,
+    next token)`` per row (multiply-xorshift rounds, wrapping int64 arithmetic). What a row
+    holds, not where a batch put it: the same key on one device and under any context-parallel
+    degree (whose packing pads documents and moves them between rows). Within a document the
+    positions differ, so the keys are independent draws; documents that are identical get the
+    same anchors."""
+    x = _mix(positions.to(torch.int64) + (seed * _MIX[1]) % (1 << 63))
+    x = _mix(x + tokens.to(torch.int64))
+    return _mix(x + next_tokens.to(torch.int64)) & _KEY_BITS
 
 
 def sample_anchors(cu_seqlens: torch.Tensor, loss_region: torch.Tensor, blocks_per_doc: int, seed: int = 0,
-                   *, shift=None) -> torch.Tensor:
+                   *, positions: torch.Tensor, tokens: torch.Tensor, shift=None) -> torch.Tensor:
     """``int64 [N]``, increasing: up to ``blocks_per_doc`` anchor rows per document, drawn
     uniformly without replacement among the rows ``a`` whose next row ``a + 1`` is in the
     document and in ``loss_region [T]``: per document, the valid rows with the smallest
-    ``anchor_keys`` of ``seed``. Vectorised (one sort, no loop over documents), on
-    ``loss_region``'s device.
+    ``anchor_keys`` of ``seed`` (from ``positions``, the in-document positions, and
+    ``tokens``). Vectorised (one sort, no loop over documents), on ``loss_region``'s device.
 
     ``shift`` (the microbatch's ``DocumentShift`` or, under context parallelism, its
-    ``TTTHalo``; default: this batch's own) says where each row's successor and global index
-    are; under CP the ranks of the group exchange their documents' smallest keys (one
-    ``all_gather`` of ``[documents, blocks_per_doc]``), so together they draw the anchors one
-    device draws from the whole batch, each rank keeping its own rows."""
+    ``TTTHalo``; default: this batch's own) says where each row's successor is; under CP the
+    ranks of the group exchange their documents' smallest keys (one ``all_gather`` of
+    ``[documents, blocks_per_doc]``), so together they draw the anchors one device draws from
+    the same documents, each rank keeping its own rows."""
     import torch.distributed as dist
 
     from titan_cotrain.data.packing import DocumentShift
@@ -104,14 +111,14 @@ def sample_anchors(cu_seqlens: torch.Tensor, loss_region: torch.Tensor, blocks_p
     device = loss_region.device
     t = loss_region.shape[0]
     shift = shift if shift is not None else DocumentShift(cu_seqlens, 1, device)
-    (region,) = shift.extend(loss_region)
-    next_row = shift.rows[0].to(device)
-    valid = (next_row >= 0) & region[next_row.clamp(min=0)]
+    region, ext_tokens = shift.extend(loss_region, tokens.to(device))
+    next_row = shift.rows[0].to(device).clamp(min=0)
+    valid = (shift.rows[0].to(device) >= 0) & region[next_row]
     cu = cu_seqlens.to(device=device, dtype=torch.int64)
     n_docs = cu.numel() - 1
     rows = torch.arange(t, device=device)
     doc = torch.searchsorted(cu[1:], rows, right=True)
-    key = torch.where(valid, anchor_keys(shift.global_rows.to(device), seed), _NO_KEY)
+    key = torch.where(valid, anchor_keys(positions.to(device), tokens.to(device), ext_tokens[next_row], seed), _NO_KEY)
     # Per document its blocks_per_doc smallest keys here ([documents, blocks_per_doc], _NO_KEY
     # where it has fewer valid rows), then over the CP group.
     order = torch.argsort(key, stable=True)

@@ -263,7 +263,8 @@ def block_sums(drafter: BlockDrafter, mb: Microbatch, features: torch.Tensor, em
     draft's names (block position ``j`` in pass ``j``'s place); returns ``sum_j w_j ce_sum_j``.
     ``keep``: the policy head's input and weight (``policy_head``)."""
     region = mb.region.reshape(-1)
-    anchors = sample_anchors(mb.cu_seqlens, region, blocks_per_doc, seed, shift=mb.shift)
+    anchors = sample_anchors(mb.cu_seqlens, region, blocks_per_doc, seed, positions=mb.positions.reshape(-1),
+                             tokens=mb.tokens.reshape(-1), shift=mb.shift)
     stats = block_draft_sums(drafter, features, embeddings, mb.positions.reshape(-1), mb.cu_seqlens, region,
                              keep["hidden"], keep["weight"], anchors, chunk_rows=chunk_tokens, shift=mb.shift)
     for name, value in (("ce_sum", stats.ce_sum), ("count", stats.count), ("correct", stats.correct),

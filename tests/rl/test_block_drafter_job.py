@@ -60,7 +60,7 @@ def test_a_resumed_block_drafter_job_repeats_the_uninterrupted_one(tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (("--parallelism.pipeline_parallel_degree", "2"), "pipeline_parallel_degree = 2"),
+    (("--rollout.tensor_parallel_degree", "2"), "rollout.tensor_parallel_degree = 2"),
     (("--draft.vocab_size", "100"), "draft.vocab_size = 100"),
     (("--rollout.draft_tokens", "4"), "at most draft.block_size - 1 (3)"),
     (("--draft.block_size", "1"), "draft.block_size (1) must be >= 2"),
@@ -100,3 +100,50 @@ def test_a_block_drafter_job_under_context_parallelism_matches_one_process(tmp_p
     for a, b in zip(_metrics(tmp_path / "single"), _metrics(tmp_path / "cp"), strict=True):
         for key in keys:
             assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(a[key])), (a["step"], key, a[key], b[key])
+
+
+@pytest.mark.slow
+def test_a_block_drafter_job_under_pipeline_parallelism_matches_one_process(tmp_path):
+    """PP 2 (1F1B, microbatches of one row): the drafter on the last stage trains on the taps
+    and embeddings the TapChannel brings and the head's input and weight its stage kept; the
+    warm-start and RL losses, gradient norms, per-position accuracies and the rollouts'
+    acceptance match one process, and the export gathers a DFlash folder that loads back."""
+    from titan_cotrain.models.dflash import load_dflash
+
+    args = (*CONFIG, *SHORT, *BLOCK, "--rl.updates_per_step", "2", "--training.local_batch_size", "2",
+            "--training.steps", "1", "--checkpoint.no-enable", "--metrics.no-enable_tensorboard", *LEADER_GENERATES)
+    single = _run(*args, "--job.dump_folder", str(tmp_path / "single"), nproc=None)
+    assert single.returncode == 0, single.stderr[-3000:]
+    pp = _run(*args, "--parallelism.pipeline_parallel_degree", "2", "--job.dump_folder", str(tmp_path / "pp"))
+    assert pp.returncode == 0, pp.stdout[-3000:] + pp.stderr[-3000:]
+    keys = ("loss/policy", "loss/draft", "grad_norm/policy", "grad_norm/draft", "rollout/acceptance_length",
+            *(f"draft/{kind}_pass{j}" for kind in ("acc", "accept") for j in (1, 2, 3)))
+    for a, b in zip(_metrics(tmp_path / "single"), _metrics(tmp_path / "pp"), strict=True):
+        for key in keys:
+            if key in a:
+                assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(a[key])), (a["step"], key, a[key], b[key])
+    loaded, single_loaded = (load_dflash(tmp_path / run / "export" / "draft") for run in ("pp", "single"))
+    assert loaded.args == single_loaded.args
+    for name, value in single_loaded.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_a_block_drafter_job_under_pipeline_and_context_parallelism_matches_one_process(tmp_path):
+    """PP 2 x CP 2 on 4 ranks: the TapChannel brings each CP rank's shard of the taps to its
+    last stage, where the drafter's context spans the CP pair; losses, gradient norms and the
+    rollouts' acceptance match one process."""
+    from tests.test_train import ONE_EACH
+
+    args = (*CONFIG, *ONE_EACH, *BLOCK, "--checkpoint.no-enable", "--metrics.no-enable_tensorboard")
+    single = _run(*args, "--job.dump_folder", str(tmp_path / "single"), nproc=None)
+    assert single.returncode == 0, single.stderr[-3000:]
+    run = _run(*args, "--parallelism.pipeline_parallel_degree", "2", "--parallelism.context_parallel_degree", "2",
+               "--job.dump_folder", str(tmp_path / "ppcp"), nproc=4)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    keys = ("loss/policy", "loss/draft", "grad_norm/policy", "grad_norm/draft", "rollout/acceptance_length",
+            *(f"draft/{kind}_pass{j}" for kind in ("acc", "accept") for j in (1, 2, 3)))
+    for a, b in zip(_metrics(tmp_path / "single"), _metrics(tmp_path / "ppcp"), strict=True):
+        for key in keys:
+            if key in a:
+                assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(a[key])), (a["step"], key, a[key], b[key])

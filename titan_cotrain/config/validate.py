@@ -215,8 +215,7 @@ def _block_drafter_errors(config) -> list[str]:
     if ro.speculative and ro.draft_tokens > d.block_size - 1:
         errors.append(f"rollout.draft_tokens ({ro.draft_tokens}) must be at most draft.block_size - 1 "
                       f"({d.block_size - 1}): a block drafts that many")
-    unsupported = [(f"pipeline_parallel_degree = {p.pipeline_parallel_degree}", p.pipeline_parallel_degree > 1),
-                   (f"draft.vocab_size = {d.vocab_size} (the drafter reads the target's head: 0)", d.vocab_size),
+    unsupported = [(f"draft.vocab_size = {d.vocab_size} (the drafter reads the target's head: 0)", d.vocab_size),
                    ("draft.init_path", d.init_path),
                    ("draft.hidden_size / num_heads / num_kv_heads (the drafter has the target's)",
                     d.hidden_size or d.num_heads or d.num_kv_heads),

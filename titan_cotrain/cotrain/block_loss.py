@@ -188,11 +188,6 @@ def block_draft_sums(
     from titan_cotrain.ops.block_attention import BlockContextRing
 
     b = drafter.args.block_size
-    if anchors.numel() == 0 and (shift is None or shift.group is None):
-        # Nothing to train on: zero sums, still reaching every parameter. (Under CP the rank
-        # goes on: the group's other blocks read its context.)
-        zero = sum(p.sum() for p in drafter.parameters()) * 0.0
-        return BlockStats(zero.expand(b - 1), *(torch.zeros(b - 1, device=features.device) for _ in range(3)))
     device = features.device
     shift = shift if shift is not None else DocumentShift(cu_seqlens, b - 1, device)
     if shift.width < b - 1:
@@ -214,6 +209,12 @@ def block_draft_sums(
         ring, (start, _) = None, document_bounds(cu_seqlens, device)
 
     def score(hidden: torch.Tensor, norm: torch.nn.Module):
+        if anchors.numel() == 0:
+            # No block here (under CP its context may still serve the group's blocks): zero
+            # sums on the graph of every parameter (the empty blocks' forward and the context's
+            # attention reach them), so every rank's gradients have the same parameters.
+            zero = norm(hidden).sum() * 0.0
+            return [(zero.expand(b - 1), torch.zeros(b - 1, device=device), torch.zeros(b - 1, device=device))]
         rows = hidden[:, 1:].reshape(-1, hidden.shape[-1])
         return [checkpoint(_block_chunk, *chunk, norm, teacher_hidden, head_weight, b - 1,
                            use_reentrant=False, preserve_rng_state=False)

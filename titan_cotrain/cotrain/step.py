@@ -315,11 +315,11 @@ def forward_backward(
     """
     sums = CotrainSums()
     device = device or policy.embed_tokens.weight.device
-    for index, rows in enumerate(microbatches(batch, microbatch_rows)[:max_microbatches]):
+    for rows in microbatches(batch, microbatch_rows)[:max_microbatches]:
         mb = prepare(rows, device, ttt_steps=ttt_steps, draft_loss_on=draft_loss_on)
         loss = microbatch_sums(policy, draft, mb, policy_loss_fn, sums, ttt_steps=ttt_steps, pass_decay=pass_decay,
                                chunk_tokens=chunk_tokens, moe_aux_loss_weight=moe_aux_loss_weight,
-                               blocks_per_doc=blocks_per_doc, anchor_seed=anchor_seed * 4096 + index)
+                               blocks_per_doc=blocks_per_doc, anchor_seed=anchor_seed)
         loss.backward()
     policy_scale, draft_scale, metrics = scales_and_metrics(sums.all_reduce(group), ttt_steps, pass_decay,
                                                             draft_loss_weight)

@@ -93,8 +93,9 @@ def context_partial_exact(
         p, lse, _ = _scores_lse(torch.einsum("cqhd,lhd->chql", qc, kc) * scale, keep)
         outs.append(torch.einsum("chql,lhd->cqhd", p, vc))
         lses.append(lse.transpose(1, 2))  # [c, B, Hq]
-    if not outs:
-        return q.new_zeros(q.shape, dtype=acc), q.new_full(q.shape[:3], float("-inf"), dtype=acc)
+    if not outs:  # no block: zeros, still on the graph of the context (its parameters get zero gradients)
+        touch = (ctx_k.sum() + ctx_v.sum()).to(acc) * 0.0
+        return q.new_zeros(q.shape, dtype=acc) + touch, q.new_full(q.shape[:3], float("-inf"), dtype=acc)
     return torch.cat(outs), torch.cat(lses)
 
 
@@ -181,6 +182,49 @@ def block_attention(
     return block_attention_flex(q, ctx_k, ctx_v, blk_k, blk_v, ctx_start, ctx_end, scale)
 
 
+class _ExchangeRows(torch.autograd.Function):
+    """``all_to_all`` of equal row chunks over ``group``: chunk ``o`` of the input goes to rank
+    ``o``, chunk ``o`` of the output came from rank ``o``. Its own adjoint, so the backward is
+    the same exchange of the gradients. Blocking collectives: the result is ready when it is
+    returned (no asynchronous tensor for the autograd engine to read early)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.group = group
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _ExchangeRows.apply(grad.contiguous(), ctx.group), None
+
+
+class _GatherRows(torch.autograd.Function):
+    """``all_gather`` of equal ``[n, ...]`` tensors over ``group`` into ``[W n, ...]`` (rank order);
+    the backward sends each rank its rows' gradients and sums what arrives (a reduce-scatter
+    built from ``all_to_all``, which gloo has)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.group, ctx.world = group, dist.get_world_size(group)
+        out = x.new_empty(ctx.world * x.shape[0], *x.shape[1:])
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        import torch.distributed as dist
+
+        arrived = torch.empty_like(grad)
+        dist.all_to_all_single(arrived, grad.contiguous(), group=ctx.group)
+        return arrived.view(ctx.world, -1, *grad.shape[1:]).sum(0), None
+
+
 class BlockContextRing:
     """The block attention of one microbatch under context parallelism: a block's context (its
     document's positions before its anchor) is spread over the CP ranks' zigzag shards, while
@@ -191,8 +235,8 @@ class BlockContextRing:
     context rows (``context_partial_exact``: the part of each block's softmax over this rank's
     keys, with its log-sum-exp), the parts go back to the blocks' ranks in one
     ``all_to_all``, and there they merge by log-sum-exp with the block's own part
-    (``merge_partials``), as a ring merges its steps. Both collectives are torch's
-    differentiable functional ones, so the gradients of the queries and of every rank's context
+    (``merge_partials``), as a ring merges its steps. Both exchanges are differentiable
+    (``_GatherRows``, ``_ExchangeRows``), so the gradients of the queries and of every rank's context
     keys and values are those of the one-device attention. The plan (which context rows of
     this rank each gathered block reads) is built once per microbatch.
 
@@ -229,16 +273,18 @@ class BlockContextRing:
                blk_v: torch.Tensor, scale: float) -> torch.Tensor:
         """``out [N, B, Hq, Dh]`` for this rank's blocks (``block_attention``'s function over
         the whole, unsharded batch); ``ctx_k, ctx_v`` this rank's context rows."""
-        from torch.distributed._functional_collectives import all_gather_tensor_autograd, all_to_all_single_autograd
-
         if q.shape[0] != self.n:
             raise ValueError(f"the plan holds {self.n} blocks on this rank, got queries of {q.shape[0]}")
         n, b, hq, d = q.shape
+        own = own_block_partial(q, blk_k, blk_v, scale)
+        if self.n_max == 0:  # no rank has a block (every rank knows): nothing to exchange
+            touch = (ctx_k.sum() + ctx_v.sum()) * 0.0  # zero gradients for the context's parameters
+            return merge_partials(own, []).to(q.dtype) + touch
         padded = torch.cat([q, q.new_zeros(self.n_max - n, b, hq, d)]) if self.n_max > n else q
-        every = all_gather_tensor_autograd(padded.contiguous(), 0, self.group)  # [W n_max, B, Hq, Dh]
+        every = _GatherRows.apply(padded, self.group)  # [W n_max, B, Hq, Dh]
         out, lse = context_partial_exact(every, ctx_k, ctx_v, self.ctx_start, self.ctx_end, scale)
         parts = torch.cat([out.flatten(2), lse], dim=-1).contiguous()  # [W n_max, B, Hq Dh + Hq]
-        back = all_to_all_single_autograd(parts, None, None, self.group)
+        back = _ExchangeRows.apply(parts, self.group)
         back = back.view(self.world, self.n_max, b, -1)[:, :n]
         merged = [(part[..., : hq * d].unflatten(-1, (hq, d)), part[..., hq * d:]) for part in back.unbind(0)]
-        return merge_partials(own_block_partial(q, blk_k, blk_v, scale), merged).to(q.dtype)
+        return merge_partials(own, merged).to(q.dtype)

@@ -162,7 +162,7 @@ class PipelineUpdate(UpdateStep):
             minibatch = minibatch.map(lambda t: torch.cat([t, t.new_zeros(extra, t.shape[1])]))
         if self.max_schedule_steps is not None:
             minibatch = minibatch.map(lambda t: t[:self.max_schedule_steps * per_step])
-        out = pipeline_step(p, minibatch, policy_loss_fn=loss_fn, train_draft=train_draft)
+        out = pipeline_step(p, minibatch, policy_loss_fn=loss_fn, train_draft=train_draft, anchor_seed=seed)
         return out | clip_pipeline_grad_norms(p, s.policy_max_norm, s.draft_max_norm, train_draft=train_draft)
 
 

@@ -70,7 +70,8 @@ class PipelineSettings:
     seq_len: int
     """Host row length (``[training] seq_len``)."""
     ttt_steps: int
-    """The draft's TTT passes (``[draft] ttt_steps``)."""
+    """The draft's TTT passes (``[draft] ttt_steps``; a block drafter's ``block_size - 1``
+    drafted positions)."""
     pass_decay: float
     """Weight decay of the draft's later passes (``[draft] pass_decay``)."""
     draft_loss_weight: float
@@ -90,6 +91,8 @@ class PipelineSettings:
     (``[training] mixed_precision_param``) when the stages are sharded; None: the parameters'."""
     moe_aux_loss_weight: float = 0.0
     """A mixture of experts' load-balancing loss weight (``[model] moe_aux_loss_weight``)."""
+    blocks_per_doc: int = 8
+    """A block drafter's anchors per sequence (``[draft] blocks_per_doc``)."""
 
     @classmethod
     def from_config(cls, config, *, sharded: bool, cp_row_len: int | None = None) -> PipelineSettings:
@@ -99,7 +102,8 @@ class PipelineSettings:
         p, t, d = config.parallelism, config.training, config.draft
         mb = p.pipeline_parallel_microbatch_size
         return cls(microbatch_size=mb, n_microbatches=t.local_batch_size // mb, seq_len=t.seq_len,
-                   ttt_steps=d.ttt_steps, pass_decay=d.pass_decay, draft_loss_weight=d.loss_weight,
+                   ttt_steps=d.block_size - 1 if d.kind == "dflash" else d.ttt_steps, pass_decay=d.pass_decay,
+                   draft_loss_weight=d.loss_weight, blocks_per_doc=d.blocks_per_doc,
                    draft_loss_on=d.loss_on, cp_row_len=cp_row_len,
                    tap_timeout=timedelta(seconds=config.comm.train_timeout_seconds),
                    activation_dtype=_DTYPES[t.mixed_precision_param] if sharded else None,
@@ -262,7 +266,7 @@ def make_pipeline(
     last_rank = pp_rank == plan.stage_ranks[-1]
     loss = CotrainLoss(draft if last_rank else None, channel, policy.tap_layers, ttt_steps=settings.ttt_steps,
                        pass_decay=settings.pass_decay, moe=policy.args.n_sparse_layers > 0,
-                       moe_aux_loss_weight=settings.moe_aux_loss_weight)
+                       moe_aux_loss_weight=settings.moe_aux_loss_weight, blocks_per_doc=settings.blocks_per_doc)
     if shard is not None and draft is not None and last_rank:
         shard(draft)
     stages, parts = [], []

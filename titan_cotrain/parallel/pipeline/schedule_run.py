@@ -38,6 +38,7 @@ def pipeline_step(
     *,
     policy_loss_fn: PolicyLossFn | None = None,
     train_draft: bool = True,
+    anchor_seed: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Forward and backward one batch of host rows through the pipeline; every PP rank calls
     it with the whole batch (under CP, every CP rank too).
@@ -47,6 +48,7 @@ def pipeline_step(
     by the counts over all of them, so one call is one optimizer update over the whole batch.
     ``policy_loss_fn`` (default: the one the pipeline was built with) and ``train_draft``
     (False: no taps sent, no draft step) hold for this call; every rank must pass the same.
+    ``anchor_seed``: a block drafter's anchors' (the one-stage step's ``anchor_seed``).
 
     On return every rank's gradients are final (normalised exactly as ``forward_backward``'s
     over the whole global batch) and every rank holds the same metrics (the same keys as
@@ -63,7 +65,7 @@ def pipeline_step(
     sums = CotrainSums()
     with p.forward_scope():  # under CP, torch's CP dispatcher on for the schedule's runs only
         for start in range(0, n_rows, per_run):
-            _run_schedule(p, batch.map(lambda t: t[start:start + per_run]), loss_fn, draft_on, sums)
+            _run_schedule(p, batch.map(lambda t: t[start:start + per_run]), loss_fn, draft_on, sums, anchor_seed)
     names = _metric_names(p, loss_fn, draft_on)
     flat = torch.zeros(2 + len(names), dtype=torch.float32, device=p.device)
     if p.has_last_stage:
@@ -88,7 +90,7 @@ def _metric_names(p: Pipeline, policy_loss_fn: PolicyLossFn, draft_on: bool) -> 
 
 
 def _run_schedule(p: Pipeline, batch: PackedBatch, policy_loss_fn: PolicyLossFn, draft_on: bool,
-                  sums: CotrainSums) -> None:
+                  sums: CotrainSums, anchor_seed: int = 0) -> None:
     """One run of the schedule over ``batch`` (exactly one run's host rows); gradients
     accumulate unscaled, the loss sums into ``sums``. Every microbatch's metadata is prepared
     here, once, into the run's context, which ``schedule.step`` hands every stage forward (a
@@ -99,7 +101,8 @@ def _run_schedule(p: Pipeline, batch: PackedBatch, policy_loss_fn: PolicyLossFn,
     microbatches = [p.prepare(batch.map(lambda t, i=i: t[i * rows:(i + 1) * rows]), p.device,
                               ttt_steps=s.ttt_steps, draft_loss_on=s.draft_loss_on)
                     for i in range(s.n_microbatches)]
-    context = PipelineStepContext(microbatches, policy_loss_fn, train_draft=draft_on, sums=sums)
+    context = PipelineStepContext(microbatches, policy_loss_fn, train_draft=draft_on, sums=sums,
+                                  anchor_seed=anchor_seed)
     args = (torch.cat([mb.tokens for mb in microbatches]),) if p.has_first_stage else ()
     target = torch.arange(s.n_microbatches) if p.has_last_stage else None  # split into one index per microbatch
     if draft_on:

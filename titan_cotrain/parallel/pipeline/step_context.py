@@ -23,18 +23,18 @@ class PipelineStepContext:
     prepared once for every stage of the rank; ``policy_loss_fn``; ``train_draft``: the stages
     send their taps and the loss runs the draft; ``sums``: where the loss adds the step's sums
     (one ``CotrainSums`` for every run of one ``pipeline_step``, like ``schedule.step``'s
-    ``losses`` list).
+    ``losses`` list); ``anchor_seed``: a block drafter's anchors' (``cotrain.block_loss``).
 
     A plain class, not a dataclass: FSDP2 walks the dataclasses among a module's inputs and
     casts their floating tensors to its compute dtype (mixed precision), and the labels'
     advantages and log-probabilities must reach the head as they were prepared.
     """
 
-    __slots__ = ("microbatches", "policy_loss_fn", "train_draft", "sums")
+    __slots__ = ("microbatches", "policy_loss_fn", "train_draft", "sums", "anchor_seed")
 
     def __init__(self, microbatches: Sequence[Microbatch], policy_loss_fn: PolicyLossFn, *, train_draft: bool,
-                 sums: CotrainSums) -> None:
-        values = (tuple(microbatches), policy_loss_fn, train_draft, sums)
+                 sums: CotrainSums, anchor_seed: int = 0) -> None:
+        values = (tuple(microbatches), policy_loss_fn, train_draft, sums, anchor_seed)
         for name, value in zip(self.__slots__, values):
             object.__setattr__(self, name, value)
 

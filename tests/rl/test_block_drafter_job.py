@@ -147,3 +147,60 @@ def test_a_block_drafter_job_under_pipeline_and_context_parallelism_matches_one_
         for key in keys:
             if key in a:
                 assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(a[key])), (a["step"], key, a[key], b[key])
+
+
+@pytest.mark.slow
+def test_the_exports_carry_the_mask_row_sglang_embeds_the_mask_token_with(tmp_path):
+    """``[draft] mask_token_id``: the job's export writes the drafter's mask embedding into that
+    row of the policy's embedding (the rest unchanged) and names it in the DFlash config, so a
+    drafter folder without its own mask tensor, read with the exported policy's embedding (as
+    SGLang reads it), is the same drafter; the export command writes the job's bytes from its
+    last checkpoint."""
+    from safetensors.torch import load_file
+
+    from titan_cotrain.export import main as export_main
+    from titan_cotrain.models.dflash import load_dflash
+
+    mask_row = 255  # the debug policy's embedding has 256 rows, its tokenizer fewer ids
+    args = (*CONFIG, *SHORT, *BLOCK, "--metrics.no-enable_tensorboard", "--draft.mask_token_id", str(mask_row))
+    result = _run(*args, "--job.dump_folder", str(tmp_path / "job"), nproc=None)
+    assert result.returncode == 0, result.stderr[-3000:]
+    export = tmp_path / "job" / "export"
+    policy = load_file(export / "policy" / "model.safetensors")["model.embed_tokens.weight"]
+    draft = load_file(export / "draft" / "model.safetensors")
+    assert torch.equal(policy[mask_row], draft["mask_embedding"].to(policy))
+    assert (export / "draft" / "config.json").read_text().count(f'"mask_token_id": {mask_row}') == 1
+
+    checkpoint = str(tmp_path / "job" / "checkpoint")
+    assert export_main([*args, "--checkpoint", checkpoint, "--out", str(tmp_path / "cli")]) == 0
+    for part in ("policy", "draft"):
+        assert (tmp_path / "cli" / part / "model.safetensors").read_bytes() == \
+            (export / part / "model.safetensors").read_bytes(), part
+    assert export_main([*args, "--draft.mask_token_id", "-1", "--checkpoint", checkpoint,
+                        "--out", str(tmp_path / "plain")]) == 0
+    plain = load_file(tmp_path / "plain" / "policy" / "model.safetensors")["model.embed_tokens.weight"]
+    others = torch.arange(plain.shape[0]) != mask_row
+    assert torch.equal(plain[others], policy[others]) and not torch.equal(plain[mask_row], policy[mask_row])
+
+    as_sglang = tmp_path / "as_sglang"
+    shutil.copytree(export / "draft", as_sglang)
+    from safetensors.torch import save_file
+    save_file({k: v for k, v in draft.items() if k != "mask_embedding"}, as_sglang / "model.safetensors")
+    loaded = load_dflash(as_sglang, target_embedding=policy.float())
+    mine = load_dflash(export / "draft")
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in mine.state_dict().items())
+
+
+def test_a_mask_row_outside_the_embedding_or_on_a_tied_head_is_refused():
+    from titan_cotrain.models.args import model_args_for
+    from titan_cotrain.models.build import check_mask_token_id
+
+    args = model_args_for("qwen3", "debugmodel").replace(vocab_size=64, tie_embeddings=False)
+    check_mask_token_id(-1, args)
+    check_mask_token_id(63, args)
+    with pytest.raises(ConfigError, match=r"not a row of the policy's embedding \[0, 64\)"):
+        check_mask_token_id(64, args)
+    with pytest.raises(ConfigError, match="ties its embedding to its head"):
+        check_mask_token_id(3, args.replace(tie_embeddings=True))
+    with pytest.raises(ConfigError, match="draft.mask_token_id"):
+        load_job_config([*CONFIG, *BLOCK, "--draft.mask_token_id", "-2"], world_size=1)

@@ -136,6 +136,13 @@ class Draft:
     """``dflash``: training blocks drawn per sequence at each update (random anchors among
     the positions whose next token is in the loss region)."""
 
+    mask_token_id: int = -1
+    """``dflash``: a row of the policy's embedding that no text uses (e.g. one of the padding
+    rows past the tokenizer's last id), written into the exports: the drafter folder's
+    ``dflash_config.mask_token_id``, and in the policy export that row holds the drafter's
+    mask embedding, which is how SGLang embeds the mask token. -1: neither (the drafter folder
+    then loads here, not in SGLang). Not with tied embeddings (the row would also be a logit)."""
+
     ttt_steps: int = 7
     """D: number of training-time-test passes per anchor."""
 

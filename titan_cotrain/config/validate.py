@@ -212,6 +212,8 @@ def _block_drafter_errors(config) -> list[str]:
     if d.block_size < 2 or d.block_layers < 1 or d.blocks_per_doc < 1:
         errors.append(f"draft.block_size ({d.block_size}) must be >= 2, draft.block_layers ({d.block_layers}) and "
                       f"draft.blocks_per_doc ({d.blocks_per_doc}) >= 1")
+    if d.mask_token_id < -1:
+        errors.append(f"draft.mask_token_id ({d.mask_token_id}) must be -1 (off) or a row of the policy's embedding")
     if ro.speculative and ro.draft_tokens > d.block_size - 1:
         errors.append(f"rollout.draft_tokens ({ro.draft_tokens}) must be at most draft.block_size - 1 "
                       f"({d.block_size - 1}): a block drafts that many")

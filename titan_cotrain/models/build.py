@@ -111,6 +111,21 @@ def init_target_(model: Transformer, config, fill: Fill = _plain_fill) -> None:
     model.init_weights(generator=torch.Generator().manual_seed(job_seed(config)), fill=fill)
 
 
+def check_mask_token_id(mask_token_id: int, target_args) -> None:
+    """``[draft] mask_token_id`` (a block drafter's) names a row of the policy's embedding that
+    the exports overwrite, so it must exist, and the embedding must not be the head too."""
+    from titan_cotrain.config import ConfigError
+
+    if mask_token_id == -1:
+        return
+    if not 0 <= mask_token_id < target_args.vocab_size:
+        raise ConfigError(f"draft.mask_token_id = {mask_token_id} is not a row of the policy's embedding "
+                          f"[0, {target_args.vocab_size}): choose a row no text uses, or -1")
+    if target_args.tie_embeddings:
+        raise ConfigError(f"draft.mask_token_id = {mask_token_id}: the policy ties its embedding to its head, so "
+                          "the exported mask row would also be a logit; set draft.mask_token_id = -1")
+
+
 def build_draft(config, target: Transformer, token_counts: torch.Tensor | None = None,
                 device: torch.device | str = "cpu") -> Draft | None:
     """The EAGLE-3 draft for ``target`` (None when ``[draft] enable = false``), loaded from
@@ -125,6 +140,7 @@ def build_draft(config, target: Transformer, token_counts: torch.Tensor | None =
     if not d.enable:
         return None
     if d.kind == "dflash":
+        check_mask_token_id(d.mask_token_id, target.args)
         args = BlockDraftArgs.from_target(target.args, n_layers=d.block_layers, block_size=d.block_size,
                                           target_layer_ids=target.tap_layers, ffn_dim=d.intermediate_size)
         with torch.device(device):

@@ -22,7 +22,8 @@ A folder is ``config.json`` + ``model.safetensors``. The facts read from SGLang'
   embedding; it is written as ``mask_embedding``, which ``load_dflash`` reads back and
   SGLang skips: SGLang embeds the mask token with the *target's* embedding row
   ``mask_token_id``, so serving a co-trained drafter there needs that row of the policy's
-  export to hold this vector (not written by the policy export yet).
+  export to hold this vector: the job's export writes it there with ``[draft] mask_token_id``
+  (``rl.export.write_export``).
 
 Whatever is wrong with a folder surfaces as one ``HFCheckpointError`` naming the file.
 """

@@ -23,8 +23,8 @@ __all__ = ["export_job", "write_export"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-def write_export(folder: str, policy: Transformer, read_policy: Callable[[str], torch.Tensor], draft: Draft | None,
-                 tokenizer_folder: str) -> str:
+def write_export(folder: str, policy: Transformer, read_policy: Callable[[str], torch.Tensor],
+                 draft: Draft | BlockDrafter | None, tokenizer_folder: str, mask_token_id: int = -1) -> str:
     """Write ``folder/policy`` (Hugging Face, plus the tokenizer files of ``tokenizer_folder``)
     and ``folder/draft`` (EAGLE-3); returns what was written ("the policy and the draft").
 
@@ -33,7 +33,12 @@ def write_export(folder: str, policy: Transformer, read_policy: Callable[[str], 
     ``name`` whole, and is called once per tensor as the file is written, so the host holds
     one tensor of the policy at a time (``models.hf_stream``). ``draft``: whole, in the
     dtype to write; None: the policy only. A draft fusing other than 3 tap layers is not
-    written (the engines load exactly 3), and that is printed."""
+    written (the engines load exactly 3), and that is printed. A block drafter is written as
+    a DFlash folder; with ``mask_token_id`` (not -1) the policy's embedding row
+    ``mask_token_id`` is written as the drafter's mask embedding, which is how SGLang embeds
+    the mask token (``[draft] mask_token_id``)."""
+    if isinstance(draft, BlockDrafter) and mask_token_id != -1:
+        read_policy = _with_mask_row(read_policy, mask_token_id, draft.mask_embedding.detach())
     save_hf_streamed(policy, os.path.join(folder, "policy"), read_policy)
     for name in TOKENIZER_FILES:
         if os.path.isfile(os.path.join(tokenizer_folder, name)):
@@ -41,7 +46,8 @@ def write_export(folder: str, policy: Transformer, read_policy: Callable[[str], 
     if draft is None:
         return "the policy"
     if isinstance(draft, BlockDrafter):
-        save_dflash(draft, os.path.join(folder, "draft"), n_target_layers=policy.args.n_layers)
+        save_dflash(draft, os.path.join(folder, "draft"), n_target_layers=policy.args.n_layers,
+                    mask_token_id=None if mask_token_id == -1 else mask_token_id)
         return "the policy and the block drafter"
     if len(policy.tap_layers) != ENGINE_N_TAPS:
         print(f"the draft fuses {len(policy.tap_layers)} tap layers; vLLM and SGLang load EAGLE-3 drafts "
@@ -50,6 +56,21 @@ def write_export(folder: str, policy: Transformer, read_policy: Callable[[str], 
     save_eagle3(draft, os.path.join(folder, "draft"), policy.tap_layers,
                 target_max_position_embeddings=policy.args.max_seq_len)
     return "the policy and the draft"
+
+
+def _with_mask_row(read_policy: Callable[[str], torch.Tensor], row: int,
+                   mask_embedding: torch.Tensor) -> Callable[[str], torch.Tensor]:
+    """``read_policy`` with row ``row`` of the embedding replaced by ``mask_embedding``."""
+
+    def read(name: str) -> torch.Tensor:
+        tensor = read_policy(name)
+        if name != "embed_tokens.weight":
+            return tensor
+        tensor = tensor.clone()
+        tensor[row] = mask_embedding.to(tensor)
+        return tensor
+
+    return read
 
 
 def export_job(trainer) -> None:
@@ -68,5 +89,6 @@ def export_job(trainer) -> None:
     if trainer.rank != trainer.log_rank:
         return
     folder = os.path.join(trainer.config.job.dump_folder, "export")
-    exported = write_export(folder, policy, state.__getitem__, draft, trainer.tokenizer_folder)
+    exported = write_export(folder, policy, state.__getitem__, draft, trainer.tokenizer_folder,
+                            trainer.config.draft.mask_token_id)
     print(f"exported {exported} to {folder}", flush=True)

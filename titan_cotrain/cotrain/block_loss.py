@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
 from titan_cotrain.models.block_draft import BlockDrafter, head_logits
@@ -110,6 +111,10 @@ def sample_anchors(cu_seqlens: torch.Tensor, loss_region: torch.Tensor, blocks_p
 
     device = loss_region.device
     t = loss_region.shape[0]
+    if is_fake(loss_region):
+        # The scale simulator's fake tensors have no values to draw from: the most blocks a
+        # step can train, every document's on this rank (a memory bound).
+        return torch.arange(min(t, (cu_seqlens.numel() - 1) * blocks_per_doc), device=device)
     shift = shift if shift is not None else DocumentShift(cu_seqlens, 1, device)
     region, ext_tokens = shift.extend(loss_region, tokens.to(device))
     next_row = shift.rows[0].to(device).clamp(min=0)

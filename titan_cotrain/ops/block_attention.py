@@ -22,10 +22,12 @@ Two paths compute the same function:
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from titan_cotrain.ops.attention import merge_attention
 
-__all__ = ["block_attention", "block_attention_exact", "block_attention_flex", "context_partial_exact",
+__all__ = ["block_attention", "block_attention_exact", "block_attention_flex", "block_context_partial",
+           "context_partial_exact",
            "merge_partials", "own_block_partial", "BlockContextRing"]
 
 # The exact path's chunk: about this many score elements per head (block rows x context rows).
@@ -99,6 +101,97 @@ def context_partial_exact(
     return torch.cat(outs), torch.cat(lses)
 
 
+@torch.library.custom_op("titan_cotrain::block_context_partial", mutates_args=())
+def _block_context_partial(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, ctx_start: torch.Tensor,
+                           ctx_end: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        out, lse = context_partial_exact(q, ctx_k, ctx_v, ctx_start, ctx_end, scale)
+    return out.contiguous(), lse.contiguous()
+
+
+@_block_context_partial.register_fake
+def _(q, ctx_k, ctx_v, ctx_start, ctx_end, scale):
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(q.shape, dtype=acc), q.new_empty(q.shape[:3], dtype=acc)
+
+
+def context_partial_backward_exact(
+    grad_out: torch.Tensor, grad_lse: torch.Tensor, q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
+    ctx_start: torch.Tensor, ctx_end: torch.Tensor, scale: float, chunk_scores: int = EXACT_CHUNK_SCORES,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of ``context_partial_exact``'s ``(out, lse)`` for ``q, ctx_k, ctx_v``,
+    chunk by chunk with the probabilities recomputed: ``dv = p^T do``, ``ds = p (do v^T - D +
+    dlse)`` with ``D = sum(do * out)`` per query row, ``dq = ds k scale``, ``dk = ds^T q
+    scale`` (GQA: summed over each key head's query heads)."""
+    n, b, hq, d = q.shape
+    hkv = ctx_k.shape[1]
+    rep = hq // hkv
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(ctx_k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros(ctx_v.shape, dtype=acc, device=q.device)
+    for first, last, lo, hi in _chunks(ctx_start.tolist(), ctx_end.tolist(), b, chunk_scores):
+        qc = q[first:last].to(acc)
+        kc = ctx_k[lo:hi].to(acc).repeat_interleave(rep, dim=1)
+        vc = ctx_v[lo:hi].to(acc).repeat_interleave(rep, dim=1)
+        rows = torch.arange(lo, hi, device=q.device)
+        keep = (rows >= ctx_start[first:last, None]) & (rows < ctx_end[first:last, None])
+        p, _, _ = _scores_lse(torch.einsum("cqhd,lhd->chql", qc, kc) * scale, keep)  # [c, Hq, B, L]
+        go = grad_out[first:last].to(acc)  # [c, B, Hq, Dh]
+        out = torch.einsum("chql,lhd->cqhd", p, vc)
+        row_term = (go * out).sum(-1) - grad_lse[first:last].to(acc)  # [c, B, Hq]
+        ds = p * (torch.einsum("cqhd,lhd->chql", go, vc) - row_term.transpose(1, 2)[..., None])
+        dq[first:last] += torch.einsum("chql,lhd->cqhd", ds, kc) * scale
+        dk[lo:hi] += (torch.einsum("chql,cqhd->lhd", ds, qc) * scale).unflatten(1, (hkv, rep)).sum(2)
+        dv[lo:hi] += torch.einsum("chql,cqhd->lhd", p, go).unflatten(1, (hkv, rep)).sum(2)
+    return dq.to(q.dtype), dk.to(ctx_k.dtype), dv.to(ctx_v.dtype)
+
+
+# Its own op, so a traced or simulated backward is one opaque node (the chunks are planned from
+# the blocks' context spans, which fake tensors do not hold).
+@torch.library.custom_op("titan_cotrain::block_context_partial_backward", mutates_args=())
+def _block_context_partial_backward(grad_out: torch.Tensor, grad_lse: torch.Tensor, q: torch.Tensor,
+                                    ctx_k: torch.Tensor, ctx_v: torch.Tensor, ctx_start: torch.Tensor,
+                                    ctx_end: torch.Tensor, scale: float
+                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    grads = context_partial_backward_exact(grad_out, grad_lse, q, ctx_k, ctx_v, ctx_start, ctx_end, scale)
+    return tuple(g.contiguous() for g in grads)
+
+
+@_block_context_partial_backward.register_fake
+def _(grad_out, grad_lse, q, ctx_k, ctx_v, ctx_start, ctx_end, scale):
+    return tuple(x.new_empty(x.shape) for x in (q, ctx_k, ctx_v))
+
+
+def _partial_setup(ctx, inputs, output):
+    q, ctx_k, ctx_v, ctx_start, ctx_end, scale = inputs
+    ctx.save_for_backward(q, ctx_k, ctx_v, ctx_start, ctx_end)
+    ctx.scale = scale
+    ctx.set_materialize_grads(False)
+
+
+def _partial_backward(ctx, grad_out, grad_lse):
+    q, ctx_k, ctx_v, ctx_start, ctx_end = ctx.saved_tensors
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    grad_out = torch.zeros(q.shape, dtype=acc, device=q.device) if grad_out is None else grad_out
+    grad_lse = torch.zeros(q.shape[:3], dtype=acc, device=q.device) if grad_lse is None else grad_lse
+    grads = _block_context_partial_backward(grad_out.contiguous(), grad_lse.contiguous(), q, ctx_k, ctx_v,
+                                            ctx_start, ctx_end, ctx.scale)
+    return (*grads, None, None, None)
+
+
+_block_context_partial.register_autograd(_partial_backward, setup_context=_partial_setup)
+
+
+def block_context_partial(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, ctx_start: torch.Tensor,
+                          ctx_end: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``context_partial_exact`` as one op (``titan_cotrain::block_context_partial``) with a
+    fake kernel and its own backward op: what the block attention calls, so the scale
+    simulator's fake tensors (which hold no spans to plan chunks from) and tracing see one
+    node with the output's shapes."""
+    return _block_context_partial(q, ctx_k, ctx_v, ctx_start, ctx_end, scale)
+
+
 def own_block_partial(q: torch.Tensor, blk_k: torch.Tensor, blk_v: torch.Tensor,
                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Each block's attention over its own ``B`` rows (no mask): ``(out, lse)`` as
@@ -130,7 +223,10 @@ def block_attention_exact(
     in chunks whose scores stay near ``chunk_scores`` elements per head) merged with the
     block's own part by log-sum-exp. The CPU and test path."""
     _check(q, ctx_k, ctx_v, blk_k, blk_v, ctx_start, ctx_end)
-    context = context_partial_exact(q, ctx_k, ctx_v, ctx_start, ctx_end, scale, chunk_scores)
+    if chunk_scores == EXACT_CHUNK_SCORES:
+        context = block_context_partial(q, ctx_k, ctx_v, ctx_start, ctx_end, scale)
+    else:  # the tests' other chunkings, straight through autograd
+        context = context_partial_exact(q, ctx_k, ctx_v, ctx_start, ctx_end, scale, chunk_scores)
     return merge_partials(own_block_partial(q, blk_k, blk_v, scale), [context]).to(q.dtype)
 
 
@@ -176,8 +272,9 @@ def block_attention(
     q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, blk_k: torch.Tensor, blk_v: torch.Tensor,
     ctx_start: torch.Tensor, ctx_end: torch.Tensor, scale: float,
 ) -> torch.Tensor:
-    """The block drafter's attention (module docstring): ``flex`` on an accelerator, ``exact`` on CPU."""
-    if q.device.type == "cpu":
+    """The block drafter's attention (module docstring): ``flex`` on an accelerator, ``exact`` on
+    CPU and on the scale simulator's fake tensors (its op has a fake kernel)."""
+    if q.device.type == "cpu" or is_fake(q):
         return block_attention_exact(q, ctx_k, ctx_v, blk_k, blk_v, ctx_start, ctx_end, scale)
     return block_attention_flex(q, ctx_k, ctx_v, blk_k, blk_v, ctx_start, ctx_end, scale)
 
@@ -252,9 +349,12 @@ class BlockContextRing:
         self.world = dist.get_world_size(group)
         device = row_doc.device
         self.n = anchors.numel()
-        counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.world)]
-        dist.all_gather(counts, torch.tensor([self.n], dtype=torch.int64, device=device), group=group)
-        self.n_max = max(int(c) for c in counts)
+        if is_fake(row_doc):  # the scale simulator: every rank holds as many blocks (no values to read)
+            self.n_max = self.n
+        else:
+            counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.world)]
+            dist.all_gather(counts, torch.tensor([self.n], dtype=torch.int64, device=device), group=group)
+            self.n_max = max(int(c) for c in counts)
         # (document, anchor position) of every rank's blocks, padded with document -1.
         mine = torch.full((self.n_max, 2), -1, dtype=torch.int64, device=device)
         mine[: self.n, 0], mine[: self.n, 1] = row_doc[anchors], row_pos[anchors]
@@ -282,7 +382,7 @@ class BlockContextRing:
             return merge_partials(own, []).to(q.dtype) + touch
         padded = torch.cat([q, q.new_zeros(self.n_max - n, b, hq, d)]) if self.n_max > n else q
         every = _GatherRows.apply(padded, self.group)  # [W n_max, B, Hq, Dh]
-        out, lse = context_partial_exact(every, ctx_k, ctx_v, self.ctx_start, self.ctx_end, scale)
+        out, lse = block_context_partial(every, ctx_k, ctx_v, self.ctx_start, self.ctx_end, scale)
         parts = torch.cat([out.flatten(2), lse], dim=-1).contiguous()  # [W n_max, B, Hq Dh + Hq]
         back = _ExchangeRows.apply(parts, self.group)
         back = back.view(self.world, self.n_max, b, -1)[:, :n]

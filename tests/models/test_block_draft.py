@@ -10,7 +10,12 @@ from titan_cotrain.cotrain.block_loss import block_draft_sums, block_weights, do
 from titan_cotrain.models.args import model_args_for
 from titan_cotrain.models.block_draft import BlockDraftArgs, BlockDrafter, block_target_layers
 from titan_cotrain.models.transformer import Transformer
-from titan_cotrain.ops.block_attention import block_attention_exact, block_attention_flex
+from titan_cotrain.ops.block_attention import (
+    block_attention_exact,
+    block_attention_flex,
+    context_partial_backward_exact,
+    context_partial_exact,
+)
 
 CU = torch.tensor([0, 13, 20, 37], dtype=torch.int32)  # three documents, 37 packed rows
 T = int(CU[-1])
@@ -70,6 +75,27 @@ def test_exact_block_attention_is_the_brute_force_one(chunk_scores):
     ref_grads = torch.autograd.grad(_brute_force(*ref_leaves, *inputs[5:], scale), ref_leaves, grad_out)
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunk_scores", [1, 200, 1 << 22])
+def test_the_context_parts_explicit_backward_is_autograds(chunk_scores):
+    """The op's backward (``context_partial_backward_exact``: recomputed probabilities, chunks
+    that share context rows adding into the same key gradients) against autograd through the
+    forward, for an output and a log-sum-exp gradient together; a block without context
+    (anchor 0) gets none."""
+    q, ctx_k, ctx_v, _, _, start, end = _attention_inputs()
+    scale = 8 ** -0.5
+    leaves = [x.clone().requires_grad_() for x in (q, ctx_k, ctx_v)]
+    out, lse = context_partial_exact(*leaves, start, end, scale)
+    g = torch.Generator().manual_seed(4)
+    grad_out = torch.randn(out.shape, generator=g, dtype=out.dtype)
+    grad_lse = torch.randn(lse.shape, generator=g, dtype=lse.dtype)
+    want = torch.autograd.grad((out, lse.masked_fill(lse.isinf(), 0.0)), leaves, (grad_out, grad_lse))
+    got = context_partial_backward_exact(grad_out, grad_lse, q, ctx_k, ctx_v, start, end, scale,
+                                         chunk_scores=chunk_scores)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert lse[0].isinf().all() and not got[0][0].any()
 
 
 def test_the_flex_path_masks_what_the_exact_path_does():

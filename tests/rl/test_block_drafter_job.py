@@ -204,3 +204,31 @@ def test_a_mask_row_outside_the_embedding_or_on_a_tied_head_is_refused():
         check_mask_token_id(3, args.replace(tie_embeddings=True))
     with pytest.raises(ConfigError, match="draft.mask_token_id"):
         load_job_config([*CONFIG, *BLOCK, "--draft.mask_token_id", "-2"], world_size=1)
+
+
+def test_a_block_drafter_starts_from_a_dflash_folder(tmp_path):
+    """``[draft] init_path`` with ``kind = "dflash"``: the job's drafter starts as the folder's
+    (its own mask tensor, or the policy's row ``mask_token_id`` without it); a folder of
+    another shape is refused naming what differs."""
+    from titan_cotrain.models.block_draft import BlockDraftArgs, BlockDrafter
+    from titan_cotrain.models.dflash import save_dflash
+    from titan_cotrain.rl.trainer import Trainer
+
+    base = [*CONFIG, *SHORT, *BLOCK, "--job.dump_folder", str(tmp_path / "job"), "--checkpoint.no-enable",
+            "--metrics.no-enable_tensorboard"]
+    plain = Trainer(load_job_config(base, world_size=1), world_size=1, rank=0)
+    args = plain.draft.args
+    folder = tmp_path / "published"
+    theirs = BlockDrafter(args)
+    theirs.init_weights(std=0.05, generator=torch.Generator().manual_seed(7))
+    save_dflash(theirs, folder, n_target_layers=plain.policy.args.n_layers, mask_token_id=255)
+    started = Trainer(load_job_config([*base, "--draft.init_path", str(folder)], world_size=1), world_size=1, rank=0)
+    for name, value in theirs.state_dict().items():
+        assert torch.equal(started.draft.state_dict()[name], value), name
+
+    other = tmp_path / "other"
+    save_dflash(BlockDrafter(BlockDraftArgs.from_target(plain.policy.args, n_layers=1, block_size=4,
+                                                        target_layer_ids=args.target_layer_ids)),
+                other, n_target_layers=plain.policy.args.n_layers)
+    with pytest.raises(ValueError, match=r"num_hidden_layers 1 \(the job's: 2\)"):
+        Trainer(load_job_config([*base, "--draft.init_path", str(other)], world_size=1), world_size=1, rank=0)

@@ -205,7 +205,8 @@ class Draft:
     """Which predicted tokens count in the draft loss: rollout responses or every token."""
 
     init_path: str = ""
-    """Optional EAGLE-3 checkpoint folder to start the draft from."""
+    """Optional folder to start the draft from: an EAGLE-3 folder, or with ``kind = "dflash"``
+    a DFlash folder (its target layers, block size and depth must be the job's)."""
 
     freeze_after_sft: bool = False
     """Stop training the draft when RL starts (the frozen-draft baseline): rollouts keep

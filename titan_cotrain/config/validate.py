@@ -218,7 +218,6 @@ def _block_drafter_errors(config) -> list[str]:
         errors.append(f"rollout.draft_tokens ({ro.draft_tokens}) must be at most draft.block_size - 1 "
                       f"({d.block_size - 1}): a block drafts that many")
     unsupported = [(f"draft.vocab_size = {d.vocab_size} (the drafter reads the target's head: 0)", d.vocab_size),
-                   ("draft.init_path", d.init_path),
                    ("draft.hidden_size / num_heads / num_kv_heads (the drafter has the target's)",
                     d.hidden_size or d.num_heads or d.num_kv_heads),
                    (f"rollout.tensor_parallel_degree = {ro.tensor_parallel_degree}", ro.tensor_parallel_degree > 1),

@@ -172,16 +172,38 @@ def build_draft(config, target: Transformer, token_counts: torch.Tensor | None =
 
 
 
-def init_draft_(draft: Draft, config, target: Transformer, fill: Fill = _plain_fill) -> None:
-    """Fill ``draft``'s parameters from ``[draft] init_path`` or the job's seeded random init."""
+def init_draft_(draft: Draft | BlockDrafter, config, target: Transformer, fill: Fill = _plain_fill) -> None:
+    """Fill ``draft``'s parameters from ``[draft] init_path`` (an EAGLE-3 folder, or a DFlash
+    folder for a block drafter) or the job's seeded random init."""
     if config.draft.init_path:
-        state = _load_init_draft(config, target).state_dict()
+        load = _load_init_block_drafter if isinstance(draft, BlockDrafter) else _load_init_draft
+        state = load(config, target).state_dict()
         for name, param in draft.named_parameters():
             fill(param, state[name])
         with torch.no_grad():
             draft.rope_inv_freq.copy_(rope_inv_freq(draft.args.head_dim, draft.args.rope_theta, draft.args.rope_scaling))
         return
     draft.init_weights(generator=torch.Generator().manual_seed(job_seed(config) + 1), fill=fill)
+
+
+def _load_init_block_drafter(config, target: Transformer) -> BlockDrafter:
+    """The DFlash folder ``[draft] init_path``, which must fit the job's drafter: the policy's
+    width, the target layers it taps, the block size and depth. A folder without its own mask
+    embedding takes the policy's row ``dflash_config.mask_token_id`` (as SGLang does)."""
+    from titan_cotrain.models.dflash import load_dflash
+
+    d, path = config.draft, config.draft.init_path
+    embedding = target.embed_tokens.weight
+    drafter = load_dflash(path, target_embedding=None if embedding.is_meta else embedding.detach().float())
+    a = drafter.args
+    mismatched = [f"{name} {theirs} (the job's: {ours})" for name, theirs, ours in (
+        ("target_layer_ids", list(a.target_layer_ids), list(target.tap_layers)),
+        ("block_size", a.block_size, d.block_size), ("num_hidden_layers", a.n_layers, d.block_layers),
+        ("hidden_size", a.dim, target.args.dim)) if theirs != ours]
+    if mismatched:
+        raise ValueError(f"draft.init_path {path!r} does not fit this job's block drafter: {'; '.join(mismatched)}. "
+                         "Set draft.tap_layers, draft.block_size and draft.block_layers to the folder's")
+    return drafter
 
 
 def _load_init_draft(config, target: Transformer) -> Draft:

@@ -309,9 +309,9 @@ class _GatherRows(torch.autograd.Function):
         import torch.distributed as dist
 
         ctx.group, ctx.world = group, dist.get_world_size(group)
-        out = x.new_empty(ctx.world * x.shape[0], *x.shape[1:])
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-        return out
+        parts = [torch.empty_like(x) for _ in range(ctx.world)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

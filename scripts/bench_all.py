@@ -219,7 +219,7 @@ def e2e_rows(result: dict, command: str) -> list[Row]:
             rows.append(Row(
                 claim, f"{config}: median of {r['steps']} RL steps ({run['rounds']} runs per arm, "
                        f"{_seeds_text(run)}, orders alternated) after a {run['sft_steps']}-step warm start, "
-                       f"{label} (mean k {r['mean_k']:.2f}{_explorations_text(r)})",
+                       f"{label} (mean k {r['mean_k']:.2f}{_undrafted_text(r)})",
                 f"{r['step_s_median']:.3f} s/step, rollout {r['rollout_s_median']:.3f} s (tail share "
                 f"{r['tail_share']:.2f}, accept {r['acceptance_length']:.2f})",
                 f"plain {plain['step_s_median']:.3f} s/step, rollout {plain['rollout_s_median']:.3f} s "
@@ -248,9 +248,9 @@ def _seeds_text(run: dict) -> str:
     return f"RL seeds {', '.join(map(str, seeds))}" if len(set(seeds)) > 1 else "one RL seed"
 
 
-def _explorations_text(record: dict) -> str:
-    n = record.get("plain_explorations")
-    return f"; {n} of its steps the tuner's plain-decoding measurements" if n else ""
+def _undrafted_text(record: dict) -> str:
+    n = record.get("undrafted_steps")
+    return f"; {n} of its steps drafted nothing" if n else ""
 
 
 def _paired_text(record: dict) -> str:

@@ -27,8 +27,8 @@ one arm; medians are over every run's kept steps. The noise band of a ratio is t
 percentile of the ratio of medians over bootstrap resamples of the paired kept steps (the same
 step of the same round in both arms: the same prompts); ``paired_*_ratio_median`` is the
 median over those pairs of one arm's step (or rollout) time over plain's, and
-``plain_explorations`` counts the kept steps of an adaptive arm whose rollout drafted nothing
-(the tuner measuring plain decoding). Per step, from ``metrics.jsonl``: ``time/step_s``, ``time/rollout_s``,
+``undrafted_steps`` counts the kept steps whose rollout drafted nothing (an adaptive arm's
+tuner measuring plain decoding, or choosing it for the whole phase). Per step, from ``metrics.jsonl``: ``time/step_s``, ``time/rollout_s``,
 ``rollout/tail_share`` (wall time with at most a quarter of the rows live, over the
 rollout's), ``rollout/acceptance_length`` (over the rounds that drafted) and
 ``rollout/draft_tokens`` (mean k). Then, on the long-tailed job, the co-trained draft (the
@@ -103,7 +103,7 @@ def record(config: str, arm: str, seeds: list[int], s: dict) -> dict:
             "step_s_median": s["median_step_s"], "rollout_s_median": s["median_rollout_s"],
             "tail_share": s["median_tail_share"], "acceptance_length": s["median_acceptance_length"],
             "mean_k": statistics.fmean(s["draft_tokens"]),
-            "plain_explorations": sum(k == 0 for k in s["draft_tokens"])}
+            "undrafted_steps": sum(k == 0 for k in s["draft_tokens"])}
 
 
 def previous_settings(previous: dict) -> dict:

@@ -11,7 +11,10 @@ rollout's time on the config's GPU, not a measurement:
   engine's weights on the rank (the policy's once, the draft's once per draft step) and the
   KV the round reads (every live sequence's target KV once, its draft trunk once per draft
   step); FLOPs are ``2 x`` the matmul parameters per token processed plus attention
-  (``4 x context x heads x head_dim`` per query token and layer);
+  (``4 x context x heads x head_dim`` per query token and layer). An EAGLE-3 draft takes
+  ``k + 1`` steps a round (``2k + 1`` tokens through it); a block drafter one forward (its
+  weights and context KV read once; ``B`` block positions and the ``k + 1`` committed tokens'
+  context through it) and the policy's head on its ``k`` drafted positions;
 * a prefill (new groups, and the recompute of preempted sequences) costs the same way over
   its tokens, attention causal;
 * not modeled: kernel launch overhead, the tensor-parallel all-reduces, sampling, and every
@@ -35,6 +38,7 @@ from titan_cotrain.components.shards import local_shard
 from titan_cotrain.engine.kv_blocks import BlockAllocator, Scheduler
 from titan_cotrain.engine.kv_budget import kv_bytes_per_position
 from titan_cotrain.engine.rollout import RolloutEngine
+from titan_cotrain.models.block_draft import BlockDrafter
 
 __all__ = ["GPU_MODELS", "GpuModel", "LengthLaw", "gpu_model", "model_rollout"]
 
@@ -116,6 +120,14 @@ def model_rollout(engine: RolloutEngine, *, requested_groups: int, samples: int,
                           if draft is not None and k else 0)
     heads = a.n_heads // engine.tensor_parallel
     attention = 4 * heads * a.head_dim * a.n_layers  # FLOPs per query token per context position
+    head_matmul = a.vocab_size * a.dim // engine.tensor_parallel
+    if isinstance(draft, BlockDrafter):
+        steps = 1  # one drafter forward a round
+        draft_tokens_per_row = draft.args.block_size + k + 1  # the block, then the committed tokens' context
+        head_per_row = head_matmul * k  # the drafted positions' logits, through the policy's head
+    else:
+        steps = k + 1  # draft steps per round: k drafts and the catch-up (0 when plain)
+        draft_tokens_per_row, head_per_row = 2 * k + 1, 0
 
     def seconds(nbytes: float, flops: float) -> float:
         return max(nbytes / gpu.hbm_bytes_per_s, flops / gpu.bf16_flops)
@@ -128,7 +140,6 @@ def model_rollout(engine: RolloutEngine, *, requested_groups: int, samples: int,
     length: dict[int, int] = {}  # output row -> committed tokens
     live_per_round, waiting_live = [], []
     modeled_s = 0.0
-    steps = k + 1  # draft steps per round: k drafts and the catch-up (0 when plain)
     while not scheduler.done():
         admitted = scheduler.admit()
         scheduler.fork(admitted)
@@ -149,7 +160,7 @@ def model_rollout(engine: RolloutEngine, *, requested_groups: int, samples: int,
         flops = 2 * policy_matmul * queries + attention * context * (k + 1)
         nbytes = policy_bytes + context * per_position
         if draft_matmul:
-            flops += 2 * draft_matmul * len(rows) * (2 * k + 1)
+            flops += 2 * (draft_matmul * draft_tokens_per_row + head_per_row) * len(rows)
             nbytes += steps * (draft_bytes + context * trunk_per_position)
         modeled_s += seconds(nbytes, flops)
         active, lengths = [False] * len(scheduler.rows), [1] * len(scheduler.rows)

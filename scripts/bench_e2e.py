@@ -28,7 +28,8 @@ percentile of the ratio of medians over bootstrap resamples of the paired kept s
 step of the same round in both arms: the same prompts); ``paired_*_ratio_median`` is the
 median over those pairs of one arm's step (or rollout) time over plain's, and
 ``undrafted_steps`` counts the kept steps whose rollout drafted nothing (an adaptive arm's
-tuner measuring plain decoding, or choosing it for the whole phase). Per step, from ``metrics.jsonl``: ``time/step_s``, ``time/rollout_s``,
+tuner measuring plain decoding, or choosing it for the whole phase). Per step, from
+``metrics.jsonl``: ``time/step_s``, ``time/rollout_s``,
 ``rollout/tail_share`` (wall time with at most a quarter of the rows live, over the
 rollout's), ``rollout/acceptance_length`` (over the rounds that drafted) and
 ``rollout/draft_tokens`` (mean k). Then, on the long-tailed job, the co-trained draft (the
@@ -61,7 +62,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchtools import command_line, pyplot, save_figure  # noqa: E402
-from compare_cotrain import folder_hash, rl_curve, run  # noqa: E402
+from compare_cotrain import folder_hash, run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"default": "debug_cpu.toml", "longtail": "debug_cpu_longtail.toml"}

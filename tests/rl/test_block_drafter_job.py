@@ -89,8 +89,8 @@ def test_a_block_drafter_job_under_context_parallelism_matches_one_process(tmp_p
     """CP 2: the two ranks train zigzag shards of the one-process job's rows; the drafter's
     anchors, context (every rank's, ``BlockContextRing``) and halo rows make its loss, gradient
     norm and per-position accuracies the one-process run's."""
-    args = (*CONFIG, *SHORT, *BLOCK, "--training.steps", "1", "--checkpoint.no-enable", "--metrics.no-enable_tensorboard",
-            *LEADER_GENERATES)
+    args = (*CONFIG, *SHORT, *BLOCK, "--training.steps", "1", "--checkpoint.no-enable",
+            "--metrics.no-enable_tensorboard", *LEADER_GENERATES)
     single = _run(*args, "--job.dump_folder", str(tmp_path / "single"), nproc=None)
     assert single.returncode == 0, single.stderr[-3000:]
     cp = _run(*args, "--parallelism.context_parallel_degree", "2", "--job.dump_folder", str(tmp_path / "cp"))

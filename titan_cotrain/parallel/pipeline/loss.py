@@ -102,8 +102,8 @@ class CotrainLoss:
                                   pass_decay=self.pass_decay, blocks_per_doc=self.blocks_per_doc,
                                   seed=context.anchor_seed, chunk_tokens=self.chunk_tokens)
             else:
-                loss = draft_sums(self.draft, mb, features, embeddings, head_out, context.sums, ttt_steps=self.ttt_steps,
-                                  pass_decay=self.pass_decay, chunk_tokens=self.chunk_tokens)
+                loss = draft_sums(self.draft, mb, features, embeddings, head_out, context.sums,
+                                  ttt_steps=self.ttt_steps, pass_decay=self.pass_decay, chunk_tokens=self.chunk_tokens)
             loss.backward()
             self.channel.release(m)
         return policy_sum

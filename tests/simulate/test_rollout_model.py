@@ -60,3 +60,37 @@ def test_plain_decoding_at_batch_one_is_bandwidth_bound_by_the_weights_and_kv():
     # committed tokens, each reading that many positions of KV.
     expected = (weights + 5 * per_position) + sum(weights + n * per_position for n in (6, 7, 8))
     assert out["rounds"] == 3 and abs(out["modeled_rollout_s"] - expected / 1e9) < 1e-12
+
+
+@pytest.mark.parametrize("block", [False, True], ids=["eagle3", "block_drafter"])
+def test_a_round_reads_the_draft_once_per_draft_step(block):
+    """One sequence, every drafted token rejected (one token a round), a GPU whose compute is
+    free: each round reads the policy's weights and KV and the draft's weights and cached KV,
+    k + 1 times for an EAGLE-3 draft (k drafts and the catch-up), once for a block drafter
+    (one forward drafts the block)."""
+    from titan_cotrain.engine.block_rollout import BlockDraftEngine
+    from titan_cotrain.models.block_draft import BlockDraftArgs, BlockDrafter
+
+    target = Transformer(model_args_for("llama3", "debugmodel").replace(vocab_size=128))
+    if block:
+        drafter = BlockDrafter(BlockDraftArgs.from_target(target.args, n_layers=2, block_size=K + 1,
+                                                          target_layer_ids=target.tap_layers))
+        engine = BlockDraftEngine(target, drafter, max_batch_size=1, max_seq_len=SEQ_LEN, max_draft_tokens=K,
+                                  block_size=4, kv_cache_gib=0.01)
+    else:
+        drafter = Draft(DraftArgs.from_target(target.args, n_taps=3))
+        engine = RolloutEngine(target, drafter, max_batch_size=1, max_seq_len=SEQ_LEN, max_draft_tokens=K,
+                               block_size=4, kv_cache_gib=0.01)
+    out = model_rollout(engine, requested_groups=1, samples=1, prompt_tokens=5, max_new_tokens=4, draft_tokens=K,
+                        gpu=GpuModel("bandwidth only", 1e9, float("inf")),
+                        law=LengthLaw(median_fraction=1.0, sigma=1e-9, acceptance=0.0))
+
+    def weights(model):
+        return sum(p.numel() * p.element_size() for p in model.parameters())
+
+    per_position = kv_bytes_per_position(target.args, None, torch.float32)
+    cached = kv_bytes_per_position(target.args, drafter.args, torch.float32) - per_position
+    reads = 1 if block else K + 1
+    prefill = weights(target) + weights(drafter) + 5 * (per_position + cached)
+    rounds = sum(weights(target) + n * per_position + reads * (weights(drafter) + n * cached) for n in (6, 7, 8))
+    assert out["rounds"] == 3 and abs(out["modeled_rollout_s"] - (prefill + rounds) / 1e9) < 1e-12

@@ -114,15 +114,13 @@ def init_target_(model: Transformer, config, fill: Fill = _plain_fill) -> None:
 def check_mask_token_id(mask_token_id: int, target_args) -> None:
     """``[draft] mask_token_id`` (a block drafter's) names a row of the policy's embedding that
     the exports overwrite, so it must exist, and the embedding must not be the head too."""
-    from titan_cotrain.config import ConfigError
-
     if mask_token_id == -1:
         return
     if not 0 <= mask_token_id < target_args.vocab_size:
-        raise ConfigError(f"draft.mask_token_id = {mask_token_id} is not a row of the policy's embedding "
+        raise ValueError(f"draft.mask_token_id = {mask_token_id} is not a row of the policy's embedding "
                           f"[0, {target_args.vocab_size}): choose a row no text uses, or -1")
     if target_args.tie_embeddings:
-        raise ConfigError(f"draft.mask_token_id = {mask_token_id}: the policy ties its embedding to its head, so "
+        raise ValueError(f"draft.mask_token_id = {mask_token_id}: the policy ties its embedding to its head, so "
                           "the exported mask row would also be a logit; set draft.mask_token_id = -1")
 
 

@@ -198,13 +198,12 @@ def e2e_rows(result: dict, command: str) -> list[Row]:
     frozen draft on the long-tailed job."""
     claim = "End to end: RL step with speculative rollouts"
     cfg, summary = result["config"], result["summary"]
-    legacy = {"command": command} | {k: cfg.get(k) for k in ("sft_steps", "rounds")}
     labels = {"per_call": "k per call", "per_round": "k per round", "fixed_k3": "k = 3 every round"}
     by = {(r["config"], r["arm"]): r for r in result["records"]}
     rows = []
     for config in cfg["jobs"]:
         plain = by[config, "plain"]
-        run = plain.get("settings", legacy)  # the settings and command that made this job's records
+        run = plain["settings"]  # the settings and command that made this job's records
         rows.append(Row(
             claim, f"{config}: plain decoding, median of {plain['steps']} RL steps: the rollout's share of the step, "
                    "and the share of the rollout's wall time with at most 25% of the rows live",
@@ -239,7 +238,7 @@ def e2e_rows(result: dict, command: str) -> list[Row]:
             f"co-trained {co['step_s_median']:.3f} s/step, accept {co['acceptance_length']:.2f}",
             f"frozen {fr['step_s_median']:.3f} s/step, accept {fr['acceptance_length']:.2f}",
             f"frozen / co-trained step per seed: {ratios}", "-", "-", cfg["jobs"]["longtail"],
-            co.get("settings", legacy)["command"]))
+            co["settings"]["command"]))
     return rows
 
 

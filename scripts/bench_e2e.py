@@ -107,14 +107,6 @@ def record(config: str, arm: str, seeds: list[int], s: dict) -> dict:
             "undrafted_steps": sum(k == 0 for k in s["draft_tokens"])}
 
 
-def previous_settings(previous: dict) -> dict:
-    """The settings of an earlier JSON's records (one written before records carried them: its
-    ``config`` and ``command``)."""
-    cfg = previous["config"]
-    return {"sft_steps": cfg["sft_steps"], "rl_steps": cfg["rl_steps"], "skip": cfg["skip"],
-            "rounds": cfg["rounds"], "seeds": [cfg["seed"]] * cfg["rounds"], "command": previous["command"]}
-
-
 def paired_ratio_median(mine: list[float], theirs: list[float]) -> float:
     """Median over the paired steps (the same step of the same round) of ``mine / theirs``."""
     if len(mine) != len(theirs):
@@ -210,6 +202,11 @@ def main() -> int:
             parser.error("--warm-start-* must lie outside --work, which is cleared first")
     previous = json.loads(args.json.read_text()) if args.json.exists() else None
     kept_jobs = [c for c in CONFIGS if c not in args.configs and previous and c in previous.get("summary", {})]
+    kept_records = [r for r in previous["records"] if r["config"] in kept_jobs] if kept_jobs else []
+    unsourced = sorted({r["config"] for r in kept_records if "settings" not in r})
+    if unsourced:
+        parser.error(f"{args.json} does not say what made its {', '.join(unsourced)} records (no settings): "
+                     "run every job (--configs default longtail)")
     shutil.rmtree(args.work, ignore_errors=True)
     common = ["--task.sft_steps", str(args.sft_steps), "--checkpoint.interval", str(args.sft_steps),
               "--checkpoint.keep_latest_k", "0", "--metrics.no-enable_tensorboard"]
@@ -291,7 +288,7 @@ def main() -> int:
     for r in records:
         r["settings"] = settings
     for config in kept_jobs:  # results of the job this run left out, as the earlier run wrote them
-        records += [{"settings": previous_settings(previous)} | r for r in previous["records"] if r["config"] == config]
+        records += [r for r in kept_records if r["config"] == config]
         summary[config] = previous["summary"][config]
         result["configs"][config] = previous["configs"][config]
         if config == "longtail" and "cotrained_vs_frozen" in previous["summary"]:

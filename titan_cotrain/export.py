@@ -149,8 +149,7 @@ def export_checkpoint(config, folder: str, out: str, dtype: torch.dtype) -> str:
     was written."""
     from titan_cotrain.engine.engine_copy import copy_state, empty_copy
     from titan_cotrain.models.build import build_draft, build_target
-    from titan_cotrain.models.block_draft import BlockDrafter
-    from titan_cotrain.models.draft import Draft
+    from titan_cotrain.engine.build import engine_class
     from titan_cotrain.rl.export import write_export
     from titan_cotrain.rl.trainer_setup import tokenizer_folder
 
@@ -179,12 +178,7 @@ def export_checkpoint(config, folder: str, out: str, dtype: torch.dtype) -> str:
             raise ExportError(f"{folder} does not hold the config's draft ({_listed(problems)}): pass the "
                               "job's --job.config_file and the overrides it ran with")
         # Built as the rollout engine builds its copy, filled one tensor at a time.
-        if isinstance(shell, BlockDrafter):
-            draft = empty_copy(lambda: BlockDrafter(shell.args), torch.device("cpu"), dtype)
-        else:
-            draft = empty_copy(lambda: Draft(shell.args, torch.empty(shell.d2t.shape, dtype=torch.int64),
-                                             torch.empty(shell.t2d.shape, dtype=torch.bool)),
-                               torch.device("cpu"), dtype)
+        draft = empty_copy(lambda: engine_class(shell)._draft_shell(shell), torch.device("cpu"), dtype)
         copy_state(draft, saved_draft)
     return write_export(out, policy, saved.__getitem__, draft, tokenizer_folder(config), config.draft.mask_token_id)
 

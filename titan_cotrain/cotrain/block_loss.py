@@ -33,7 +33,8 @@ from torch.utils.checkpoint import checkpoint
 
 from titan_cotrain.models.block_draft import BlockDrafter, head_logits
 
-__all__ = ["BlockStats", "block_draft_sums", "block_weights", "document_bounds", "sample_anchors"]
+__all__ = ["BlockStats", "anchor_keys", "block_draft_sums", "block_weights", "document_bounds", "document_index",
+           "sample_anchors"]
 
 DEFAULT_CHUNK_ROWS = 1024
 
@@ -61,6 +62,12 @@ def document_bounds(cu_seqlens: torch.Tensor, device) -> tuple[torch.Tensor, tor
     cu = cu_seqlens.to(device=device, dtype=torch.int64)
     lengths = cu[1:] - cu[:-1]
     return cu[:-1].repeat_interleave(lengths), cu[1:].repeat_interleave(lengths)
+
+
+def document_index(cu_seqlens: torch.Tensor, device) -> torch.Tensor:
+    """``int64 [T]``: each packed row's document, ``0 .. len(cu_seqlens) - 2``."""
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    return torch.arange(cu.numel() - 1, device=device).repeat_interleave(cu[1:] - cu[:-1])
 
 
 _MIX = (0x5851F42D4C957F2D, 0x14057B7EF767814F)  # odd 63-bit multipliers
@@ -117,12 +124,13 @@ def sample_anchors(cu_seqlens: torch.Tensor, loss_region: torch.Tensor, blocks_p
         return torch.arange(min(t, (cu_seqlens.numel() - 1) * blocks_per_doc), device=device)
     shift = shift if shift is not None else DocumentShift(cu_seqlens, 1, device)
     region, ext_tokens = shift.extend(loss_region, tokens.to(device))
-    next_row = shift.rows[0].to(device).clamp(min=0)
-    valid = (shift.rows[0].to(device) >= 0) & region[next_row]
+    successor = shift.rows[0].to(device)
+    next_row = successor.clamp(min=0)
+    valid = (successor >= 0) & region[next_row]
     cu = cu_seqlens.to(device=device, dtype=torch.int64)
     n_docs = cu.numel() - 1
     rows = torch.arange(t, device=device)
-    doc = torch.searchsorted(cu[1:], rows, right=True)
+    doc = document_index(cu, device)
     key = torch.where(valid, anchor_keys(positions.to(device), tokens.to(device), ext_tokens[next_row], seed), _NO_KEY)
     # Per document its blocks_per_doc smallest keys here ([documents, blocks_per_doc], _NO_KEY
     # where it has fewer valid rows), then over the CP group.
@@ -207,9 +215,8 @@ def block_draft_sums(
     teacher_rows = torch.where(teacher_rows >= 0, teacher_rows, anchors[:, None]).reshape(-1)  # masked there
     slot = torch.arange(b - 1, device=anchors.device).repeat(anchors.shape[0])
     if shift.group is not None:
-        doc = torch.searchsorted(cu_seqlens.to(device=device, dtype=torch.int64)[1:],
-                                 torch.arange(features.shape[0], device=device), right=True)
-        ring, start = BlockContextRing(shift.group, doc, positions.to(device), anchors), None
+        ring = BlockContextRing(shift.group, document_index(cu_seqlens, device), positions.to(device), anchors)
+        start = None
     else:
         ring, (start, _) = None, document_bounds(cu_seqlens, device)
 

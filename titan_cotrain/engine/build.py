@@ -26,7 +26,7 @@ from titan_cotrain.models.args import ModelArgs
 from titan_cotrain.models.block_draft import BlockDrafter
 from titan_cotrain.parallel.parallelize import ParallelModels
 
-__all__ = ["Run", "build_rollout_engine", "kv_cache_setting"]
+__all__ = ["Run", "build_rollout_engine", "engine_class", "kv_cache_setting"]
 
 
 class Run(Protocol):
@@ -37,6 +37,12 @@ class Run(Protocol):
     gpu_memory_gib: float | None
 
     def agreed_kv_budget(self, budget: KVBudget, group, device: torch.device) -> KVBudget: ...
+
+
+def engine_class(draft) -> type[RolloutEngine]:
+    """The engine that speculates with ``draft``: ``BlockDraftEngine`` for a block drafter,
+    else ``RolloutEngine`` (an EAGLE-3 draft, or none)."""
+    return BlockDraftEngine if isinstance(draft, BlockDrafter) else RolloutEngine
 
 
 def build_rollout_engine(config, models: ParallelModels, device: torch.device, run: Run, *, prompts: int,
@@ -64,8 +70,7 @@ def build_rollout_engine(config, models: ParallelModels, device: torch.device, r
     if tp_mesh is not None and isinstance(kv_cache, KVBudget):
         # One schedule per engine group: the pool its fullest rank can hold.
         kv_cache = run.agreed_kv_budget(kv_cache, tp_mesh.get_group(), device)
-    engine_class = BlockDraftEngine if isinstance(models.engine_draft, BlockDrafter) else RolloutEngine
-    engine = engine_class.from_models(
+    engine = engine_class(models.engine_draft).from_models(
         models.engine_policy, models.engine_draft, device=device, max_batch_size=rows, max_seq_len=max_seq_len,
         max_draft_tokens=draft_tokens, kv_cache_gib=kv_cache, block_size=ro.kv_block_size, paged=ro.paged,
         load=models.engine_loadable, tp_mesh=tp_mesh, compile=ro.compile)

@@ -54,8 +54,7 @@ from titan_cotrain.models.transformer import (
     rope_inv_freq,
 )
 from titan_cotrain.models.taps import validate_tap_layers
-from titan_cotrain.ops.attention import merge_attention
-from titan_cotrain.ops.block_attention import BlockContextRing, block_attention
+from titan_cotrain.ops.block_attention import BlockContextRing, block_attention, merge_partials, own_block_partial
 
 __all__ = ["BlockDraftArgs", "BlockDrafter", "block_target_layers", "head_logits"]
 
@@ -270,9 +269,8 @@ class BlockDrafter(nn.Module):
             h = layer.input_layernorm(x)
             q = attn.query(h, cos, sin)  # [Bt, B, Hq, Dh]
             blk_k, blk_v = attn.kv(h, cos, sin)
-            out_ctx, lse_ctx = _context_attention(cache, i, q, anchor_positions)
-            out_blk, lse_blk = _own_block_attention(q, blk_k, blk_v)
-            out, _ = merge_attention(out_ctx, lse_ctx, out_blk, lse_blk)
+            context = _context_attention(cache, i, q, anchor_positions)
+            out = merge_partials(own_block_partial(q, blk_k, blk_v, attn.head_dim ** -0.5), [context]).to(q.dtype)
             x = x + attn.o_proj(out.flatten(-2))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x
@@ -305,15 +303,3 @@ def _context_attention(cache: PagedKV | RowsKV, layer: int, q: torch.Tensor,
     out = out.view(bt, hkv, rep, b, dh).permute(0, 3, 1, 2, 4).reshape(bt, b, hq, dh)
     lse = lse.view(bt, hkv, rep, b).permute(0, 3, 1, 2).reshape(bt, b, hq)
     return out, lse
-
-
-def _own_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q [Bt, B, Hq, Dh]`` against its block's own ``k, v [Bt, B, Hkv, Dh]``, no mask.
-    Returns ``out`` (q's dtype) and ``lse [Bt, B, Hq]`` (fp32; fp64 for fp64 inputs)."""
-    rep = q.shape[2] // k.shape[2]
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    scores = torch.einsum("bqhd,bkhd->bhqk", q.to(acc), k.repeat_interleave(rep, dim=2).to(acc)) * q.shape[-1] ** -0.5
-    lse = torch.logsumexp(scores, dim=-1)
-    values = v.repeat_interleave(rep, dim=2).to(acc)
-    out = torch.einsum("bhqk,bkhd->bqhd", torch.exp(scores - lse.unsqueeze(-1)), values)
-    return out.to(q.dtype), lse.transpose(1, 2)

@@ -24,11 +24,11 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from titan_cotrain.ops.attention import merge_attention
+from titan_cotrain.ops.attention import lse_dtype, merge_attention
 
-__all__ = ["block_attention", "block_attention_exact", "block_attention_flex", "block_context_partial",
-           "context_partial_exact",
-           "merge_partials", "own_block_partial", "BlockContextRing"]
+__all__ = ["BlockContextRing", "block_attention", "block_attention_exact", "block_attention_flex",
+           "block_context_partial", "context_partial_backward_exact", "context_partial_exact", "merge_partials",
+           "own_block_partial"]
 
 # The exact path's chunk: about this many score elements per head (block rows x context rows).
 EXACT_CHUNK_SCORES = 1 << 22
@@ -47,30 +47,41 @@ def _check(q, ctx_k, ctx_v, blk_k, blk_v, ctx_start, ctx_end) -> None:
         raise ValueError(f"ctx_start / ctx_end must be [{n}], got {tuple(ctx_start.shape)} / {tuple(ctx_end.shape)}")
 
 
-def _scores_lse(s: torch.Tensor, keep: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(p, lse, empty)`` of scores ``s [c, H, B, L]`` over their last dimension, ``keep [c, L]``
-    the visible keys (None: all). A block with no visible key gets ``p = 0`` and ``lse = -inf``,
+def _scores_lse(s: torch.Tensor, keep: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(p, lse)`` of scores ``s [c, H, B, L]`` over their last dimension, ``keep [c, L]`` the
+    visible keys (None: all). A block with no visible key gets ``p = 0`` and ``lse = -inf``,
     with finite gradients (its scores are replaced before the softmax, not after)."""
     if keep is None:
         lse = torch.logsumexp(s, -1)
-        return (s - lse[..., None]).exp(), lse, None
+        return (s - lse[..., None]).exp(), lse
     empty = ~keep.any(-1)  # [c]
     s = s.masked_fill(~keep[:, None, None, :], float("-inf")).masked_fill(empty[:, None, None, None], 0.0)
     lse = torch.logsumexp(s, -1)
     p = (s - lse[..., None]).exp().masked_fill(empty[:, None, None, None], 0.0)
-    return p, lse.masked_fill(empty[:, None, None], float("-inf")), empty
+    return p, lse.masked_fill(empty[:, None, None], float("-inf"))
 
 
-def _chunks(starts: list[int], ends: list[int], b: int, chunk_scores: int):
-    """Consecutive block ranges ``[first, last)`` and the context rows ``[lo, hi)`` they span,
-    each chunk's scores near ``chunk_scores`` elements per head."""
+def _chunks(q, ctx_k, ctx_v, ctx_start, ctx_end, chunk_scores: int):
+    """The blocks in consecutive chunks whose scores stay near ``chunk_scores`` elements per
+    head: per chunk ``(first, last, lo, hi, qc, kc, vc, keep)``, blocks ``[first, last)``, the
+    context rows ``[lo, hi)`` they span, their queries and those rows' keys and values in the
+    log-sum-exp dtype (key heads repeated for GQA: ``[L, Hq, Dh]``), and ``keep [c, L]`` the
+    rows each block reads. Reads the spans on the host (one sync per call)."""
+    starts, ends = ctx_start.tolist(), ctx_end.tolist()
+    b, rep = q.shape[1], q.shape[2] // ctx_k.shape[1]
+    acc = lse_dtype(q.dtype)
     n, first = len(starts), 0
     while first < n:
+        # Grow the chunk while its blocks' context span keeps the scores within budget.
         last, lo, hi = first + 1, starts[first], ends[first]
         while last < n and (last + 1 - first) * b * (max(hi, ends[last]) - min(lo, starts[last]) + b) <= chunk_scores:
             lo, hi = min(lo, starts[last]), max(hi, ends[last])
             last += 1
-        yield first, last, lo, max(hi, lo)
+        hi = max(hi, lo)
+        rows = torch.arange(lo, hi, device=q.device)
+        keep = (rows >= ctx_start[first:last, None]) & (rows < ctx_end[first:last, None])
+        yield (first, last, lo, hi, q[first:last].to(acc), ctx_k[lo:hi].to(acc).repeat_interleave(rep, dim=1),
+               ctx_v[lo:hi].to(acc).repeat_interleave(rep, dim=1), keep)
         first = last
 
 
@@ -82,17 +93,10 @@ def context_partial_exact(
     Hq])`` in the log-sum-exp dtype (fp32, fp64 for fp64 inputs); a block with no context row
     gets ``out = 0``, ``lse = -inf``. Differentiable by autograd; reads the chunks' spans on
     the host (one sync per call)."""
-    n, b, hq, d = q.shape
-    rep = hq // ctx_k.shape[1]
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = lse_dtype(q.dtype)
     outs, lses = [], []
-    for first, last, lo, hi in _chunks(ctx_start.tolist(), ctx_end.tolist(), b, chunk_scores):
-        qc = q[first:last].to(acc)
-        kc = ctx_k[lo:hi].to(acc).repeat_interleave(rep, dim=1)  # [L, Hq, Dh]
-        vc = ctx_v[lo:hi].to(acc).repeat_interleave(rep, dim=1)
-        rows = torch.arange(lo, hi, device=q.device)
-        keep = (rows >= ctx_start[first:last, None]) & (rows < ctx_end[first:last, None])  # [c, L]
-        p, lse, _ = _scores_lse(torch.einsum("cqhd,lhd->chql", qc, kc) * scale, keep)
+    for _, _, _, _, qc, kc, vc, keep in _chunks(q, ctx_k, ctx_v, ctx_start, ctx_end, chunk_scores):
+        p, lse = _scores_lse(torch.einsum("cqhd,lhd->chql", qc, kc) * scale, keep)
         outs.append(torch.einsum("chql,lhd->cqhd", p, vc))
         lses.append(lse.transpose(1, 2))  # [c, B, Hq]
     if not outs:  # no block: zeros, still on the graph of the context (its parameters get zero gradients)
@@ -103,16 +107,16 @@ def context_partial_exact(
 
 @torch.library.custom_op("titan_cotrain::block_context_partial", mutates_args=())
 def _block_context_partial(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, ctx_start: torch.Tensor,
-                           ctx_end: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                           ctx_end: torch.Tensor, scale: float, chunk_scores: int
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.no_grad():
-        out, lse = context_partial_exact(q, ctx_k, ctx_v, ctx_start, ctx_end, scale)
+        out, lse = context_partial_exact(q, ctx_k, ctx_v, ctx_start, ctx_end, scale, chunk_scores)
     return out.contiguous(), lse.contiguous()
 
 
 @_block_context_partial.register_fake
-def _(q, ctx_k, ctx_v, ctx_start, ctx_end, scale):
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return q.new_empty(q.shape, dtype=acc), q.new_empty(q.shape[:3], dtype=acc)
+def _(q, ctx_k, ctx_v, ctx_start, ctx_end, scale, chunk_scores):
+    return q.new_empty(q.shape, dtype=lse_dtype(q.dtype)), q.new_empty(q.shape[:3], dtype=lse_dtype(q.dtype))
 
 
 def context_partial_backward_exact(
@@ -123,20 +127,14 @@ def context_partial_backward_exact(
     chunk by chunk with the probabilities recomputed: ``dv = p^T do``, ``ds = p (do v^T - D +
     dlse)`` with ``D = sum(do * out)`` per query row, ``dq = ds k scale``, ``dk = ds^T q
     scale`` (GQA: summed over each key head's query heads)."""
-    n, b, hq, d = q.shape
     hkv = ctx_k.shape[1]
-    rep = hq // hkv
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    rep = q.shape[2] // hkv
+    acc = lse_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(ctx_k.shape, dtype=acc, device=q.device)
     dv = torch.zeros(ctx_v.shape, dtype=acc, device=q.device)
-    for first, last, lo, hi in _chunks(ctx_start.tolist(), ctx_end.tolist(), b, chunk_scores):
-        qc = q[first:last].to(acc)
-        kc = ctx_k[lo:hi].to(acc).repeat_interleave(rep, dim=1)
-        vc = ctx_v[lo:hi].to(acc).repeat_interleave(rep, dim=1)
-        rows = torch.arange(lo, hi, device=q.device)
-        keep = (rows >= ctx_start[first:last, None]) & (rows < ctx_end[first:last, None])
-        p, _, _ = _scores_lse(torch.einsum("cqhd,lhd->chql", qc, kc) * scale, keep)  # [c, Hq, B, L]
+    for first, last, lo, hi, qc, kc, vc, keep in _chunks(q, ctx_k, ctx_v, ctx_start, ctx_end, chunk_scores):
+        p, _ = _scores_lse(torch.einsum("cqhd,lhd->chql", qc, kc) * scale, keep)  # [c, Hq, B, L]
         go = grad_out[first:last].to(acc)  # [c, B, Hq, Dh]
         out = torch.einsum("chql,lhd->cqhd", p, vc)
         row_term = (go * out).sum(-1) - grad_lse[first:last].to(acc)  # [c, B, Hq]
@@ -152,44 +150,46 @@ def context_partial_backward_exact(
 @torch.library.custom_op("titan_cotrain::block_context_partial_backward", mutates_args=())
 def _block_context_partial_backward(grad_out: torch.Tensor, grad_lse: torch.Tensor, q: torch.Tensor,
                                     ctx_k: torch.Tensor, ctx_v: torch.Tensor, ctx_start: torch.Tensor,
-                                    ctx_end: torch.Tensor, scale: float
+                                    ctx_end: torch.Tensor, scale: float, chunk_scores: int
                                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    grads = context_partial_backward_exact(grad_out, grad_lse, q, ctx_k, ctx_v, ctx_start, ctx_end, scale)
+    grads = context_partial_backward_exact(grad_out, grad_lse, q, ctx_k, ctx_v, ctx_start, ctx_end, scale,
+                                           chunk_scores)
     return tuple(g.contiguous() for g in grads)
 
 
 @_block_context_partial_backward.register_fake
-def _(grad_out, grad_lse, q, ctx_k, ctx_v, ctx_start, ctx_end, scale):
+def _(grad_out, grad_lse, q, ctx_k, ctx_v, ctx_start, ctx_end, scale, chunk_scores):
     return tuple(x.new_empty(x.shape) for x in (q, ctx_k, ctx_v))
 
 
 def _partial_setup(ctx, inputs, output):
-    q, ctx_k, ctx_v, ctx_start, ctx_end, scale = inputs
+    q, ctx_k, ctx_v, ctx_start, ctx_end, scale, chunk_scores = inputs
     ctx.save_for_backward(q, ctx_k, ctx_v, ctx_start, ctx_end)
-    ctx.scale = scale
+    ctx.scale, ctx.chunk_scores = scale, chunk_scores
     ctx.set_materialize_grads(False)
 
 
 def _partial_backward(ctx, grad_out, grad_lse):
     q, ctx_k, ctx_v, ctx_start, ctx_end = ctx.saved_tensors
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = lse_dtype(q.dtype)
     grad_out = torch.zeros(q.shape, dtype=acc, device=q.device) if grad_out is None else grad_out
     grad_lse = torch.zeros(q.shape[:3], dtype=acc, device=q.device) if grad_lse is None else grad_lse
     grads = _block_context_partial_backward(grad_out.contiguous(), grad_lse.contiguous(), q, ctx_k, ctx_v,
-                                            ctx_start, ctx_end, ctx.scale)
-    return (*grads, None, None, None)
+                                            ctx_start, ctx_end, ctx.scale, ctx.chunk_scores)
+    return (*grads, None, None, None, None)
 
 
 _block_context_partial.register_autograd(_partial_backward, setup_context=_partial_setup)
 
 
 def block_context_partial(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, ctx_start: torch.Tensor,
-                          ctx_end: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                          ctx_end: torch.Tensor, scale: float, chunk_scores: int = EXACT_CHUNK_SCORES
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """``context_partial_exact`` as one op (``titan_cotrain::block_context_partial``) with a
-    fake kernel and its own backward op: what the block attention calls, so the scale
-    simulator's fake tensors (which hold no spans to plan chunks from) and tracing see one
-    node with the output's shapes."""
-    return _block_context_partial(q, ctx_k, ctx_v, ctx_start, ctx_end, scale)
+    fake kernel and its own backward op (``context_partial_backward_exact``): what the block
+    attention calls, so the scale simulator's fake tensors (which hold no spans to plan
+    chunks from) and tracing see one node with the output's shapes."""
+    return _block_context_partial(q, ctx_k, ctx_v, ctx_start, ctx_end, scale, chunk_scores)
 
 
 def own_block_partial(q: torch.Tensor, blk_k: torch.Tensor, blk_v: torch.Tensor,
@@ -197,10 +197,10 @@ def own_block_partial(q: torch.Tensor, blk_k: torch.Tensor, blk_v: torch.Tensor,
     """Each block's attention over its own ``B`` rows (no mask): ``(out, lse)`` as
     ``context_partial_exact``'s."""
     rep = q.shape[2] // blk_k.shape[2]
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = lse_dtype(q.dtype)
     kb = blk_k.to(acc).repeat_interleave(rep, dim=2)  # [N, B, Hq, Dh]
     vb = blk_v.to(acc).repeat_interleave(rep, dim=2)
-    p, lse, _ = _scores_lse(torch.einsum("nqhd,nkhd->nhqk", q.to(acc), kb) * scale, None)
+    p, lse = _scores_lse(torch.einsum("nqhd,nkhd->nhqk", q.to(acc), kb) * scale, None)
     return torch.einsum("nhqk,nkhd->nqhd", p, vb), lse.transpose(1, 2)
 
 
@@ -219,14 +219,11 @@ def block_attention_exact(
     q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, blk_k: torch.Tensor, blk_v: torch.Tensor,
     ctx_start: torch.Tensor, ctx_end: torch.Tensor, scale: float, chunk_scores: int = EXACT_CHUNK_SCORES,
 ) -> torch.Tensor:
-    """``out [N, B, Hq, Dh]`` (q's dtype): the context part (``context_partial_exact``, blocks
+    """``out [N, B, Hq, Dh]`` (q's dtype): the context part (``block_context_partial``, blocks
     in chunks whose scores stay near ``chunk_scores`` elements per head) merged with the
     block's own part by log-sum-exp. The CPU and test path."""
     _check(q, ctx_k, ctx_v, blk_k, blk_v, ctx_start, ctx_end)
-    if chunk_scores == EXACT_CHUNK_SCORES:
-        context = block_context_partial(q, ctx_k, ctx_v, ctx_start, ctx_end, scale)
-    else:  # the tests' other chunkings, straight through autograd
-        context = context_partial_exact(q, ctx_k, ctx_v, ctx_start, ctx_end, scale, chunk_scores)
+    context = block_context_partial(q, ctx_k, ctx_v, ctx_start, ctx_end, scale, chunk_scores)
     return merge_partials(own_block_partial(q, blk_k, blk_v, scale), [context]).to(q.dtype)
 
 

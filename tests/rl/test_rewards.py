@@ -195,3 +195,31 @@ def test_task_metrics_average_a_part_over_the_calls_that_returned_it_and_sum_the
     metrics = rollout_metrics(lambda values, op=None: values, samples, details, None, 3, buckets=2, counted=True)
     assert metrics["reward/mean"] == 0.375
     assert (metrics["task/bonus"], metrics["task/extra"], metrics["task/reward_timeouts"]) == (0.75, 2.0, 2.0)
+
+
+def test_a_rounds_draft_and_verify_seconds_are_summed_over_engines_and_divided_by_the_rounds_the_draft_followed():
+    """``time/draft_per_round_s``: two engines' draft seconds over their rounds at any k (plain
+    rounds, mode 0, left out: the draft did not run there)."""
+    from titan_cotrain.engine.round_stats import RolloutStats, RoundTable
+
+    samples = [Sample([1], [2, 3], [0.0, 0.0], 1.0)]
+    per_rank = []
+    for rank, (plain, drafted, draft_s, verify_s) in enumerate(((5, 3, 0.6, 1.2), (0, 5, 1.0, 2.0))):
+        table = RoundTable.empty(2, 3)
+        table.rounds[0, 0], table.rounds[1, 1], table.rounds[1, 4] = plain, 1, drafted - 1
+        per_rank.append(RolloutStats(new_tokens=8, target_forwards=plain + drafted, acceptance_length=2.0,
+                                     acceptance_rate=[], prefill_s=0.0, draft_s=draft_s, verify_s=verify_s,
+                                     total_s=4.0, rounds=table))
+
+    captured = []  # rank 1's list, as the all-reduce would receive it
+    rollout_metrics(lambda values, op=None: captured.append(values) or values, samples, [{}], per_rank[1], 3,
+                    buckets=2, counted=True)
+
+    def summed(values, op=None):  # the sum of the two ranks' lists (the max of the longest response)
+        return values if op is not None else [a + b for a, b in zip(values, captured[0], strict=True)]
+
+    metrics = rollout_metrics(summed, samples, [{}], per_rank[0], 3, buckets=2, counted=True)
+    assert metrics["time/draft_per_round_s"] == pytest.approx((0.6 + 1.0) / (3 + 5))
+    assert metrics["time/verify_per_round_s"] == pytest.approx((1.2 + 2.0) / (3 + 5))
+    alone = rollout_metrics(lambda values, op=None: values, samples, [{}], None, 3, buckets=2, counted=True)
+    assert "time/draft_per_round_s" not in alone  # no round the draft followed

@@ -44,7 +44,10 @@ def rollout_metrics(all_reduce: Callable[..., list[float]], samples: list[Sample
     per live-rows bucket ``live_le<n>``: its wall seconds (mean over the engines), tokens (sum)
     and mean k; ``tail_share`` (the wall time with at most a quarter of the rows live, over
     the rollouts' wall time); ``preemptions`` and ``recomputed_tokens`` (summed,
-    ``RolloutStats``); ``acceptance_length_q<q>``: tokens per drafting round of the
+    ``RolloutStats``); ``time/draft_per_round_s`` and ``time/verify_per_round_s``: the
+    seconds a round the draft followed spent in the draft (drafting and catching up) and in
+    the target's verification, over every engine's such rounds (what a round of the draft
+    costs); ``acceptance_length_q<q>``: tokens per drafting round of the
     sequences in quarter ``q`` of ``max_new_tokens`` (mean over the engines that drafted there)."""
     weight = float(counted)
     rewards = torch.tensor([s.reward for s in samples]) * weight
@@ -60,6 +63,7 @@ def rollout_metrics(all_reduce: Callable[..., list[float]], samples: list[Sample
         stats.tokens_per_s if generated else 0.0, float(generated), stats.kv_peak_bytes / 2**30 if generated else 0.0,
         stats.tail_s if generated else 0.0, stats.total_s if generated else 0.0,
         float(stats.preemptions) if generated else 0.0, float(stats.recomputed_tokens) if generated else 0.0,
+        stats.draft_s if generated else 0.0, stats.verify_s if generated else 0.0,
         *by_position.nan_to_num(0.0).tolist(), *seen.double().tolist(), *table.flat(),
         *(total for name in names for total in (sum(d[name] for d in details if name in d) * weight,
                                                  sum(name in d for d in details) * weight)),
@@ -67,7 +71,7 @@ def rollout_metrics(all_reduce: Callable[..., list[float]], samples: list[Sample
     longest, = all_reduce([float(max((len(s.response) for s in samples), default=0))], op=dist.ReduceOp.MAX)
     count, ranks = totals[2], max(totals[5], 1.0)
     mean = totals[0] / count
-    flat_at = 11 + 8
+    flat_at = 13 + 8
     table = RoundTable.from_flat(totals[flat_at:flat_at + len(table.flat())], buckets, k_max)
     pairs = table.live.sum(0)  # [M] (sequence, round) pairs per mode
     k_of_mode = torch.tensor([0.0, *range(k_max + 1)], dtype=torch.float64)
@@ -86,10 +90,14 @@ def rollout_metrics(all_reduce: Callable[..., list[float]], samples: list[Sample
     }
     if drafted:
         metrics |= {f"rollout/draft_share_k{k}": float(pairs[1 + k] / pairs.sum()) for k in range(k_max + 1)}
+    followed = float(table.rounds[:, 1:].sum())  # rounds the draft followed, over every engine
+    if followed:
+        metrics["time/draft_per_round_s"] = totals[11] / followed
+        metrics["time/verify_per_round_s"] = totals[12] / followed
     judged, accepted = table.judged.sum(0), table.accepted.sum(0)
     metrics |= {f"rollout/acceptance_rate_{d}": float(accepted[d - 1] / judged[d - 1])
                 for d in range(1, k_max + 1) if judged[d - 1]}
-    q_sum, q_seen = totals[11:15], totals[15:19]
+    q_sum, q_seen = totals[13:17], totals[17:21]
     metrics |= {f"rollout/acceptance_length_q{q}": q_sum[q - 1] / q_seen[q - 1] for q in range(1, 5) if q_seen[q - 1]}
     for b in range(buckets):
         rows = table.live[b]

@@ -77,6 +77,20 @@ def test_exact_block_attention_is_the_brute_force_one(chunk_scores):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+def test_a_chunk_spans_only_rows_its_blocks_mostly_read():
+    """The exact path's chunks: blocks of two long documents are not scored against each
+    other's rows (the span would be mostly masked), blocks of two short ones share a chunk."""
+    from titan_cotrain.ops.block_attention import _chunks
+
+    def plan(starts, ends):
+        n, t = len(starts), max(ends) + 1
+        q, kv = torch.zeros(n, 4, 2, 8), torch.zeros(t, 1, 8)
+        return [c[:4] for c in _chunks(q, kv, kv, torch.tensor(starts), torch.tensor(ends), 1 << 22)]
+
+    assert plan([0, 0, 1000, 1000], [900, 950, 1900, 1950]) == [(0, 2, 0, 950), (2, 4, 1000, 1950)]
+    assert plan([0, 100], [90, 190]) == [(0, 2, 0, 190)]
+
+
 @pytest.mark.parametrize("chunk_scores", [1, 200, 1 << 22])
 def test_the_context_parts_explicit_backward_is_autograds(chunk_scores):
     """The op's backward (``context_partial_backward_exact``: recomputed probabilities, chunks

@@ -32,6 +32,8 @@ __all__ = ["BlockContextRing", "block_attention", "block_attention_exact", "bloc
 
 # The exact path's chunk: about this many score elements per head (block rows x context rows).
 EXACT_CHUNK_SCORES = 1 << 22
+# ... and at most twice the context rows its blocks read, plus this many rows a block.
+EXACT_CHUNK_SLACK = 64
 
 
 def _check(q, ctx_k, ctx_v, blk_k, blk_v, ctx_start, ctx_end) -> None:
@@ -72,10 +74,18 @@ def _chunks(q, ctx_k, ctx_v, ctx_start, ctx_end, chunk_scores: int):
     acc = lse_dtype(q.dtype)
     n, first = len(starts), 0
     while first < n:
-        # Grow the chunk while its blocks' context span keeps the scores within budget.
+        # Grow the chunk while its blocks' context span keeps the scores within budget and
+        # the span is mostly rows its blocks read (a span over several documents is mostly
+        # masked: each block reads its own document's prefix).
         last, lo, hi = first + 1, starts[first], ends[first]
-        while last < n and (last + 1 - first) * b * (max(hi, ends[last]) - min(lo, starts[last]) + b) <= chunk_scores:
-            lo, hi = min(lo, starts[last]), max(hi, ends[last])
+        read = hi - lo
+        while last < n:
+            new_lo, new_hi = min(lo, starts[last]), max(hi, ends[last])
+            blocks, new_read = last + 1 - first, read + ends[last] - starts[last]
+            if (blocks * b * (new_hi - new_lo + b) > chunk_scores
+                    or blocks * (new_hi - new_lo) > 2 * new_read + blocks * EXACT_CHUNK_SLACK):
+                break
+            lo, hi, read = new_lo, new_hi, new_read
             last += 1
         hi = max(hi, lo)
         rows = torch.arange(lo, hi, device=q.device)

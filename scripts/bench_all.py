@@ -198,7 +198,8 @@ def e2e_rows(result: dict, command: str) -> list[Row]:
     frozen draft on the long-tailed job."""
     claim = "End to end: RL step with speculative rollouts"
     cfg, summary = result["config"], result["summary"]
-    labels = {"per_call": "k per call", "per_round": "k per round", "fixed_k3": "k = 3 every round"}
+    labels = {"per_call": "k per call", "per_round": "k per round", "fixed_k3": "k = 3 every round",
+              "dflash_per_round": "block drafter, k per round"}
     by = {(r["config"], r["arm"]): r for r in result["records"]}
     rows = []
     for config in cfg["jobs"]:
@@ -210,7 +211,10 @@ def e2e_rows(result: dict, command: str) -> list[Row]:
             f"rollout {summary[config]['plain_rollout_share_of_step']:.2f} of the step",
             f"tail share {plain['tail_share']:.2f}", "-", "-", "-", cfg["jobs"][config], run["command"]))
         for arm, label in labels.items():
+            if (config, arm) not in by:
+                continue
             r = by[config, arm]
+            run = r["settings"]  # a kept arm's own run (bench_e2e --arms)
             goal = summary[config]["goal"] if arm == "per_round" else None
             goal_text = "-"
             if goal:
@@ -221,25 +225,59 @@ def e2e_rows(result: dict, command: str) -> list[Row]:
                        f"{label} (mean k {r['mean_k']:.2f}{_undrafted_text(r)})",
                 f"{r['step_s_median']:.3f} s/step, rollout {r['rollout_s_median']:.3f} s (tail share "
                 f"{r['tail_share']:.2f}, accept {r['acceptance_length']:.2f})",
-                f"plain {plain['step_s_median']:.3f} s/step, rollout {plain['rollout_s_median']:.3f} s "
-                f"(tail share {plain['tail_share']:.2f})",
+                _plain_text(plain, r),
                 f"step {r['step_over_plain']:.2f}x (noise {r['noise_band'][0]:.2f}-{r['noise_band'][1]:.2f}), "
                 f"rollout {r['rollout_over_plain']:.2f}x{_paired_text(r)}",
                 goal_text, _met(summary[config]["goal_met"]) if goal else "-", cfg["jobs"][config], run["command"]))
-    seeds = summary.get("cotrained_vs_frozen")
-    if seeds:
-        co, fr = by["longtail", "per_round_cotrained"], by["longtail", "per_round_frozen"]
+        block, eagle = by.get((config, "dflash_per_round")), by[config, "per_round"]
+        if block is not None and "rollout_over_eagle3" in block:
+            d = summary[config]["dflash"]
+            goal = d.get("goal")
+            rows.append(Row(
+                claim, f"{config}: the block drafter against EAGLE-3, both k per round, the same rounds' paired "
+                       f"steps; draft seconds per round the draft followed (median over steps); the policies' "
+                       f"warm starts identical: {'yes' if d['same_policy_start'] else 'no'}",
+                f"block drafter: rollout {block['rollout_s_median']:.3f} s, accept {block['acceptance_length']:.2f}, "
+                f"draft {_ms(block['draft_per_round_s'])} a round",
+                f"EAGLE-3: rollout {eagle['rollout_s_median']:.3f} s, accept {eagle['acceptance_length']:.2f}, "
+                f"draft {_ms(eagle['draft_per_round_s'])} a round",
+                f"rollout {1 / block['rollout_over_eagle3']:.2f}x as fast (paired "
+                f"{1 / block['paired_rollout_over_eagle3']:.2f}x), step {block['step_over_eagle3']:.2f}x",
+                f"rollout >= {goal['rollout_speedup_over_eagle3']}x as fast" if goal else "-",
+                _met(d["goal_met"]) if goal else "-", cfg["jobs"][config], block["settings"]["command"]))
+    for key, co_name, fr_name, what in (
+            ("cotrained_vs_frozen", "per_round_cotrained", "per_round_frozen", "EAGLE-3 draft"),
+            ("dflash_cotrained_vs_frozen", "dflash_per_round_cotrained", "dflash_per_round_frozen", "block drafter")):
+        seeds = summary.get(key)
+        if not seeds:
+            continue
+        co, fr = by["longtail", co_name], by["longtail", fr_name]
         ratios = ", ".join(f"{s['frozen_over_cotrained_step']:.2f}" for s in seeds)
         accepts = ", ".join(f"{s['cotrained_acceptance_length']:.2f} / {s['frozen_acceptance_length']:.2f}"
                             for s in seeds)
         rows.append(Row(
-            claim, f"longtail: co-trained vs frozen draft (k per round), {len(seeds)} RL seeds, median of the "
+            claim, f"longtail: co-trained vs frozen {what} (k per round), {len(seeds)} RL seeds, median of the "
                    f"{co['steps']} kept steps of all seeds; per seed, acceptance co-trained / frozen: {accepts}",
             f"co-trained {co['step_s_median']:.3f} s/step, accept {co['acceptance_length']:.2f}",
             f"frozen {fr['step_s_median']:.3f} s/step, accept {fr['acceptance_length']:.2f}",
             f"frozen / co-trained step per seed: {ratios}", "-", "-", cfg["jobs"]["longtail"],
             co["settings"]["command"]))
     return rows
+
+
+def _plain_text(plain: dict, record: dict) -> str:
+    """The plain arm an arm's ratios are against: this job's, or for an arm kept from an
+    earlier run (``bench_e2e --arms``), that run's, read back from the record's ratios."""
+    if record["settings"] == plain["settings"]:
+        return (f"plain {plain['step_s_median']:.3f} s/step, rollout {plain['rollout_s_median']:.3f} s "
+                f"(tail share {plain['tail_share']:.2f})")
+    return (f"its own run's plain (`{record['settings']['command']}`): "
+            f"{record['step_s_median'] / record['step_over_plain']:.3f} s/step, "
+            f"rollout {record['rollout_s_median'] / record['rollout_over_plain']:.3f} s")
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
 
 
 def _seeds_text(run: dict) -> str:

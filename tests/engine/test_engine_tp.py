@@ -105,6 +105,60 @@ def test_a_tensor_parallel_engine_generates_what_one_rank_generates(flavor, worl
     run_on_ranks(_tp_engine_matches_one_rank, world_size, flavor)
 
 
+def _tp_block_engine_matches_one_rank(rank: int, world_size: int) -> None:
+    """The block drafter's engine split over the ranks as the EAGLE-3 one is (the drafter
+    whole on every rank, reading the split embedding and head through their modules)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from titan_cotrain.engine.block_rollout import BlockDraftEngine
+    from titan_cotrain.models.block_draft import BlockDraftArgs, BlockDrafter
+    from titan_cotrain.models.transformer import Transformer
+    from titan_cotrain.parallel.engine_tp import engine_tp_mesh
+
+    def pair(seed):
+        target = Transformer(model_args_for(*DENSE).replace(vocab_size=64))
+        target.init_weights(std=0.1, generator=torch.Generator().manual_seed(seed))
+        drafter = BlockDrafter(BlockDraftArgs.from_target(target.args, n_layers=2, block_size=5,
+                                                          target_layer_ids=target.tap_layers))
+        drafter.init_weights(std=0.1, generator=torch.Generator().manual_seed(seed + 1))
+        return target, drafter
+
+    target, drafter = pair(3)
+    reference = BlockDraftEngine(*pair(3), max_batch_size=5, max_seq_len=40, max_draft_tokens=4)
+    mesh = init_device_mesh("cpu", (world_size,))
+    for module in (target, drafter):
+        for layer in getattr(module, "layers", ()):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(module, mesh=mesh)
+    engine = BlockDraftEngine.from_models(target, drafter, device="cpu", max_batch_size=5, max_seq_len=40,
+                                          max_draft_tokens=4, tp_mesh=engine_tp_mesh("cpu", [list(range(world_size))]))
+    head = engine.policy.lm_head.weight
+    assert isinstance(head, DTensor) and head.to_local().shape[0] == 64 // world_size
+    assert not any(isinstance(p, DTensor) for p in engine.draft.parameters())
+    prompts = _prompts([3, 7, 2, 5, 4], 64, seed=1)
+    cases = [(SamplingParams(temperature=0, max_new_tokens=16), k) for k in (0, 4)]
+    cases += [(SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_new_tokens=16), 4)]
+    for params, k in cases:
+        seeds = [torch.Generator().manual_seed(11) for _ in range(2)]
+        ours = engine.generate(prompts, params, draft_tokens=k, generator=seeds[0])
+        theirs = reference.generate(prompts, params, draft_tokens=k, generator=seeds[1])
+        what = f"temperature {params.temperature}, k {k}"
+        assert torch.equal(ours.tokens, theirs.tokens), what
+        torch.testing.assert_close(ours.logprobs, theirs.logprobs, rtol=0, atol=1e-5, msg=what)
+        if k:  # the rounds drafted and their acceptance is the one-rank engine's
+            assert ours.stats.acceptance_length == pytest.approx(theirs.stats.acceptance_length, abs=1e-9), what
+            assert ours.stats.rounds.live[:, 2:].sum() > 0, what
+        every = [None] * world_size
+        dist.all_gather_object(every, ours.tokens)
+        assert all(torch.equal(tokens, ours.tokens) for tokens in every), what
+
+
+def test_a_tensor_parallel_block_drafting_engine_generates_what_one_rank_generates():
+    run_on_ranks(_tp_block_engine_matches_one_rank, 2)
+
+
 def test_tensor_parallel_kv_bytes_are_a_share_of_the_targets():
     args = model_args_for("llama3", "70B")
     draft = DraftArgs.from_target(args, n_taps=3, draft_vocab_size=16000)

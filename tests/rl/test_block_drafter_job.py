@@ -72,7 +72,7 @@ def test_a_resumed_block_drafter_job_repeats_the_uninterrupted_one(tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (("--rollout.tensor_parallel_degree", "2"), "rollout.tensor_parallel_degree = 2"),
+    (("--rollout.compile",), "rollout.compile"),
     (("--draft.vocab_size", "100"), "draft.vocab_size = 100"),
     (("--rollout.draft_tokens", "4"), "at most draft.block_size - 1 (3)"),
     (("--draft.block_size", "1"), "draft.block_size (1) must be >= 2"),
@@ -109,6 +109,23 @@ def test_a_block_drafter_job_under_context_parallelism_matches_one_process(tmp_p
     assert cp.returncode == 0, cp.stdout[-3000:] + cp.stderr[-3000:]
     assert all(key in m for m in _metrics(tmp_path / "single") for key in MATCHED)
     _assert_match(tmp_path / "single", tmp_path / "cp", MATCHED)
+
+
+@pytest.mark.slow
+def test_a_block_drafter_job_with_a_tensor_parallel_engine_matches_one_process(tmp_path):
+    """``[rollout] tensor_parallel_degree = 2`` over the two CP ranks: the engine group splits
+    the policy's copy, the drafter whole on both ranks; the rollouts (rewards, acceptance) and
+    the training they feed are the one-process job's."""
+    args = (*CONFIG, *SHORT, *BLOCK, "--training.steps", "1", "--checkpoint.no-enable",
+            "--metrics.no-enable_tensorboard")
+    single = _run(*args, "--job.dump_folder", str(tmp_path / "single"), nproc=None)
+    assert single.returncode == 0, single.stderr[-3000:]
+    tp = _run(*args, "--parallelism.context_parallel_degree", "2", "--rollout.tensor_parallel_degree", "2",
+              "--job.dump_folder", str(tmp_path / "tp"))
+    assert tp.returncode == 0, tp.stdout[-3000:] + tp.stderr[-3000:]
+    rl = [m for m in _metrics(tmp_path / "tp") if m["phase"] == "rl"]
+    assert rl and all(m["rollout/draft_tokens"] == 3.0 for m in rl)
+    _assert_match(tmp_path / "single", tmp_path / "tp", (*MATCHED, "reward/mean", "rollout/acceptance_length"))
 
 
 @pytest.mark.slow

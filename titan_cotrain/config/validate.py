@@ -220,7 +220,6 @@ def _block_drafter_errors(config) -> list[str]:
     unsupported = [(f"draft.vocab_size = {d.vocab_size} (the drafter reads the target's head: 0)", d.vocab_size),
                    ("draft.hidden_size / num_heads / num_kv_heads (the drafter has the target's)",
                     d.hidden_size or d.num_heads or d.num_kv_heads),
-                   (f"rollout.tensor_parallel_degree = {ro.tensor_parallel_degree}", ro.tensor_parallel_degree > 1),
                    ("rollout.compile", ro.compile),
                    ('compile.components with "draft"', config.compile.enable and "draft" in config.compile.components)]
     if names := [name for name, on in unsupported if on]:

@@ -24,15 +24,18 @@ One round with ``k <= B - 1`` drafted tokens, every sequence at its own ``n``:
 The drafter's pool holds ``n_layers`` layers of context keys and values per position, read
 through the target's block tables, so prefix sharing, copy-on-write, continuous batching and
 preemption (recompute: the target's features over the committed tokens, then
-``write_context``) work as for the target's pool. Not yet: a tensor-parallel engine and the
-compiled steps (refused).
+``write_context``) work as for the target's pool.
+
+Tensor-parallel (``parallel.engine_tp``): the drafter stays whole on every rank of the engine
+group, as EAGLE-3's draft does. It reads the policy through its modules, never its weights:
+the embedding's lookup (rowwise over the vocabulary, all-reduced) and the head (colwise, the
+logits all-gathered), so every rank drafts from the same whole rows; the taps are whole
+(every layer's output is all-reduced). Not yet: the compiled steps (refused).
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
-
 from titan_cotrain.engine.generation import Generation, Round, Sequences
 from titan_cotrain.engine.kv_budget import KVBudget
 from titan_cotrain.engine.rollout import RolloutEngine
@@ -57,8 +60,6 @@ class BlockDraftEngine(RolloutEngine):
         if compile:
             raise NotImplementedError("compiled block drafting is not built yet: use compile = false with a block "
                                       "drafter")
-        if isinstance(policy.embed_tokens.weight, DTensor):
-            raise NotImplementedError("a tensor-parallel engine with a block drafter is not built yet")
         if tuple(policy.tap_layers) != tuple(drafter.args.target_layer_ids):
             raise ValueError(f"the policy taps layers {tuple(policy.tap_layers)}, the drafter reads "
                              f"{tuple(drafter.args.target_layer_ids)}: build the policy with the drafter's layers")
@@ -72,7 +73,7 @@ class BlockDraftEngine(RolloutEngine):
     @staticmethod
     def _draft_shell(draft: BlockDrafter) -> BlockDrafter:
         """An uninitialised drafter of ``draft``'s shapes (``RolloutEngine.from_models`` fills
-        it; a ``tp_mesh`` there is refused here, its policy copy being tensor-parallel)."""
+        it; with a ``tp_mesh`` there it stays whole on every rank)."""
         return BlockDrafter(draft.args)
 
     def _draft_to_target(self) -> torch.Tensor:
@@ -105,7 +106,11 @@ class BlockDraftEngine(RolloutEngine):
         if not k:
             return seqs.last_token.new_zeros(seqs.length.shape[0], 0), None
         hidden = self.draft.draft_block(self.policy.embed_tokens(seqs.last_token), seqs.length - 1, round_.draft_cache)
-        logits = processed_logits(self.draft.logits(hidden[:, 1:k + 1], self.policy.lm_head.weight), params)
+        # The head through its module: under tensor parallelism its weight is a shard and the
+        # module gathers the logits (the training's head_logits computes the same function).
+        head = self.policy.lm_head
+        logits = head(self.draft.norm(hidden[:, 1:k + 1]).to(head.weight.dtype))
+        logits = processed_logits(logits.to(torch.promote_types(logits.dtype, torch.float32)), params)
         if params.greedy:
             return logits.argmax(-1), None
         probs = logits.softmax(-1)

@@ -106,11 +106,7 @@ class BlockDraftEngine(RolloutEngine):
         if not k:
             return seqs.last_token.new_zeros(seqs.length.shape[0], 0), None
         hidden = self.draft.draft_block(self.policy.embed_tokens(seqs.last_token), seqs.length - 1, round_.draft_cache)
-        # The head through its module: under tensor parallelism its weight is a shard and the
-        # module gathers the logits (the training's head_logits computes the same function).
-        head = self.policy.lm_head
-        logits = head(self.draft.norm(hidden[:, 1:k + 1]).to(head.weight.dtype))
-        logits = processed_logits(logits.to(torch.promote_types(logits.dtype, torch.float32)), params)
+        logits = processed_logits(self.draft.head_module_logits(hidden[:, 1:k + 1], self.policy.lm_head), params)
         if params.greedy:
             return logits.argmax(-1), None
         probs = logits.softmax(-1)

@@ -279,6 +279,12 @@ class BlockDrafter(nn.Module):
         """``[..., H] -> [..., V]`` through ``norm`` and the policy's head (``head_logits``)."""
         return head_logits(self.norm, hidden, head_weight)
 
+    def head_module_logits(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
+        """``logits`` through the policy's head *module* (an engine's copy, no gradient): the
+        same function, and under tensor parallelism the module gathers its split logits."""
+        out = head(self.norm(hidden).to(head.weight.dtype))
+        return out.to(torch.promote_types(out.dtype, torch.float32))
+
 
 def head_logits(norm: nn.Module, hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
     """The drafter's logits ``[..., V]`` (fp32; fp64 for fp64 inputs): ``norm(hidden)`` through

@@ -87,7 +87,7 @@ def forward_is_finite(policy: nn.Module, draft: nn.Module | None, tokens: torch.
         positions = torch.arange(s, device=tokens.device)
         last = positions[-1:]
         hidden = draft(torch.cat(out.taps, -1)[0], positions, out.embeddings[0, -1:], last, last.new_zeros(1), last)
-        ok &= torch.isfinite(draft.logits(hidden, policy.lm_head.weight)).all()
+        ok &= torch.isfinite(draft.head_module_logits(hidden, policy.lm_head)).all()
     return _on_every_rank(ok.float(), collective)
 
 

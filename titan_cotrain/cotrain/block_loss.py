@@ -57,17 +57,21 @@ def block_weights(block_size: int, decay: float, device=None) -> torch.Tensor:
     return decay ** torch.arange(block_size - 1, dtype=torch.float32, device=device)
 
 
-def document_bounds(cu_seqlens: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(start, end) int64 [T]``: the bounds of each packed row's document."""
+def document_bounds(cu_seqlens: torch.Tensor, device, total: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(start, end) int64 [T]``: the bounds of each packed row's document. ``total``: ``T``
+    when the caller knows it (the expansion then needs no read of its size from the device:
+    no sync on an accelerator, and the scale simulator's fake tensors can run it)."""
     cu = cu_seqlens.to(device=device, dtype=torch.int64)
     lengths = cu[1:] - cu[:-1]
-    return cu[:-1].repeat_interleave(lengths), cu[1:].repeat_interleave(lengths)
+    return (cu[:-1].repeat_interleave(lengths, output_size=total),
+            cu[1:].repeat_interleave(lengths, output_size=total))
 
 
-def document_index(cu_seqlens: torch.Tensor, device) -> torch.Tensor:
-    """``int64 [T]``: each packed row's document, ``0 .. len(cu_seqlens) - 2``."""
+def document_index(cu_seqlens: torch.Tensor, device, total: int | None = None) -> torch.Tensor:
+    """``int64 [T]``: each packed row's document, ``0 .. len(cu_seqlens) - 2`` (``total`` as
+    ``document_bounds``')."""
     cu = cu_seqlens.to(device=device, dtype=torch.int64)
-    return torch.arange(cu.numel() - 1, device=device).repeat_interleave(cu[1:] - cu[:-1])
+    return torch.arange(cu.numel() - 1, device=device).repeat_interleave(cu[1:] - cu[:-1], output_size=total)
 
 
 _MIX = (0x5851F42D4C957F2D, 0x14057B7EF767814F)  # odd 63-bit multipliers
@@ -130,7 +134,7 @@ def sample_anchors(cu_seqlens: torch.Tensor, loss_region: torch.Tensor, blocks_p
     cu = cu_seqlens.to(device=device, dtype=torch.int64)
     n_docs = cu.numel() - 1
     rows = torch.arange(t, device=device)
-    doc = document_index(cu, device)
+    doc = document_index(cu, device, t)
     key = torch.where(valid, anchor_keys(positions.to(device), tokens.to(device), ext_tokens[next_row], seed), _NO_KEY)
     # Per document its blocks_per_doc smallest keys here ([documents, blocks_per_doc], _NO_KEY
     # where it has fewer valid rows), then over the CP group.
@@ -215,10 +219,11 @@ def block_draft_sums(
     teacher_rows = torch.where(teacher_rows >= 0, teacher_rows, anchors[:, None]).reshape(-1)  # masked there
     slot = torch.arange(b - 1, device=anchors.device).repeat(anchors.shape[0])
     if shift.group is not None:
-        ring = BlockContextRing(shift.group, document_index(cu_seqlens, device), positions.to(device), anchors)
+        ring = BlockContextRing(shift.group, document_index(cu_seqlens, device, features.shape[0]),
+                                positions.to(device), anchors)
         start = None
     else:
-        ring, (start, _) = None, document_bounds(cu_seqlens, device)
+        ring, (start, _) = None, document_bounds(cu_seqlens, device, features.shape[0])
 
     def score(hidden: torch.Tensor, norm: torch.nn.Module):
         if anchors.numel() == 0:

@@ -32,6 +32,31 @@ def _models(seed: int, flavor=DENSE):
     return target, draft
 
 
+def _assert_generates_alike(engine, reference, k_max: int, world_size: int) -> None:
+    """``engine`` (tensor-parallel) generates ``reference``'s (one rank) tokens, lengths,
+    log-probs and acceptance, greedy at k = 0 and ``k_max`` and sampled at ``k_max``, and every
+    rank of the group holds the same rollouts."""
+    prompts = _prompts([3, 7, 2, 5, 4], 64, seed=1)
+    cases = [(SamplingParams(temperature=0, max_new_tokens=16), k) for k in (0, k_max)]
+    cases += [(SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_new_tokens=16), k_max)]
+    for params, k in cases:
+        seeds = [torch.Generator().manual_seed(11) for _ in range(2)]
+        ours = engine.generate(prompts, params, draft_tokens=k, generator=seeds[0])
+        theirs = reference.generate(prompts, params, draft_tokens=k, generator=seeds[1])
+        what = f"temperature {params.temperature}, k {k}"
+        assert torch.equal(ours.tokens, theirs.tokens), what
+        assert torch.equal(ours.response_lens, theirs.response_lens), what
+        torch.testing.assert_close(ours.logprobs, theirs.logprobs, rtol=0, atol=1e-5, msg=what)
+        if k:  # the rounds drafted, and accepted what the one-rank engine's did
+            assert ours.stats.rounds.live[:, 2:].sum() > 0, what
+            assert ours.stats.acceptance_length == pytest.approx(theirs.stats.acceptance_length, abs=1e-9), what
+        # The ranks of the engine group hold the very same rollouts (bitwise), as they must.
+        every = [None] * world_size
+        dist.all_gather_object(every, (ours.tokens, ours.logprobs))
+        assert all(torch.equal(tokens, ours.tokens) and torch.equal(logprobs, ours.logprobs)
+                   for tokens, logprobs in every), what
+
+
 def _tp_engine_matches_one_rank(rank: int, world_size: int, flavor) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -68,22 +93,7 @@ def _tp_engine_matches_one_rank(rank: int, world_size: int, flavor) -> None:
             assert w2.to_local().shape[2] == w2.shape[2] // world_size
             assert not isinstance(layer.mlp.router.gate.weight, DTensor)
 
-    prompts = _prompts([3, 7, 2, 5, 4], 64, seed=1)
-    cases = [(SamplingParams(temperature=0, max_new_tokens=16), k) for k in (0, 3)]
-    cases += [(SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_new_tokens=16), 3)]
-    for params, k in cases:
-        seeds = [torch.Generator().manual_seed(11) for _ in range(2)]
-        ours = engine.generate(prompts, params, draft_tokens=k, generator=seeds[0])
-        theirs = reference.generate(prompts, params, draft_tokens=k, generator=seeds[1])
-        what = f"temperature {params.temperature}, k {k}"
-        assert torch.equal(ours.tokens, theirs.tokens), what
-        assert torch.equal(ours.response_lens, theirs.response_lens), what
-        torch.testing.assert_close(ours.logprobs, theirs.logprobs, rtol=0, atol=1e-5, msg=what)
-        # The ranks of the engine group hold the very same rollouts (bitwise), as they must.
-        every = [None] * world_size
-        dist.all_gather_object(every, (ours.tokens, ours.logprobs))
-        assert all(torch.equal(tokens, ours.tokens) and torch.equal(logprobs, ours.logprobs)
-                   for tokens, logprobs in every), what
+    _assert_generates_alike(engine, reference, 3, world_size)
 
     # Released and refreshed from other weights, it follows them like a fresh one-rank engine.
     engine.release()
@@ -91,7 +101,7 @@ def _tp_engine_matches_one_rank(rank: int, world_size: int, flavor) -> None:
     new_target, new_draft = _models(8, flavor)
     engine.load_weights(new_target.state_dict(), new_draft.state_dict())
     fresh = RolloutEngine(new_target, new_draft, max_batch_size=5, max_seq_len=40, max_draft_tokens=3)
-    params = SamplingParams(temperature=0, max_new_tokens=16)
+    params, prompts = SamplingParams(temperature=0, max_new_tokens=16), _prompts([3, 7, 2, 5, 4], 64, seed=1)
     assert torch.equal(engine.generate(prompts, params).tokens, fresh.generate(prompts, params).tokens)
 
 
@@ -137,22 +147,7 @@ def _tp_block_engine_matches_one_rank(rank: int, world_size: int) -> None:
     head = engine.policy.lm_head.weight
     assert isinstance(head, DTensor) and head.to_local().shape[0] == 64 // world_size
     assert not any(isinstance(p, DTensor) for p in engine.draft.parameters())
-    prompts = _prompts([3, 7, 2, 5, 4], 64, seed=1)
-    cases = [(SamplingParams(temperature=0, max_new_tokens=16), k) for k in (0, 4)]
-    cases += [(SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_new_tokens=16), 4)]
-    for params, k in cases:
-        seeds = [torch.Generator().manual_seed(11) for _ in range(2)]
-        ours = engine.generate(prompts, params, draft_tokens=k, generator=seeds[0])
-        theirs = reference.generate(prompts, params, draft_tokens=k, generator=seeds[1])
-        what = f"temperature {params.temperature}, k {k}"
-        assert torch.equal(ours.tokens, theirs.tokens), what
-        torch.testing.assert_close(ours.logprobs, theirs.logprobs, rtol=0, atol=1e-5, msg=what)
-        if k:  # the rounds drafted and their acceptance is the one-rank engine's
-            assert ours.stats.acceptance_length == pytest.approx(theirs.stats.acceptance_length, abs=1e-9), what
-            assert ours.stats.rounds.live[:, 2:].sum() > 0, what
-        every = [None] * world_size
-        dist.all_gather_object(every, ours.tokens)
-        assert all(torch.equal(tokens, ours.tokens) for tokens in every), what
+    _assert_generates_alike(engine, reference, 4, world_size)
 
 
 def test_a_tensor_parallel_block_drafting_engine_generates_what_one_rank_generates():

@@ -80,15 +80,11 @@ def test_exact_block_attention_is_the_brute_force_one(chunk_scores):
 def test_a_chunk_spans_only_rows_its_blocks_mostly_read():
     """The exact path's chunks: blocks of two long documents are not scored against each
     other's rows (the span would be mostly masked), blocks of two short ones share a chunk."""
-    from titan_cotrain.ops.block_attention import _chunks
+    from titan_cotrain.ops.block_attention import chunk_plan
 
-    def plan(starts, ends):
-        n, t = len(starts), max(ends) + 1
-        q, kv = torch.zeros(n, 4, 2, 8), torch.zeros(t, 1, 8)
-        return [c[:4] for c in _chunks(q, kv, kv, torch.tensor(starts), torch.tensor(ends), 1 << 22)]
-
-    assert plan([0, 0, 1000, 1000], [900, 950, 1900, 1950]) == [(0, 2, 0, 950), (2, 4, 1000, 1950)]
-    assert plan([0, 100], [90, 190]) == [(0, 2, 0, 190)]
+    assert chunk_plan([0, 0, 1000, 1000], [900, 950, 1900, 1950], 4) == [0, 2, 0, 950, 2, 4, 1000, 1950]
+    assert chunk_plan([0, 100], [90, 190], 4) == [0, 2, 0, 190]
+    assert chunk_plan([0, 100], [90, 190], 4, chunk_scores=1) == [0, 1, 0, 90, 1, 2, 100, 190]
 
 
 @pytest.mark.parametrize("chunk_scores", [1, 200, 1 << 22])

@@ -27,7 +27,8 @@ from torch._subclasses.fake_tensor import is_fake
 from titan_cotrain.ops.attention import lse_dtype, merge_attention
 
 __all__ = ["BlockContextRing", "block_attention", "block_attention_exact", "block_attention_flex",
-           "block_context_partial", "context_partial_backward_exact", "context_partial_exact", "merge_partials",
+           "block_context_partial", "chunk_plan", "context_partial_backward_exact", "context_partial_exact",
+           "merge_partials",
            "own_block_partial"]
 
 # The exact path's chunk: about this many score elements per head (block rows x context rows).
@@ -63,20 +64,15 @@ def _scores_lse(s: torch.Tensor, keep: torch.Tensor | None) -> tuple[torch.Tenso
     return p, lse.masked_fill(empty[:, None, None], float("-inf"))
 
 
-def _chunks(q, ctx_k, ctx_v, ctx_start, ctx_end, chunk_scores: int):
-    """The blocks in consecutive chunks whose scores stay near ``chunk_scores`` elements per
-    head: per chunk ``(first, last, lo, hi, qc, kc, vc, keep)``, blocks ``[first, last)``, the
-    context rows ``[lo, hi)`` they span, their queries and those rows' keys and values in the
-    log-sum-exp dtype (key heads repeated for GQA: ``[L, Hq, Dh]``), and ``keep [c, L]`` the
-    rows each block reads. Reads the spans on the host (one sync per call)."""
-    starts, ends = ctx_start.tolist(), ctx_end.tolist()
-    b, rep = q.shape[1], q.shape[2] // ctx_k.shape[1]
-    acc = lse_dtype(q.dtype)
-    n, first = len(starts), 0
+def chunk_plan(starts: list[int], ends: list[int], b: int, chunk_scores: int = EXACT_CHUNK_SCORES) -> list[int]:
+    """The exact path's chunks of blocks (host ints): consecutive blocks whose context span
+    keeps the scores near ``chunk_scores`` elements per head (``b`` query rows a block) and is
+    at most twice the rows they read (plus ``EXACT_CHUNK_SLACK`` a block: a span over several
+    documents is mostly masked, each block reading its own document's prefix). Flat
+    ``[first, last, lo, hi, ...]``: blocks ``[first, last)`` and the context rows ``[lo, hi)``
+    they span."""
+    plan, n, first = [], len(starts), 0
     while first < n:
-        # Grow the chunk while its blocks' context span keeps the scores within budget and
-        # the span is mostly rows its blocks read (a span over several documents is mostly
-        # masked: each block reads its own document's prefix).
         last, lo, hi = first + 1, starts[first], ends[first]
         read = hi - lo
         while last < n:
@@ -87,25 +83,40 @@ def _chunks(q, ctx_k, ctx_v, ctx_start, ctx_end, chunk_scores: int):
                 break
             lo, hi, read = new_lo, new_hi, new_read
             last += 1
-        hi = max(hi, lo)
+        plan += [first, last, lo, max(hi, lo)]
+        first = last
+    return plan
+
+
+def _chunks(q, ctx_k, ctx_v, ctx_start, ctx_end, chunk_scores: int, plan: list[int]):
+    """``chunk_plan``'s chunks (``plan``; empty: planned here from the spans, one read of them
+    from the device): per chunk ``(first, last, lo, hi, qc, kc, vc, keep)``, its queries and
+    context rows' keys and values in the log-sum-exp dtype (key heads repeated for GQA:
+    ``[L, Hq, Dh]``), and ``keep [c, L]`` the rows each block reads."""
+    if not plan and q.shape[0]:
+        plan = chunk_plan(ctx_start.tolist(), ctx_end.tolist(), q.shape[1], chunk_scores)
+    rep = q.shape[2] // ctx_k.shape[1]
+    acc = lse_dtype(q.dtype)
+    for i in range(0, len(plan), 4):
+        first, last, lo, hi = plan[i:i + 4]
         rows = torch.arange(lo, hi, device=q.device)
         keep = (rows >= ctx_start[first:last, None]) & (rows < ctx_end[first:last, None])
         yield (first, last, lo, hi, q[first:last].to(acc), ctx_k[lo:hi].to(acc).repeat_interleave(rep, dim=1),
                ctx_v[lo:hi].to(acc).repeat_interleave(rep, dim=1), keep)
-        first = last
 
 
 def context_partial_exact(
     q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, ctx_start: torch.Tensor, ctx_end: torch.Tensor,
-    scale: float, chunk_scores: int = EXACT_CHUNK_SCORES,
+    scale: float, chunk_scores: int = EXACT_CHUNK_SCORES, plan: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The blocks' attention over their context rows alone: ``(out [N, B, Hq, Dh], lse [N, B,
     Hq])`` in the log-sum-exp dtype (fp32, fp64 for fp64 inputs); a block with no context row
-    gets ``out = 0``, ``lse = -inf``. Differentiable by autograd; reads the chunks' spans on
-    the host (one sync per call)."""
+    gets ``out = 0``, ``lse = -inf``. Differentiable by autograd. ``plan``: ``chunk_plan``'s,
+    made once by a caller that calls this for every layer; without it the chunks' spans are
+    read here (one sync per call)."""
     acc = lse_dtype(q.dtype)
     outs, lses = [], []
-    for _, _, _, _, qc, kc, vc, keep in _chunks(q, ctx_k, ctx_v, ctx_start, ctx_end, chunk_scores):
+    for _, _, _, _, qc, kc, vc, keep in _chunks(q, ctx_k, ctx_v, ctx_start, ctx_end, chunk_scores, plan or []):
         p, lse = _scores_lse(torch.einsum("cqhd,lhd->chql", qc, kc) * scale, keep)
         outs.append(torch.einsum("chql,lhd->cqhd", p, vc))
         lses.append(lse.transpose(1, 2))  # [c, B, Hq]
@@ -117,21 +128,22 @@ def context_partial_exact(
 
 @torch.library.custom_op("titan_cotrain::block_context_partial", mutates_args=())
 def _block_context_partial(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, ctx_start: torch.Tensor,
-                           ctx_end: torch.Tensor, scale: float, chunk_scores: int
+                           ctx_end: torch.Tensor, scale: float, chunk_scores: int, plan: list[int]
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.no_grad():
-        out, lse = context_partial_exact(q, ctx_k, ctx_v, ctx_start, ctx_end, scale, chunk_scores)
+        out, lse = context_partial_exact(q, ctx_k, ctx_v, ctx_start, ctx_end, scale, chunk_scores, plan)
     return out.contiguous(), lse.contiguous()
 
 
 @_block_context_partial.register_fake
-def _(q, ctx_k, ctx_v, ctx_start, ctx_end, scale, chunk_scores):
+def _(q, ctx_k, ctx_v, ctx_start, ctx_end, scale, chunk_scores, plan):
     return q.new_empty(q.shape, dtype=lse_dtype(q.dtype)), q.new_empty(q.shape[:3], dtype=lse_dtype(q.dtype))
 
 
 def context_partial_backward_exact(
     grad_out: torch.Tensor, grad_lse: torch.Tensor, q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
     ctx_start: torch.Tensor, ctx_end: torch.Tensor, scale: float, chunk_scores: int = EXACT_CHUNK_SCORES,
+    plan: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of ``context_partial_exact``'s ``(out, lse)`` for ``q, ctx_k, ctx_v``,
     chunk by chunk with the probabilities recomputed: ``dv = p^T do``, ``ds = p (do v^T - D +
@@ -143,7 +155,8 @@ def context_partial_backward_exact(
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(ctx_k.shape, dtype=acc, device=q.device)
     dv = torch.zeros(ctx_v.shape, dtype=acc, device=q.device)
-    for first, last, lo, hi, qc, kc, vc, keep in _chunks(q, ctx_k, ctx_v, ctx_start, ctx_end, chunk_scores):
+    for first, last, lo, hi, qc, kc, vc, keep in _chunks(q, ctx_k, ctx_v, ctx_start, ctx_end, chunk_scores,
+                                                         plan or []):
         p, _ = _scores_lse(torch.einsum("cqhd,lhd->chql", qc, kc) * scale, keep)  # [c, Hq, B, L]
         go = grad_out[first:last].to(acc)  # [c, B, Hq, Dh]
         out = torch.einsum("chql,lhd->cqhd", p, vc)
@@ -160,22 +173,22 @@ def context_partial_backward_exact(
 @torch.library.custom_op("titan_cotrain::block_context_partial_backward", mutates_args=())
 def _block_context_partial_backward(grad_out: torch.Tensor, grad_lse: torch.Tensor, q: torch.Tensor,
                                     ctx_k: torch.Tensor, ctx_v: torch.Tensor, ctx_start: torch.Tensor,
-                                    ctx_end: torch.Tensor, scale: float, chunk_scores: int
+                                    ctx_end: torch.Tensor, scale: float, chunk_scores: int, plan: list[int]
                                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     grads = context_partial_backward_exact(grad_out, grad_lse, q, ctx_k, ctx_v, ctx_start, ctx_end, scale,
-                                           chunk_scores)
+                                           chunk_scores, plan)
     return tuple(g.contiguous() for g in grads)
 
 
 @_block_context_partial_backward.register_fake
-def _(grad_out, grad_lse, q, ctx_k, ctx_v, ctx_start, ctx_end, scale, chunk_scores):
+def _(grad_out, grad_lse, q, ctx_k, ctx_v, ctx_start, ctx_end, scale, chunk_scores, plan):
     return tuple(x.new_empty(x.shape) for x in (q, ctx_k, ctx_v))
 
 
 def _partial_setup(ctx, inputs, output):
-    q, ctx_k, ctx_v, ctx_start, ctx_end, scale, chunk_scores = inputs
+    q, ctx_k, ctx_v, ctx_start, ctx_end, scale, chunk_scores, plan = inputs
     ctx.save_for_backward(q, ctx_k, ctx_v, ctx_start, ctx_end)
-    ctx.scale, ctx.chunk_scores = scale, chunk_scores
+    ctx.scale, ctx.chunk_scores, ctx.plan = scale, chunk_scores, plan
     ctx.set_materialize_grads(False)
 
 
@@ -185,21 +198,22 @@ def _partial_backward(ctx, grad_out, grad_lse):
     grad_out = torch.zeros(q.shape, dtype=acc, device=q.device) if grad_out is None else grad_out
     grad_lse = torch.zeros(q.shape[:3], dtype=acc, device=q.device) if grad_lse is None else grad_lse
     grads = _block_context_partial_backward(grad_out.contiguous(), grad_lse.contiguous(), q, ctx_k, ctx_v,
-                                            ctx_start, ctx_end, ctx.scale, ctx.chunk_scores)
-    return (*grads, None, None, None, None)
+                                            ctx_start, ctx_end, ctx.scale, ctx.chunk_scores, ctx.plan)
+    return (*grads, None, None, None, None, None)
 
 
 _block_context_partial.register_autograd(_partial_backward, setup_context=_partial_setup)
 
 
 def block_context_partial(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, ctx_start: torch.Tensor,
-                          ctx_end: torch.Tensor, scale: float, chunk_scores: int = EXACT_CHUNK_SCORES
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+                          ctx_end: torch.Tensor, scale: float, chunk_scores: int = EXACT_CHUNK_SCORES,
+                          plan: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``context_partial_exact`` as one op (``titan_cotrain::block_context_partial``) with a
     fake kernel and its own backward op (``context_partial_backward_exact``): what the block
     attention calls, so the scale simulator's fake tensors (which hold no spans to plan
-    chunks from) and tracing see one node with the output's shapes."""
-    return _block_context_partial(q, ctx_k, ctx_v, ctx_start, ctx_end, scale, chunk_scores)
+    chunks from) and tracing see one node with the output's shapes. ``plan``: as
+    ``context_partial_exact``'s (the forward and the backward use it)."""
+    return _block_context_partial(q, ctx_k, ctx_v, ctx_start, ctx_end, scale, chunk_scores, plan or [])
 
 
 def own_block_partial(q: torch.Tensor, blk_k: torch.Tensor, blk_v: torch.Tensor,
@@ -375,6 +389,7 @@ class BlockContextRing:
         end = torch.searchsorted(key, doc * (1 << 32) + pos)
         real = doc >= 0
         self.ctx_start, self.ctx_end = torch.where(real, start, 0), torch.where(real, end, 0)
+        self.plan: list[int] | None = None  # chunk_plan's, made at the first layer's attend
 
     def attend(self, q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, blk_k: torch.Tensor,
                blk_v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -389,7 +404,10 @@ class BlockContextRing:
             return merge_partials(own, []).to(q.dtype) + touch
         padded = torch.cat([q, q.new_zeros(self.n_max - n, b, hq, d)]) if self.n_max > n else q
         every = _GatherRows.apply(padded, self.group)  # [W n_max, B, Hq, Dh]
-        out, lse = block_context_partial(every, ctx_k, ctx_v, self.ctx_start, self.ctx_end, scale)
+        if self.plan is None and not is_fake(self.ctx_start):
+            # One read of the spans for the microbatch: every layer, forward and backward, reuses it.
+            self.plan = chunk_plan(self.ctx_start.tolist(), self.ctx_end.tolist(), b)
+        out, lse = block_context_partial(every, ctx_k, ctx_v, self.ctx_start, self.ctx_end, scale, plan=self.plan)
         parts = torch.cat([out.flatten(2), lse], dim=-1).contiguous()  # [W n_max, B, Hq Dh + Hq]
         back = _ExchangeRows.apply(parts, self.group)
         back = back.view(self.world, self.n_max, b, -1)[:, :n]

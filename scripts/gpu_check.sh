@@ -15,9 +15,10 @@
 # run inside its slot: a stage whose limit is more than what is left is "not run: budget".
 #
 #   wheels                  (60)  with --wheels only: pip installs 19 local wheels (5 s on 2 cores)
-#   pytest_gpu              (70)  pytest tests/gpu: kernels, ring and engine on CUDA in bf16. Nine
-#                                 tests of small shapes, each compiling nothing: the CUDA context,
-#                                 the kernels' first loads and pytest's start, 20-40 s
+#   pytest_gpu             (110)  pytest tests/gpu: kernels, ring and engine on CUDA in bf16, tests
+#                                 of small shapes: the CUDA context, the kernels' first loads and
+#                                 pytest's start, 20-40 s, and the block drafter's flex attention,
+#                                 compiled forward and backward at two head sizes, 20-40 s more
 #   bench_rollout_eager     (60)  bench_rollout.py on CUDA, eager: batch 1, 8, 64; plain vs speculative
 #                                 (k 2/4/6 and adaptive, untrained and trained draft); KV blocks of 256.
 #                                 Fitting the debug-sized target and draft (270 steps) and 3 repeats
@@ -62,7 +63,7 @@ stages_begin gpu_check "" "import torch, sys; sys.exit(not torch.cuda.is_availab
 if [ "$CPU" = 1 ]; then
     skip_stage pytest_gpu "$PYTHON" -m pytest -q tests/gpu
 else
-    run_stage pytest_gpu 70 "$PYTHON" -m pytest -q -p no:cacheprovider tests/gpu --junitxml "$RUN/pytest_gpu.xml"
+    run_stage pytest_gpu 110 "$PYTHON" -m pytest -q -p no:cacheprovider tests/gpu --junitxml "$RUN/pytest_gpu.xml"
 fi
 
 ROLLOUT=("$PYTHON" scripts/bench_rollout.py)

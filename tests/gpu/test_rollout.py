@@ -118,6 +118,25 @@ def test_speculative_greedy_follows_plain_greedy(pair):
     assert_follows(speculative, plain, margins(bf16_engine.policy, prompts, plain))
 
 
+def test_block_drafted_greedy_follows_plain_greedy(pair):
+    """The same with the block drafter (``engine.block_rollout``): its one drafter forward a
+    round, the flash kernels' verify over k + 1 positions, in bf16. A random drafter over 6
+    tokens still proposes the target's token often enough for rounds to accept some."""
+    from titan_cotrain.engine.block_rollout import BlockDraftEngine
+    from titan_cotrain.models.block_draft import BlockDraftArgs, BlockDrafter
+
+    target, _, prompts = pair
+    drafter = BlockDrafter(BlockDraftArgs.from_target(target.args, n_layers=2, block_size=4,
+                                                      target_layer_ids=target.tap_layers))
+    drafter.init_weights(std=0.3, generator=torch.Generator().manual_seed(1))
+    block_engine = BlockDraftEngine.from_models(target, drafter.eval(), device=DEVICE, dtype=DTYPE, max_batch_size=8,
+                                                max_seq_len=SEQ_LEN, max_draft_tokens=3, block_size=BLOCK)
+    plain = block_engine.generate(prompts, PARAMS, draft_tokens=0)
+    speculative = block_engine.generate(prompts, PARAMS, draft_tokens=3)
+    assert speculative.stats.acceptance_length > 1.0  # some drafted tokens are accepted
+    assert_follows(speculative, plain, margins(block_engine.policy, prompts, plain))
+
+
 @pytest.fixture
 def fresh_compiler(monkeypatch):
     """No graph of an earlier engine left in dynamo's caches. Without a GPU, dynamo's ``eager``

@@ -16,7 +16,7 @@ from titan_cotrain.engine.kv_budget import kv_bytes_per_sequence
 from titan_cotrain.engine.rollout import RolloutEngine
 from titan_cotrain.engine.sampling import SamplingParams, processed_logits
 from titan_cotrain.models.args import model_args_for
-from titan_cotrain.models.block_draft import BlockDraftArgs, BlockDrafter
+from titan_cotrain.models.block_draft import BlockDraftArgs, BlockDrafter, head_logits
 from titan_cotrain.models.transformer import Transformer
 
 VOCAB, BLOCK, NEW_TOKENS = 16, 5, 24
@@ -134,7 +134,7 @@ def test_greedy_block_speculation_equals_greedy_plain_and_accepts_what_training_
         rows = starts[out_row] + anchor
         with torch.no_grad():
             hidden = drafter(features, positions, embeddings[rows], positions[rows], starts[out_row], rows)
-            predicted = drafter.logits(hidden[:, 1:], weight).argmax(-1)  # [n, B - 1]
+            predicted = head_logits(drafter.norm, hidden[:, 1:], weight).argmax(-1)  # [n, B - 1], training's head
         for i, (b, a, got) in enumerate(zip(out_row.tolist(), anchor.tolist(), accepted.tolist())):
             seq = sequences[b]
             checkable = min(k, seq.numel() - 1 - a)

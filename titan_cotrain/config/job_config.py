@@ -121,8 +121,8 @@ class Draft:
     """The draft family: ``eagle3`` drafts ``k`` tokens in ``k`` passes; ``dflash``, a block
     drafter, drafts up to ``block_size - 1`` in one forward (docs/DESIGN.md section 16). It
     trains under FSDP, CP and PP like EAGLE-3, over the target's whole vocabulary, from a
-    fresh drafter or ``init_path`` (a DFlash folder); its engine is neither compiled nor
-    tensor-parallel; ``ttt_steps``, ``hidden_size``, ``num_heads`` and ``num_kv_heads`` are
+    fresh drafter or ``init_path`` (a DFlash folder); its engine is not compiled (a
+    tensor-parallel one keeps the drafter whole on every rank); ``ttt_steps``, ``hidden_size``, ``num_heads`` and ``num_kv_heads`` are
     EAGLE-3's and do not apply (``pass_decay`` weighs its block positions)."""
 
     block_size: int = 16

@@ -275,13 +275,10 @@ class BlockDrafter(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x
 
-    def logits(self, hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
-        """``[..., H] -> [..., V]`` through ``norm`` and the policy's head (``head_logits``)."""
-        return head_logits(self.norm, hidden, head_weight)
-
     def head_module_logits(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
-        """``logits`` through the policy's head *module* (an engine's copy, no gradient): the
-        same function, and under tensor parallelism the module gathers its split logits."""
+        """``[..., H] -> [..., V]``: ``head_logits`` through the policy's head *module* (an
+        engine's copy, no gradient): the same function, and under tensor parallelism the module
+        gathers its split logits."""
         out = head(self.norm(hidden).to(head.weight.dtype))
         return out.to(torch.promote_types(out.dtype, torch.float32))
 

@@ -28,8 +28,7 @@ from titan_cotrain.ops.attention import lse_dtype, merge_attention
 
 __all__ = ["BlockContextRing", "block_attention", "block_attention_exact", "block_attention_flex",
            "block_context_partial", "chunk_plan", "context_partial_backward_exact", "context_partial_exact",
-           "merge_partials",
-           "own_block_partial"]
+           "merge_partials", "own_block_partial"]
 
 # The exact path's chunk: about this many score elements per head (block rows x context rows).
 EXACT_CHUNK_SCORES = 1 << 22

@@ -98,8 +98,26 @@ def spread(xs: list[float]) -> dict:
             "min": min(xs), "max": max(xs), "values": xs}
 
 
+def quarters(curve: list[float]) -> list[float]:
+    """The mean of each quarter of ``curve`` (the last takes what the others leave)."""
+    size = max(len(curve) // 4, 1)
+    bounds = [min(i * size, len(curve)) for i in range(4)] + [len(curve)]
+    return [statistics.fmean(curve[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def by_quarter(result: dict, key: str, reduce=statistics.fmean) -> dict:
+    """Per arm, ``key``'s quarter means (``reduce`` over seeds) and the per-seed quarter values."""
+    out = {}
+    for arm in ARMS:
+        per_seed = [quarters(result["runs"][str(s)][arm][key]) for s in result["seeds"]]
+        out[arm] = {"over_seeds": [reduce(column) for column in zip(*per_seed)], "per_seed": per_seed}
+    return out
+
+
 def summarize(result: dict) -> dict:
-    """Last-quarter acceptance length per seed and arm, the per-seed ratio, their spreads."""
+    """Last-quarter acceptance length per seed and arm, the per-seed ratio, their spreads;
+    acceptance length per quarter; the rollout phase's summed seconds per arm, per quarter and
+    in all, and co-trained over frozen."""
     n = len(result["steps"])
     tail = max(n // 4, 1)
     last = {arm: [statistics.fmean(result["runs"][str(s)][arm]["acceptance_length"][-tail:])
@@ -110,8 +128,14 @@ def summarize(result: dict) -> dict:
     # Measured over predicted: how much of the training code's acceptance the engine realises.
     realised = [statistics.fmean(result["runs"][str(s)]["cotrain"]["acceptance_length"])
                 / statistics.fmean(result["runs"][str(s)]["cotrain"]["draft_tau"]) for s in result["seeds"]]
+    rollout = {arm: [sum(result["runs"][str(s)][arm]["rollout_s"]) for s in result["seeds"]] for arm in ARMS}
+    rollout_ratio = [c / f for c, f in zip(rollout["cotrain"], rollout["frozen"])]
     return {
         "last_steps_averaged": tail,
+        "acceptance_length_by_quarter": by_quarter(result, "acceptance_length"),
+        "rollout_s_by_quarter": by_quarter(result, "rollout_s"),
+        "rollout_s_total": {arm: spread(rollout[arm]) for arm in ARMS},
+        "rollout_s_ratio_cotrain_over_frozen": spread(rollout_ratio),
         "cotrain_acceptance_over_draft_tau": spread(realised),
         "acceptance_length_last_quarter": {arm: spread(last[arm]) for arm in ARMS},
         "acceptance_ratio_cotrain_over_frozen": spread(ratios),
@@ -241,7 +265,8 @@ def main() -> int:
         for arm in ARMS:
             metrics = runs[(seed, arm)]
             curves = {"acceptance_length": rl_curve(metrics, "rollout/acceptance_length"),
-                      "reward": rl_curve(metrics, "reward/mean")}
+                      "reward": rl_curve(metrics, "reward/mean"),
+                      "rollout_s": rl_curve(metrics, "time/rollout_s"), "step_s": rl_curve(metrics, "time/step_s")}
             if arm == "cotrain":  # the draft's training metric, on the batches it trained on
                 curves["draft_tau"] = rl_curve(metrics, "draft/tau")
             curves |= {key.split("/", 1)[1]: rl_curve(metrics, key) for key in sorted(metrics[-1])

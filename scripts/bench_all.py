@@ -318,8 +318,9 @@ def pp_rows(result: dict, command: str) -> list[Row]:
 
 
 def cotrain_rows(result: dict, command: str) -> list[Row]:
-    claim = "Co-trained vs frozen draft"
     s, config = result["summary"], result["config"]
+    job = Path(config.get("config_file", "train_configs/debug_cpu.toml")).name
+    claim = "Co-trained vs frozen draft" + ("" if job == "debug_cpu.toml" else f" ({job})")
     n = len(result["seeds"])
     hardware = config["hardware"]
 
@@ -335,7 +336,22 @@ def cotrain_rows(result: dict, command: str) -> list[Row]:
                                f"{config['rl_steps']} RL steps, {n} seeds", arm(r), "draft/tau (its TTT accuracy, same steps)",
                         f"{r['mean']:.2f}", "0.9-1.1", _met(all(0.9 <= v <= 1.1 for v in r["values"])), hardware,
                         command)]
-    return realised + [
+    by_quarter = []
+    if "acceptance_length_by_quarter" in s:  # runs before the per-quarter summary lack it
+        quarters, rollout = s["acceptance_length_by_quarter"], s["rollout_s_by_quarter"]
+        for q, (c, f) in enumerate(zip(quarters["cotrain"]["over_seeds"], quarters["frozen"]["over_seeds"])):
+            rc, rf = rollout["cotrain"]["over_seeds"][q], rollout["frozen"]["over_seeds"][q]
+            by_quarter.append(Row(
+                claim, f"quarter {q + 1} of {config['rl_steps']} RL steps, mean of {n} seeds: rollout acceptance "
+                       f"length; rollout seconds per step", f"co-trained {c:.2f}; {rc:.2f} s",
+                f"frozen {f:.2f}; {rf:.2f} s", f"{c / f:.2f}x; {rc / rf:.2f}x", "-", "-", hardware, command))
+        total, ratio_s = s["rollout_s_total"], s["rollout_s_ratio_cotrain_over_frozen"]
+        by_quarter.append(Row(
+            claim, f"rollout phase's seconds summed over the {config['rl_steps']} RL steps, {n} seeds",
+            f"co-trained {total['cotrain']['mean']:.0f} s ({total['cotrain']['min']:.0f}-{total['cotrain']['max']:.0f})",
+            f"frozen {total['frozen']['mean']:.0f} s ({total['frozen']['min']:.0f}-{total['frozen']['max']:.0f})",
+            f"{ratio_s['mean']:.2f}x ({ratio_s['min']:.2f}-{ratio_s['max']:.2f})", "-", "-", hardware, command))
+    return realised + by_quarter + [
         Row(claim, f"rollout acceptance length, {steps}", f"co-trained {arm(acc['cotrain'])}",
             f"frozen {arm(acc['frozen'])}", f"{ratio['mean']:.2f}x +- {ratio['std']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f})",
             f">= {s['goal_acceptance_ratio']}x", _met(s["goal_met"]), hardware, command),
@@ -414,6 +430,7 @@ SOURCES = [  # (script, json, rows)
     ("bench_rollout", "bench_rollout.json", rollout_rows),
     ("bench_pp", "bench_pp.json", pp_rows),
     ("compare_cotrain", "compare_cotrain.json", cotrain_rows),
+    ("compare_cotrain", "compare_cotrain_longtail.json", cotrain_rows),
     ("bench_vocab_chunks", "bench_vocab_chunks.json", vocab_rows),
     ("bench_compile", "bench_compile.json", compile_rows),
     ("bench_e2e", "bench_e2e.json", e2e_rows),

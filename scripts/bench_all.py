@@ -336,6 +336,13 @@ def cotrain_rows(result: dict, command: str) -> list[Row]:
                                f"{config['rl_steps']} RL steps, {n} seeds", arm(r), "draft/tau (its TTT accuracy, same steps)",
                         f"{r['mean']:.2f}", "0.9-1.1", _met(all(0.9 <= v <= 1.1 for v in r["values"])), hardware,
                         command)]
+    if "cotrain_acceptance_over_predicted_at_drafted_k" in s:  # runs before it lack it
+        r = s["cotrain_acceptance_over_predicted_at_drafted_k"]
+        realised.append(Row(
+            claim, f"co-trained arm: measured rollout acceptance / what the draft's per-pass training accuracy "
+                   f"predicts at the k the engine drafted, the {config['rl_steps']} RL steps that drafted, {n} seeds",
+            arm(r), "rollout/predicted_acceptance", f"{r['mean']:.2f}", "0.9-1.1",
+            _met(all(0.9 <= v <= 1.1 for v in r["values"])), hardware, command))
     by_quarter = []
     if "acceptance_length_by_quarter" in s:  # runs before the per-quarter summary lack it
         quarters, rollout = s["acceptance_length_by_quarter"], s["rollout_s_by_quarter"]

@@ -31,6 +31,7 @@ with the draft loss on or off, which the tests check bitwise).
     .venv/bin/python scripts/compare_cotrain.py            # 600 SFT + 3 seeds x 2 arms x 100 RL steps
     .venv/bin/python scripts/compare_cotrain.py --quick    # 20 SFT, 3 RL steps, to assets/quick/
     .venv/bin/python scripts/compare_cotrain.py --replot   # redraw the PNG from the JSON
+    .venv/bin/python scripts/compare_cotrain.py --resummarize --work W --json J --png P  # summary again from W's runs
     .venv/bin/python scripts/compare_cotrain.py --config debug_cpu_longtail.toml \
         --json assets/compare_cotrain_longtail.json --png assets/acceptance_vs_step_longtail.png
 """
@@ -93,6 +94,46 @@ def rl_curve(metrics: list[dict], key: str) -> list[float]:
     return [m[key] for m in metrics if m["phase"] == "rl"]
 
 
+def curves_of(metrics: list[dict], arm: str) -> dict[str, list[float]]:
+    """One run's per-RL-step curves: acceptance length, reward, the rollout phase's and the
+    step's seconds, the acceptance the draft's training accuracy predicts at the drafted k
+    and the measured over it (``rollout/acceptance_over_tau``), the task's metrics and the
+    per-position acceptance rates; the co-trained arm adds ``draft/tau``."""
+    curves = {"acceptance_length": rl_curve(metrics, "rollout/acceptance_length"),
+              "reward": rl_curve(metrics, "reward/mean"),
+              "rollout_s": rl_curve(metrics, "time/rollout_s"), "step_s": rl_curve(metrics, "time/step_s")}
+    if arm == "cotrain":  # the draft's training metrics, on the batches it trained on
+        curves["draft_tau"] = rl_curve(metrics, "draft/tau")
+        for key in ("rollout/predicted_acceptance", "rollout/acceptance_over_tau"):
+            curves[key.split("/", 1)[1]] = [m.get(key) for m in metrics if m["phase"] == "rl"]  # None: drafted nothing
+    # A step whose rollout drafted nothing (the tuner chose plain decoding) has no per-position
+    # rates: None there; its acceptance length is 1.
+    rl = [m for m in metrics if m["phase"] == "rl"]
+    keys = sorted({key for m in rl for key in m if key.startswith("task/") or key.startswith("rollout/acceptance_rate_")})
+    curves |= {key.split("/", 1)[1]: [m.get(key) for m in rl] for key in keys}
+    curves["drafted"] = ["rollout/acceptance_rate_1" in m for m in rl]
+    return curves
+
+
+def read_metrics(dump: Path) -> list[dict]:
+    return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+
+
+def resummarize(args) -> int:
+    """Rebuild ``--json``'s curves and summary from the run folders under ``--work`` (their
+    ``metrics.jsonl``), keeping its checks, command and runtime: what a summary added after
+    the runs reads, without running them again."""
+    result = json.loads(args.json.read_text())
+    result["runs"] = {str(seed): {arm: curves_of(read_metrics(args.work / f"seed{seed}" / arm), arm) for arm in ARMS}
+                      for seed in result["seeds"]}
+    result["summary"] = summarize(result)
+    result["resummarized_by"] = command_line()
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, args.png)
+    print(json.dumps({k: v for k, v in result["summary"].items() if "quarter" not in k}, indent=2))
+    return 0 if result["checks"]["passed"] else 1
+
+
 def spread(xs: list[float]) -> dict:
     return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0,
             "min": min(xs), "max": max(xs), "values": xs}
@@ -128,7 +169,19 @@ def summarize(result: dict) -> dict:
     # Measured over predicted: how much of the training code's acceptance the engine realises.
     realised = [statistics.fmean(result["runs"][str(s)]["cotrain"]["acceptance_length"])
                 / statistics.fmean(result["runs"][str(s)]["cotrain"]["draft_tau"]) for s in result["seeds"]]
+    # The same at the k the engine drafted (the tuner's k per round, not training's): the
+    # acceptance training's per-pass accuracy predicts for those rounds (rollout/predicted_acceptance).
+    predicted = {}
+    if all("predicted_acceptance" in result["runs"][str(s)]["cotrain"] for s in result["seeds"]):
+        ratios_at_k = []
+        for s in result["seeds"]:
+            run = result["runs"][str(s)]["cotrain"]
+            drafted = [(a, p) for a, p in zip(run["acceptance_length"], run["predicted_acceptance"]) if p is not None]
+            ratios_at_k.append(statistics.fmean(a for a, _ in drafted) / statistics.fmean(p for _, p in drafted))
+        predicted["cotrain_acceptance_over_predicted_at_drafted_k"] = spread(ratios_at_k)
     rollout = {arm: [sum(result["runs"][str(s)][arm]["rollout_s"]) for s in result["seeds"]] for arm in ARMS}
+    undrafted = {arm: [result["runs"][str(s)][arm].get("drafted", []).count(False) for s in result["seeds"]]
+                 for arm in ARMS}
     rollout_ratio = [c / f for c, f in zip(rollout["cotrain"], rollout["frozen"])]
     return {
         "last_steps_averaged": tail,
@@ -136,7 +189,9 @@ def summarize(result: dict) -> dict:
         "rollout_s_by_quarter": by_quarter(result, "rollout_s"),
         "rollout_s_total": {arm: spread(rollout[arm]) for arm in ARMS},
         "rollout_s_ratio_cotrain_over_frozen": spread(rollout_ratio),
+        "undrafted_steps_per_seed": undrafted,
         "cotrain_acceptance_over_draft_tau": spread(realised),
+        **predicted,
         "acceptance_length_last_quarter": {arm: spread(last[arm]) for arm in ARMS},
         "acceptance_ratio_cotrain_over_frozen": spread(ratios),
         "reward_last_quarter": {arm: spread(reward[arm]) for arm in ARMS},
@@ -189,6 +244,8 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--png", type=Path, default=None)
     parser.add_argument("--replot", action="store_true", help="only redraw --png from an existing --json")
+    parser.add_argument("--resummarize", action="store_true",
+                        help="rebuild --json's curves and summary from the run folders under --work, keeping its checks")
     args, extra = parser.parse_known_args()
     assets = ROOT / "assets" / ("quick" if args.quick else "")
     if args.quick:
@@ -199,6 +256,8 @@ def main() -> int:
     if args.replot:
         plot(json.loads(args.json.read_text()), args.png)
         return 0
+    if args.resummarize:
+        return resummarize(args)
 
     start = time.perf_counter()
     shutil.rmtree(args.work, ignore_errors=True)
@@ -260,18 +319,7 @@ def main() -> int:
         "steps": [m["step"] - args.sft_steps for m in runs[(first, "cotrain")] if m["phase"] == "rl"],
         "runs": {},
     }
-    for seed in args.seeds:
-        result["runs"][str(seed)] = {}
-        for arm in ARMS:
-            metrics = runs[(seed, arm)]
-            curves = {"acceptance_length": rl_curve(metrics, "rollout/acceptance_length"),
-                      "reward": rl_curve(metrics, "reward/mean"),
-                      "rollout_s": rl_curve(metrics, "time/rollout_s"), "step_s": rl_curve(metrics, "time/step_s")}
-            if arm == "cotrain":  # the draft's training metric, on the batches it trained on
-                curves["draft_tau"] = rl_curve(metrics, "draft/tau")
-            curves |= {key.split("/", 1)[1]: rl_curve(metrics, key) for key in sorted(metrics[-1])
-                       if key.startswith("task/") or key.startswith("rollout/acceptance_rate_")}
-            result["runs"][str(seed)][arm] = curves
+    result["runs"] = {str(seed): {arm: curves_of(runs[(seed, arm)], arm) for arm in ARMS} for seed in args.seeds}
     result["summary"] = summarize(result)
     result["checks"] = {"warm_start_sha256": warm_hash, "warm_start_copies": hashes,
                         "draft_equals_warm_start": drafts, "passed": not failures, "failures": failures}

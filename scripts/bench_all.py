@@ -327,37 +327,57 @@ def cotrain_rows(result: dict, command: str) -> list[Row]:
     def arm(x: dict) -> str:
         return f"{x['mean']:.2f} +- {x['std']:.2f} ({x['min']:.2f}-{x['max']:.2f})"
 
+    def tokens(x: dict) -> str:
+        return f"{x['mean']:.0f} +- {x['std']:.0f} tok/s ({x['min']:.0f}-{x['max']:.0f})"
+
     acc, ratio, reward = s["acceptance_length_last_quarter"], s["acceptance_ratio_cotrain_over_frozen"], s["reward_last_quarter"]
     steps = f"last {s['last_steps_averaged']} of {config['rl_steps']} RL steps, {n} seeds, {config['sft_steps']} SFT steps"
     realised = []
+    at_k = "cotrain_acceptance_over_predicted_at_drafted_k" in s  # runs before it lack it
     if "cotrain_acceptance_over_draft_tau" in s:  # runs before the engine's stale-key fix lack it
         r = s["cotrain_acceptance_over_draft_tau"]
+        # With the ratio at the drafted k beside it, this one is context: training's tau is at its
+        # own k, and a tuner that drafts fewer tokens (or none) realises less of it.
         realised = [Row(claim, f"co-trained arm: measured rollout acceptance / the draft's training tau, all "
-                               f"{config['rl_steps']} RL steps, {n} seeds", arm(r), "draft/tau (its TTT accuracy, same steps)",
-                        f"{r['mean']:.2f}", "0.9-1.1", _met(all(0.9 <= v <= 1.1 for v in r["values"])), hardware,
-                        command)]
-    if "cotrain_acceptance_over_predicted_at_drafted_k" in s:  # runs before it lack it
+                               f"{config['rl_steps']} RL steps, {n} seeds" + (" (tau at training's k)" if at_k else ""),
+                        arm(r), "draft/tau (its TTT accuracy, same steps)", f"{r['mean']:.2f}",
+                        *(("-", "-") if at_k else ("0.9-1.1", _met(all(0.9 <= v <= 1.1 for v in r["values"])))),
+                        hardware, command)]
+    if at_k:
         r = s["cotrain_acceptance_over_predicted_at_drafted_k"]
         realised.append(Row(
             claim, f"co-trained arm: measured rollout acceptance / what the draft's per-pass training accuracy "
-                   f"predicts at the k the engine drafted, the {config['rl_steps']} RL steps that drafted, {n} seeds",
+                   f"predicts at the k the engine drafted, over the RL steps that drafted, {n} seeds",
             arm(r), "rollout/predicted_acceptance", f"{r['mean']:.2f}", "0.9-1.1",
             _met(all(0.9 <= v <= 1.1 for v in r["values"])), hardware, command))
     by_quarter = []
-    if "acceptance_length_by_quarter" in s:  # runs before the per-quarter summary lack it
-        quarters, rollout = s["acceptance_length_by_quarter"], s["rollout_s_by_quarter"]
+    if "tokens_per_s_by_quarter" in s:  # runs before the per-quarter summary lack it
+        quarters, speed = s["acceptance_length_by_quarter"], s["tokens_per_s_by_quarter"]
+        lengths, rollout = s["response_len_by_quarter"], s["rollout_s_by_quarter"]
         for q, (c, f) in enumerate(zip(quarters["cotrain"]["over_seeds"], quarters["frozen"]["over_seeds"])):
-            rc, rf = rollout["cotrain"]["over_seeds"][q], rollout["frozen"]["over_seeds"][q]
+            tc, tf = speed["cotrain"]["over_seeds"][q], speed["frozen"]["over_seeds"][q]
             by_quarter.append(Row(
                 claim, f"quarter {q + 1} of {config['rl_steps']} RL steps, mean of {n} seeds: rollout acceptance "
-                       f"length; rollout seconds per step", f"co-trained {c:.2f}; {rc:.2f} s",
-                f"frozen {f:.2f}; {rf:.2f} s", f"{c / f:.2f}x; {rc / rf:.2f}x", "-", "-", hardware, command))
+                       f"length; generated tokens per rollout second (mean response length, rollout seconds a step)",
+                f"co-trained {c:.2f}; {tc:.0f} tok/s ({lengths['cotrain']['over_seeds'][q]:.1f} tokens, "
+                f"{rollout['cotrain']['over_seeds'][q]:.2f} s)",
+                f"frozen {f:.2f}; {tf:.0f} tok/s ({lengths['frozen']['over_seeds'][q]:.1f} tokens, "
+                f"{rollout['frozen']['over_seeds'][q]:.2f} s)", f"{c / f:.2f}x; {tc / tf:.2f}x", "-", "-", hardware,
+                command))
+        speed_all, ratio_speed = s["tokens_per_s"], s["tokens_per_s_ratio_cotrain_over_frozen"]
         total, ratio_s = s["rollout_s_total"], s["rollout_s_ratio_cotrain_over_frozen"]
-        by_quarter.append(Row(
-            claim, f"rollout phase's seconds summed over the {config['rl_steps']} RL steps, {n} seeds",
-            f"co-trained {total['cotrain']['mean']:.0f} s ({total['cotrain']['min']:.0f}-{total['cotrain']['max']:.0f})",
-            f"frozen {total['frozen']['mean']:.0f} s ({total['frozen']['min']:.0f}-{total['frozen']['max']:.0f})",
-            f"{ratio_s['mean']:.2f}x ({ratio_s['min']:.2f}-{ratio_s['max']:.2f})", "-", "-", hardware, command))
+        by_quarter += [
+            Row(claim, f"generated tokens per rollout second, mean of the {config['rl_steps']} RL steps, {n} seeds",
+                f"co-trained {tokens(speed_all['cotrain'])}", f"frozen {tokens(speed_all['frozen'])}",
+                f"{ratio_speed['mean']:.2f}x ({ratio_speed['min']:.2f}-{ratio_speed['max']:.2f})", "-", "-", hardware,
+                command),
+            Row(claim, f"rollout phase's seconds summed over the {config['rl_steps']} RL steps, {n} seeds (they follow "
+                       f"the lengths each arm's policy writes: mean response co-trained "
+                       f"{s['response_len']['cotrain']['mean']:.1f}, frozen {s['response_len']['frozen']['mean']:.1f} "
+                       f"tokens)",
+                f"co-trained {total['cotrain']['mean']:.0f} s ({total['cotrain']['min']:.0f}-{total['cotrain']['max']:.0f})",
+                f"frozen {total['frozen']['mean']:.0f} s ({total['frozen']['min']:.0f}-{total['frozen']['max']:.0f})",
+                f"{ratio_s['mean']:.2f}x ({ratio_s['min']:.2f}-{ratio_s['max']:.2f})", "-", "-", hardware, command)]
     return realised + by_quarter + [
         Row(claim, f"rollout acceptance length, {steps}", f"co-trained {arm(acc['cotrain'])}",
             f"frozen {arm(acc['frozen'])}", f"{ratio['mean']:.2f}x +- {ratio['std']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f})",

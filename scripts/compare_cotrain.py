@@ -98,10 +98,14 @@ def curves_of(metrics: list[dict], arm: str) -> dict[str, list[float]]:
     """One run's per-RL-step curves: acceptance length, reward, the rollout phase's and the
     step's seconds, the acceptance the draft's training accuracy predicts at the drafted k
     and the measured over it (``rollout/acceptance_over_tau``), the task's metrics and the
-    per-position acceptance rates; the co-trained arm adds ``draft/tau``."""
+    per-position acceptance rates, the rollout's generated tokens per second and its mean and
+    longest response; the co-trained arm adds ``draft/tau``."""
     curves = {"acceptance_length": rl_curve(metrics, "rollout/acceptance_length"),
               "reward": rl_curve(metrics, "reward/mean"),
-              "rollout_s": rl_curve(metrics, "time/rollout_s"), "step_s": rl_curve(metrics, "time/step_s")}
+              "rollout_s": rl_curve(metrics, "time/rollout_s"), "step_s": rl_curve(metrics, "time/step_s"),
+              "tokens_per_s": rl_curve(metrics, "rollout/tokens_per_s"),
+              "response_len": rl_curve(metrics, "rollout/response_len"),
+              "response_len_max": rl_curve(metrics, "rollout/response_len_max")}
     if arm == "cotrain":  # the draft's training metrics, on the batches it trained on
         curves["draft_tau"] = rl_curve(metrics, "draft/tau")
         for key in ("rollout/predicted_acceptance", "rollout/acceptance_over_tau"):
@@ -158,7 +162,8 @@ def by_quarter(result: dict, key: str, reduce=statistics.fmean) -> dict:
 def summarize(result: dict) -> dict:
     """Last-quarter acceptance length per seed and arm, the per-seed ratio, their spreads;
     acceptance length per quarter; the rollout phase's summed seconds per arm, per quarter and
-    in all, and co-trained over frozen."""
+    in all, and co-trained over frozen; its generated tokens per second and the mean response
+    length, per quarter and over the run (when the run recorded them)."""
     n = len(result["steps"])
     tail = max(n // 4, 1)
     last = {arm: [statistics.fmean(result["runs"][str(s)][arm]["acceptance_length"][-tail:])
@@ -183,12 +188,23 @@ def summarize(result: dict) -> dict:
     undrafted = {arm: [result["runs"][str(s)][arm].get("drafted", []).count(False) for s in result["seeds"]]
                  for arm in ARMS}
     rollout_ratio = [c / f for c, f in zip(rollout["cotrain"], rollout["frozen"])]
+    # The arms' policies drift apart (their samples differ), and so do the lengths they write: the
+    # rollout's seconds follow the lengths; its speed is the tokens it generates per second.
+    speed = {arm: [statistics.fmean(result["runs"][str(s)][arm]["tokens_per_s"]) for s in result["seeds"]]
+             for arm in ARMS}
+    lengths = {arm: [statistics.fmean(result["runs"][str(s)][arm]["response_len"]) for s in result["seeds"]]
+               for arm in ARMS}
     return {
         "last_steps_averaged": tail,
         "acceptance_length_by_quarter": by_quarter(result, "acceptance_length"),
         "rollout_s_by_quarter": by_quarter(result, "rollout_s"),
         "rollout_s_total": {arm: spread(rollout[arm]) for arm in ARMS},
         "rollout_s_ratio_cotrain_over_frozen": spread(rollout_ratio),
+        "tokens_per_s_by_quarter": by_quarter(result, "tokens_per_s"),
+        "tokens_per_s": {arm: spread(speed[arm]) for arm in ARMS},
+        "tokens_per_s_ratio_cotrain_over_frozen": spread([c / f for c, f in zip(speed["cotrain"], speed["frozen"])]),
+        "response_len_by_quarter": by_quarter(result, "response_len"),
+        "response_len": {arm: spread(lengths[arm]) for arm in ARMS},
         "undrafted_steps_per_seed": undrafted,
         "cotrain_acceptance_over_draft_tau": spread(realised),
         **predicted,
@@ -203,10 +219,12 @@ def summarize(result: dict) -> dict:
 def plot(result: dict, path: Path) -> None:
     """Acceptance length and reward per RL step: the mean over seeds, the min-max band."""
     plt = pyplot()
-    fig, axes = plt.subplots(2, 1, figsize=(9, 8), sharex=True)
+    speed = "tokens_per_s" in result["runs"][str(result["seeds"][0])]["cotrain"]  # runs before lack it
+    panels = [("acceptance_length", "rollout acceptance length (at most k + 1)"),
+              *([("tokens_per_s", "rollout: generated tokens per second")] if speed else []), ("reward", "mean reward")]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 4 * len(panels)), sharex=True)
     steps = result["steps"]
-    for ax, key, title in ((axes[0], "acceptance_length", "rollout acceptance length (k = 3 drafted, at most 4)"),
-                           (axes[1], "reward", "mean reward")):
+    for ax, (key, title) in zip(axes, panels):
         for arm, color, label in (("cotrain", "tab:blue", "co-trained draft"),
                                   ("frozen", "tab:red", "draft frozen after the warm start")):
             curves = [result["runs"][str(s)][arm][key] for s in result["seeds"]]
@@ -220,7 +238,7 @@ def plot(result: dict, path: Path) -> None:
     tail = result["summary"]["last_steps_averaged"]
     axes[0].axvspan(steps[-tail], steps[-1], color="grey", alpha=0.1, label=f"last {tail} steps (the ratio)")
     axes[0].legend(loc="lower left")
-    axes[1].set_xlabel("RL step (after the shared warm start); bands: min-max over seeds")
+    axes[-1].set_xlabel("RL step (after the shared warm start); bands: min-max over seeds")
     ratio = result["summary"]["acceptance_ratio_cotrain_over_frozen"]
     fig.suptitle(f"co-trained / frozen acceptance length, last quarter: {ratio['mean']:.2f}x "
                  f"(seeds {ratio['min']:.2f}-{ratio['max']:.2f}); {result['config']['sft_steps']} SFT steps")

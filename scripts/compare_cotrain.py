@@ -66,8 +66,7 @@ def run(dump: Path, extra: list[str], config: str = "debug_cpu.toml") -> list[di
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     print("+", " ".join(cmd[3:]), flush=True)
     subprocess.run(cmd, cwd=ROOT, env=env, check=True)
-    path = dump / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return read_metrics(dump) if (dump / "metrics.jsonl").exists() else []
 
 
 def folder_hash(folder: Path) -> str:
@@ -106,13 +105,13 @@ def curves_of(metrics: list[dict], arm: str) -> dict[str, list[float]]:
               "tokens_per_s": rl_curve(metrics, "rollout/tokens_per_s"),
               "response_len": rl_curve(metrics, "rollout/response_len"),
               "response_len_max": rl_curve(metrics, "rollout/response_len_max")}
+    # A step whose rollout drafted nothing (the tuner chose plain decoding) has no per-position
+    # rates and no prediction: None there; its acceptance length is 1.
+    rl = [m for m in metrics if m["phase"] == "rl"]
     if arm == "cotrain":  # the draft's training metrics, on the batches it trained on
         curves["draft_tau"] = rl_curve(metrics, "draft/tau")
         for key in ("rollout/predicted_acceptance", "rollout/acceptance_over_tau"):
-            curves[key.split("/", 1)[1]] = [m.get(key) for m in metrics if m["phase"] == "rl"]  # None: drafted nothing
-    # A step whose rollout drafted nothing (the tuner chose plain decoding) has no per-position
-    # rates: None there; its acceptance length is 1.
-    rl = [m for m in metrics if m["phase"] == "rl"]
+            curves[key.split("/", 1)[1]] = [m.get(key) for m in rl]
     keys = sorted({key for m in rl for key in m if key.startswith("task/") or key.startswith("rollout/acceptance_rate_")})
     curves |= {key.split("/", 1)[1]: [m.get(key) for m in rl] for key in keys}
     curves["drafted"] = ["rollout/acceptance_rate_1" in m for m in rl]
@@ -150,12 +149,12 @@ def quarters(curve: list[float]) -> list[float]:
     return [statistics.fmean(curve[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
-def by_quarter(result: dict, key: str, reduce=statistics.fmean) -> dict:
-    """Per arm, ``key``'s quarter means (``reduce`` over seeds) and the per-seed quarter values."""
+def by_quarter(result: dict, key: str) -> dict:
+    """Per arm, ``key``'s quarter means (their mean over seeds) and the per-seed quarter values."""
     out = {}
     for arm in ARMS:
         per_seed = [quarters(result["runs"][str(s)][arm][key]) for s in result["seeds"]]
-        out[arm] = {"over_seeds": [reduce(column) for column in zip(*per_seed)], "per_seed": per_seed}
+        out[arm] = {"over_seeds": [statistics.fmean(column) for column in zip(*per_seed)], "per_seed": per_seed}
     return out
 
 
@@ -185,7 +184,7 @@ def summarize(result: dict) -> dict:
             ratios_at_k.append(statistics.fmean(a for a, _ in drafted) / statistics.fmean(p for _, p in drafted))
         predicted["cotrain_acceptance_over_predicted_at_drafted_k"] = spread(ratios_at_k)
     rollout = {arm: [sum(result["runs"][str(s)][arm]["rollout_s"]) for s in result["seeds"]] for arm in ARMS}
-    undrafted = {arm: [result["runs"][str(s)][arm].get("drafted", []).count(False) for s in result["seeds"]]
+    undrafted = {arm: [result["runs"][str(s)][arm]["drafted"].count(False) for s in result["seeds"]]
                  for arm in ARMS}
     rollout_ratio = [c / f for c, f in zip(rollout["cotrain"], rollout["frozen"])]
     # The arms' policies drift apart (their samples differ), and so do the lengths they write: the

@@ -142,10 +142,15 @@ def spread(xs: list[float]) -> dict:
             "min": min(xs), "max": max(xs), "values": xs}
 
 
+def quarter_bounds(n: int) -> list[int]:
+    """Where the quarters of ``n`` steps start and end (the last takes what the others leave)."""
+    size = max(n // 4, 1)
+    return [min(i * size, n) for i in range(4)] + [n]
+
+
 def quarters(curve: list[float]) -> list[float]:
-    """The mean of each quarter of ``curve`` (the last takes what the others leave)."""
-    size = max(len(curve) // 4, 1)
-    bounds = [min(i * size, len(curve)) for i in range(4)] + [len(curve)]
+    """The mean of each quarter of ``curve``."""
+    bounds = quarter_bounds(len(curve))
     return [statistics.fmean(curve[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
@@ -164,7 +169,7 @@ def summarize(result: dict) -> dict:
     in all, and co-trained over frozen; its generated tokens per second and the mean response
     length, per quarter and over the run (when the run recorded them)."""
     n = len(result["steps"])
-    tail = max(n // 4, 1)
+    tail = max(n - quarter_bounds(n)[3], 1)  # the last quarter, as the by-quarter fields take it
     last = {arm: [statistics.fmean(result["runs"][str(s)][arm]["acceptance_length"][-tail:])
                   for s in result["seeds"]] for arm in ARMS}
     ratios = [c / f for c, f in zip(last["cotrain"], last["frozen"])]

@@ -38,7 +38,6 @@ import sys
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
@@ -200,16 +199,43 @@ def _targets_sim(device) -> bool:
     return device is not None and torch.device(device).type == SIM_DEVICE_TYPE
 
 
-class _HostThenDevice(TorchFunctionMode):
-    """``torch.tensor(data, device=simgpu)`` builds on the host, then moves: tensor
-    construction from Python data bypasses the dispatcher, so no dispatch mode can fake it."""
+_FROM_DATA = ("tensor", "as_tensor", "asarray")
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in (torch.tensor, torch.as_tensor, torch.asarray) and _targets_sim(kwargs.get("device")):
+
+def _host_then_device(make):
+    @functools.wraps(make)
+    def build(*args, **kwargs):
+        if _targets_sim(kwargs.get("device")):
             device = kwargs.pop("device")
-            return func(*args, **kwargs).to(device)
-        return func(*args, **kwargs)
+            return make(*args, **kwargs).to(device)
+        return make(*args, **kwargs)
+
+    build.sim_wrapped = make
+    return build
+
+
+class _HostThenDevice:
+    """``torch.tensor(data, device=simgpu)`` (and ``as_tensor``, ``asarray``) builds on the host,
+    then moves: tensor construction from Python data bypasses the dispatcher, so no dispatch mode
+    can fake it. The three are wrapped while the device is in use, not watched by a
+    ``TorchFunctionMode``: a function mode sees every torch call and costs each a trip through
+    Python, the simulator's largest overhead. Re-entrant (the ring's ops enter the device again)."""
+
+    def __init__(self) -> None:
+        self._depth = 0
+
+    def __enter__(self):
+        if self._depth == 0:
+            for name in _FROM_DATA:
+                setattr(torch, name, _host_then_device(getattr(torch, name)))
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            for name in _FROM_DATA:
+                setattr(torch, name, getattr(torch, name).sim_wrapped)
 
 
 @functools.cache
@@ -220,16 +246,30 @@ def _ring_ops() -> dict:
     return {getattr(torch.ops.titan_cotrain, name).default: fn for name, fn in RING_OP_IMPLEMENTATIONS.items()}
 
 
-def _attention_kernel(func, args, kwargs) -> str | None:
-    """The name ``SimulatedDevice.attention_kernels`` counts ``func`` under, if a flash kernel."""
+def _kernel_kind(func) -> str:
+    """``func``'s flash-kernel kind: ``"varlen"`` (named by its arguments), a counted name, or ''."""
     if func.namespace == "torch_attn" and func.name().startswith("torch_attn::_varlen_attn") and "backward" not in func.name():
-        block_table = kwargs.get("block_table", args[12] if len(args) > 12 else None)
-        return "varlen_attn paged" if block_table is not None else "varlen_attn"
+        return "varlen"
     if func is torch.ops.aten._flash_attention_forward.default:
         return "flash forward (private)"
     if func is torch.ops.aten._flash_attention_backward.default:
         return "flash backward"
-    return None
+    return ""
+
+
+_KERNEL_KINDS: dict = {}
+
+
+def _attention_kernel(func, args, kwargs) -> str | None:
+    """The name ``SimulatedDevice.attention_kernels`` counts ``func`` under, if a flash kernel
+    (the kind of each op is found once: this runs for every op)."""
+    kind = _KERNEL_KINDS.get(func)
+    if kind is None:
+        kind = _KERNEL_KINDS[func] = _kernel_kind(func)
+    if kind == "varlen":
+        block_table = kwargs.get("block_table", args[12] if len(args) > 12 else None)
+        return "varlen_attn paged" if block_table is not None else "varlen_attn"
+    return kind or None
 
 
 class SimulatedDevice(TorchDispatchMode):
@@ -250,9 +290,9 @@ class SimulatedDevice(TorchDispatchMode):
         self.on_alloc = on_alloc
         self.host_collectives: list[str] = []
         self.attention_kernels: collections.Counter[str] = collections.Counter()
+        self._host_first = _HostThenDevice()
 
     def __enter__(self):
-        self._host_first = _HostThenDevice()
         self._host_first.__enter__()
         return super().__enter__()
 

@@ -210,7 +210,6 @@ def _host_then_device(make):
             return make(*args, **kwargs).to(device)
         return make(*args, **kwargs)
 
-    build.sim_wrapped = make
     return build
 
 
@@ -235,7 +234,7 @@ class _HostThenDevice:
         self._depth -= 1
         if self._depth == 0:
             for name in _FROM_DATA:
-                setattr(torch, name, getattr(torch, name).sim_wrapped)
+                setattr(torch, name, getattr(torch, name).__wrapped__)
 
 
 @functools.cache
@@ -246,8 +245,10 @@ def _ring_ops() -> dict:
     return {getattr(torch.ops.titan_cotrain, name).default: fn for name, fn in RING_OP_IMPLEMENTATIONS.items()}
 
 
+@functools.cache
 def _kernel_kind(func) -> str:
-    """``func``'s flash-kernel kind: ``"varlen"`` (named by its arguments), a counted name, or ''."""
+    """``func``'s flash-kernel kind: ``"varlen"`` (named by its arguments), a counted name, or ''
+    (found once per op: ``_attention_kernel`` runs for every op)."""
     if func.namespace == "torch_attn" and func.name().startswith("torch_attn::_varlen_attn") and "backward" not in func.name():
         return "varlen"
     if func is torch.ops.aten._flash_attention_forward.default:
@@ -257,15 +258,9 @@ def _kernel_kind(func) -> str:
     return ""
 
 
-_KERNEL_KINDS: dict = {}
-
-
 def _attention_kernel(func, args, kwargs) -> str | None:
-    """The name ``SimulatedDevice.attention_kernels`` counts ``func`` under, if a flash kernel
-    (the kind of each op is found once: this runs for every op)."""
-    kind = _KERNEL_KINDS.get(func)
-    if kind is None:
-        kind = _KERNEL_KINDS[func] = _kernel_kind(func)
+    """The name ``SimulatedDevice.attention_kernels`` counts ``func`` under, if a flash kernel."""
+    kind = _kernel_kind(func)
     if kind == "varlen":
         block_table = kwargs.get("block_table", args[12] if len(args) > 12 else None)
         return "varlen_attn paged" if block_table is not None else "varlen_attn"
